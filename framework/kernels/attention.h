@@ -1,0 +1,31 @@
+// Causal multi-head self-attention on already projected (and QK-normalised) q, k, v.
+// q element (b, t, h, d) lives at q[(b * T + t) * ldq + h * D + d]; likewise k, v, out and their
+// gradients with their own row strides. scale[h] multiplies q.k for head h (1/sqrt(D), or the
+// learned L2 QK-norm scale). probs[B, H, T, T] holds the softmax (zero above the diagonal).
+#pragma once
+
+#include <cstdint>
+
+namespace keel::kernels {
+
+struct AttentionShape {
+  int64_t B, T, H, D;
+  int64_t ldq, ldk, ldv, ldo;
+};
+
+// out = softmax(causal(scale * q k^T)) v (=). *max_abs_logit = largest |scale * q.k| over the
+// unmasked entries (the number QK-norm keeps bounded).
+template <typename T>
+void attention_forward(const AttentionShape& s, T* out, T* probs, const T* q, const T* k,
+                       const T* v, const T* scale, T* max_abs_logit);
+
+// Elements of workspace attention_backward needs for `threads` OpenMP threads.
+int64_t attention_workspace_elems(const AttentionShape& s, int threads);
+
+// dq, dk, dv (=) with strides ldq, ldk, ldv; dscale[H] += (skipped when null); dout has ldo.
+template <typename T>
+void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale, const T* dout,
+                        const T* probs, const T* q, const T* k, const T* v, const T* scale,
+                        T* workspace);
+
+}  // namespace keel::kernels

@@ -1,0 +1,128 @@
+// CPU LayerNorm / RMSNorm / L2 over grouped, strided rows (see framework/kernels/norm.h).
+// Row math runs in double accumulators; parameter gradients are summed per channel block in a
+// fixed order so results do not depend on the thread count.
+#include "framework/kernels/norm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace keel::kernels {
+
+template <typename T>
+void norm_forward(NormOp op, const NormShape& s, T* out, const T* inp, const T* weight,
+                  const T* bias, T* mean, T* rstd, T eps) {
+  const int64_t rows = s.N * s.G;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = r / s.G, g = r % s.G;
+    const T* x = inp + n * s.ld_in + g * s.Cg;
+    T* y = out + n * s.ld_out + g * s.Cg;
+    const T* w = weight ? weight + g * s.w_group_stride : nullptr;
+    const T* b = bias ? bias + g * s.w_group_stride : nullptr;
+    double m = 0.0;
+    if (op == NormOp::kLayer) {
+      for (int64_t c = 0; c < s.Cg; ++c) m += x[c];
+      m /= static_cast<double>(s.Cg);
+    }
+    double ss = 0.0;
+    for (int64_t c = 0; c < s.Cg; ++c) {
+      const double d = x[c] - m;
+      ss += d * d;
+    }
+    const double denom = op == NormOp::kL2 ? ss : ss / static_cast<double>(s.Cg);
+    const T rs = static_cast<T>(1.0 / std::sqrt(denom + static_cast<double>(eps)));
+    const T mu = static_cast<T>(m);
+    for (int64_t c = 0; c < s.Cg; ++c) {
+      T v = (x[c] - mu) * rs;
+      if (w) v *= w[c];
+      if (b) v += b[c];
+      y[c] = v;
+    }
+    if (mean) mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+template <typename T>
+void norm_backward(NormOp op, const NormShape& s, T* dinp, bool accumulate, T* dweight, T* dbias,
+                   const T* dout, const T* inp, const T* weight, const T* mean, const T* rstd) {
+  const int64_t rows = s.N * s.G;
+  const double inv_c = 1.0 / static_cast<double>(s.Cg);
+  if (dinp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = r / s.G, g = r % s.G;
+      const T* x = inp + n * s.ld_in + g * s.Cg;
+      const T* dy = dout + n * s.ld_out + g * s.Cg;
+      T* dx = dinp + n * s.ld_in + g * s.Cg;
+      const T* w = weight ? weight + g * s.w_group_stride : nullptr;
+      const T mu = op == NormOp::kLayer ? mean[r] : T(0);
+      const T rs = rstd[r];
+      // dn = dy * w ; xhat = (x - mu) * rs
+      double sum_dn = 0.0, sum_dn_xhat = 0.0;
+      for (int64_t c = 0; c < s.Cg; ++c) {
+        const double dn = w ? static_cast<double>(dy[c]) * w[c] : static_cast<double>(dy[c]);
+        const double xhat = (static_cast<double>(x[c]) - mu) * rs;
+        sum_dn += dn;
+        sum_dn_xhat += dn * xhat;
+      }
+      // LayerNorm: dx = rs (dn - mean(dn) - xhat mean(dn xhat)); RMS: no mean(dn) term;
+      // L2: the statistics are sums, not means.
+      const double a = op == NormOp::kLayer ? sum_dn * inv_c : 0.0;
+      const double bcoef = op == NormOp::kL2 ? sum_dn_xhat : sum_dn_xhat * inv_c;
+      for (int64_t c = 0; c < s.Cg; ++c) {
+        const double dn = w ? static_cast<double>(dy[c]) * w[c] : static_cast<double>(dy[c]);
+        const double xhat = (static_cast<double>(x[c]) - mu) * rs;
+        const T g_in = static_cast<T>(rs * (dn - a - xhat * bcoef));
+        dx[c] = accumulate ? dx[c] + g_in : g_in;
+      }
+    }
+  }
+  if (!dweight && !dbias) return;
+  // Parameter gradients: partition the gain index space into channel blocks; each block is
+  // owned by one thread and summed over rows (and over groups when the gain is shared).
+  const bool shared = s.w_group_stride == 0;
+  const int64_t wsize = shared ? s.Cg : s.G * s.Cg;
+  constexpr int64_t kBlock = 32;
+  const int64_t nblocks = (wsize + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t w0 = blk * kBlock, w1 = std::min(wsize, w0 + kBlock);
+    double accw[kBlock] = {}, accb[kBlock] = {};
+    const int64_t g_begin = shared ? 0 : w0 / s.Cg;
+    const int64_t g_end = shared ? s.G : (w1 - 1) / s.Cg + 1;
+    for (int64_t n = 0; n < s.N; ++n) {
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        const int64_t r = n * s.G + g;
+        const T mu = op == NormOp::kLayer ? mean[r] : T(0);
+        const T rs = rstd[r];
+        const T* x = inp + n * s.ld_in + g * s.Cg;
+        const T* dy = dout + n * s.ld_out + g * s.Cg;
+        const int64_t base = shared ? 0 : g * s.Cg;  // gain index of channel 0 of this group
+        const int64_t c0 = std::max<int64_t>(w0 - base, 0);
+        const int64_t c1 = std::min<int64_t>(w1 - base, s.Cg);
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t wi = base + c - w0;
+          accw[wi] += static_cast<double>(dy[c]) * ((static_cast<double>(x[c]) - mu) * rs);
+          accb[wi] += dy[c];
+        }
+      }
+    }
+    for (int64_t i = w0; i < w1; ++i) {
+      if (dweight) dweight[i] += static_cast<T>(accw[i - w0]);
+      if (dbias) dbias[i] += static_cast<T>(accb[i - w0]);
+    }
+  }
+}
+
+#define KEEL_INSTANTIATE(T)                                                                     \
+  template void norm_forward<T>(NormOp, const NormShape&, T*, const T*, const T*, const T*, T*, \
+                                T*, T);                                                         \
+  template void norm_backward<T>(NormOp, const NormShape&, T*, bool, T*, T*, const T*,          \
+                                 const T*, const T*, const T*, const T*);
+KEEL_INSTANTIATE(float)
+KEEL_INSTANTIATE(double)
+#undef KEEL_INSTANTIATE
+
+}  // namespace keel::kernels

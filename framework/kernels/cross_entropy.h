@@ -1,0 +1,33 @@
+// Cross-entropy with z-loss over (possibly vocab-sharded) logits, in phases so a vocab-parallel
+// caller can all-reduce the row statistics between them (Megatron's three small all-reduces):
+//   row_max (all-reduce max) -> row_sumexp (all-reduce sum) -> lse = max + log(sumexp)
+//   target_logit (all-reduce sum)            loss_n = lse_n - target_n,  z_n = lse_n^2
+// Logits are [N, V_local] for vocab rows [v_begin, v_begin + V_local); columns at or past
+// v_valid_local are padding and never predicted (excluded from max/sum-exp, zero gradient).
+#pragma once
+
+#include <cstdint>
+
+namespace keel::kernels {
+
+template <typename T>
+void xent_row_max(const T* logits, int64_t N, int64_t V_local, int64_t v_valid_local, T* row_max);
+
+template <typename T>
+void xent_row_sumexp(const T* logits, const T* row_max, int64_t N, int64_t V_local,
+                     int64_t v_valid_local, T* sumexp);
+
+// target_logit[n] = logits[n, targets[n] - v_begin] if the target is in range, else 0.
+template <typename T>
+void xent_target_logit(const T* logits, const int32_t* targets, int64_t N, int64_t V_local,
+                       int64_t v_begin, T* target_logit);
+
+// Gradient of  grad_scale * sum_n [(lse_n - target_n) + z_coef * lse_n^2]  w.r.t. the logits:
+//   dlogits = grad_scale * (p * (1 + 2 z_coef lse) - onehot(target)),  p = exp(logit - lse).
+// dlogits may alias logits (=).
+template <typename T>
+void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t N,
+                   int64_t V_local, int64_t v_valid_local, int64_t v_begin, T grad_scale,
+                   T z_coef);
+
+}  // namespace keel::kernels

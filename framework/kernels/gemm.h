@@ -1,0 +1,30 @@
+// Dense matrix products: the one place BLAS is called (OpenBLAS sgemm/dgemm on CPU; cuBLASLt in
+// the CUDA backend). Row-major throughout. T is float or double (double for gradient checks).
+#pragma once
+
+#include <cstdint>
+
+namespace keel::kernels {
+
+// C[M, N] = alpha * op(A) @ op(B) + beta * C, row-major; op(X) = X or X^T.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+
+// Linear layer (weights stored [out, in] as in PyTorch and llm.c).
+// forward:  out[N, OC] = inp[N, IC] @ weight[OC, IC]^T + bias[OC]   (=; bias may be null)
+template <typename T>
+void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int64_t IC,
+                    int64_t OC);
+
+// backward: dinp[N, IC] (= or += per accumulate_dinp; skipped when null) = dout @ weight
+//           dweight[OC, IC] += dout^T @ inp;  dbias[OC] += column sums of dout (skipped if null)
+template <typename T>
+void linear_backward(T* dinp, bool accumulate_dinp, T* dweight, T* dbias, const T* dout,
+                     const T* inp, const T* weight, int64_t N, int64_t IC, int64_t OC);
+
+// out[c] += sum_n x[n * ld + c] for c < C; fixed summation order (deterministic).
+template <typename T>
+void column_sum_add(T* out, const T* x, int64_t N, int64_t C, int64_t ld);
+
+}  // namespace keel::kernels

@@ -1,0 +1,42 @@
+// AdamW, schedule and clipping.
+#include "framework/optim/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "framework/kernels/adamw.h"
+
+namespace keel {
+
+AdamW::AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments)
+    : cfg_(cfg), segments_(std::move(segments)) {
+  m_ = Tensor::zeros({total_elems});
+  v_ = Tensor::zeros({total_elems});
+}
+
+void AdamW::step(float* params, const float* grads, float lr, float grad_scale) {
+  ++t_;
+  kernels::AdamWStep s{lr, cfg_.beta1(), cfg_.beta2(), cfg_.eps(), 0.0f, grad_scale, t_};
+  for (const ParamSegment& seg : segments_) {
+    s.weight_decay = seg.decay ? cfg_.weight_decay() : 0.0f;
+    kernels::adamw_update(params + seg.offset, grads + seg.offset, m_.f32() + seg.offset,
+                          v_.f32() + seg.offset, seg.n, s);
+  }
+}
+
+float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps) {
+  const double peak = cfg.lr();
+  const int64_t warmup = cfg.warmup_steps();
+  if (step < warmup) return static_cast<float>(peak * static_cast<double>(step + 1) / warmup);
+  const double min_lr = peak * cfg.min_lr_ratio();
+  const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup);
+  const double progress = std::min(1.0, static_cast<double>(step - warmup) / decay_steps);
+  return static_cast<float>(min_lr + 0.5 * (peak - min_lr) * (1.0 + std::cos(M_PI * progress)));
+}
+
+float clip_scale(double norm, double max_norm) {
+  if (max_norm <= 0.0 || !(norm > max_norm)) return 1.0f;
+  return static_cast<float>(max_norm / (norm + 1e-6));
+}
+
+}  // namespace keel

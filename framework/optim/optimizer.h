@@ -1,0 +1,45 @@
+// AdamW over the flat parameter arena, the warmup + cosine learning-rate schedule and global-norm
+// gradient clipping. The optimizer sees segments of the arena (offset, length, decay?) and knows
+// nothing about models; its state (step, m, v) is plain data so checkpoints can save it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "framework/config/keel.pb.h"
+#include "framework/tensor.h"
+
+namespace keel {
+
+struct ParamSegment {
+  int64_t offset;
+  int64_t n;
+  bool decay;
+};
+
+class AdamW {
+ public:
+  AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments);
+  // One update with learning rate lr; grads are multiplied by grad_scale first (clipping).
+  void step(float* params, const float* grads, float lr, float grad_scale);
+  int64_t t() const { return t_; }
+  Tensor& m() { return m_; }
+  Tensor& v() { return v_; }
+  int64_t state_bytes() const { return m_.nbytes() + v_.nbytes(); }
+
+ private:
+  config::Optim cfg_;
+  std::vector<ParamSegment> segments_;
+  Tensor m_, v_;
+  int64_t t_ = 0;
+};
+
+// Learning rate at 0-based `step`: linear warmup over optim.warmup_steps to optim.lr, then cosine
+// decay to optim.lr * optim.min_lr_ratio at total_steps.
+float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps);
+
+// Multiplier that brings a gradient of global norm `norm` to at most `max_norm` (1 when within,
+// or when max_norm <= 0 disables clipping).
+float clip_scale(double norm, double max_norm);
+
+}  // namespace keel

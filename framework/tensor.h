@@ -1,0 +1,60 @@
+// Tensor: a shape, a dtype and a device over memory that is either owned (one aligned allocation)
+// or a view into someone else's (an arena slice). Kernels never see Tensors, only raw views
+// (pointer + dims) taken from them; Tensors are how layers and arenas hand memory around.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+enum class DType { kF32, kBF16, kF64, kI32 };
+enum class Device { kCpu, kCuda };
+
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+using Shape = std::vector<int64_t>;
+int64_t shape_numel(const Shape& shape);
+std::string shape_str(const Shape& shape);
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // Owning, zero-filled, 64-byte aligned.
+  static Tensor zeros(Shape shape, DType dtype = DType::kF32, Device device = Device::kCpu);
+  // Non-owning view over `data`; the caller keeps the memory alive.
+  static Tensor view_of(void* data, Shape shape, DType dtype = DType::kF32,
+                        Device device = Device::kCpu);
+
+  const Shape& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_.at(i < 0 ? shape_.size() + i : i); }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const { return shape_numel(shape_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  bool owning() const { return storage_ != nullptr; }
+  bool defined() const { return data_ != nullptr; }
+
+  void* raw() const { return data_; }
+  float* f32() const;
+  int32_t* i32() const;
+  double* f64() const;
+
+  // A view of `numel(shape)` elements starting `offset` elements in; shares ownership.
+  Tensor slice(int64_t offset, Shape shape) const;
+  void zero_();
+
+ private:
+  std::shared_ptr<void> storage_;
+  void* data_ = nullptr;
+  Shape shape_;
+  DType dtype_ = DType::kF32;
+  Device device_ = Device::kCpu;
+};
+
+}  // namespace keel

@@ -1,0 +1,198 @@
+// QK-norm attention: projection, per-head (or per-projection) normalisation of q and k, causal
+// attention, output projection. Shapes are written as [rows, columns] of row-major buffers.
+#include "layers/attention.h"
+
+#include <cmath>
+
+#include "framework/error.h"
+#include "framework/kernels/attention.h"
+#include "framework/kernels/gemm.h"
+
+namespace keel {
+
+namespace {
+constexpr float kNormEps = 1e-5f;
+constexpr float kL2Eps = 1e-6f;
+
+kernels::NormOp qk_op(config::QkNorm q) {
+  switch (q) {
+    case config::RMS: return kernels::NormOp::kRms;
+    case config::LAYER: return kernels::NormOp::kLayer;
+    default: return kernels::NormOp::kL2;
+  }
+}
+}  // namespace
+
+Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
+    : ps_(ps), ctx_(ctx) {
+  const ModelDims& d = ctx.dims;
+  const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
+  qkv_w_ = ps.add({prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal,
+                   d.init_std, true});
+  qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
+  if (d.qk_norm == config::RMS || d.qk_norm == config::LAYER) {
+    // HEAD_SHARED: one [D] gain for all heads (replicated under TP); HEAD and PROJECTION: [H, D]
+    // sharded with the heads.
+    const bool shared = d.qk_scope == config::HEAD_SHARED;
+    const Shape shape = shared ? Shape{d.D} : Shape{d.H, d.D};
+    const int shard = shared ? -1 : 0;
+    q_norm_w_ = ps.add({prefix + ".q_norm.weight", shape, shard, ParamInit::kConstant, 1.0f});
+    k_norm_w_ = ps.add({prefix + ".k_norm.weight", shape, shard, ParamInit::kConstant, 1.0f});
+    if (d.qk_norm == config::LAYER) {
+      q_norm_b_ = ps.add({prefix + ".q_norm.bias", shape, shard, ParamInit::kConstant, 0.0f});
+      k_norm_b_ = ps.add({prefix + ".k_norm.bias", shape, shard, ParamInit::kConstant, 0.0f});
+    }
+  } else if (d.qk_norm == config::L2) {
+    // Henry et al. 2020: g0 = log2(L^2 - L) for training length L.
+    const float g0 = std::log2(static_cast<float>(d.T * d.T - d.T));
+    const bool per_head = d.qk_scope == config::HEAD;
+    qk_scale_ = ps.add({prefix + ".qk_scale", per_head ? Shape{d.H} : Shape{1}, per_head ? 0 : -1,
+                        ParamInit::kConstant, g0});
+  }
+  proj_w_ = ps.add({prefix + ".proj.weight", {d.C, d.H * d.D}, 1, ParamInit::kNormal, resid_std,
+                    true});
+  proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+}
+
+void Attention::allocate(const LayerContext& ctx) {
+  const ModelDims& d = ctx.dims;
+  const int64_t HD = d.Hl * d.D;
+  qkv_ = Tensor::zeros({d.BT(), 3 * HD});
+  const int64_t groups = d.qk_scope == config::PROJECTION ? 1 : d.Hl;
+  if (d.qk_norm != config::NONE) {
+    qk_ = Tensor::zeros({d.BT(), 2 * HD});
+    q_mean_ = Tensor::zeros({d.BT() * groups});
+    q_rstd_ = Tensor::zeros({d.BT() * groups});
+    k_mean_ = Tensor::zeros({d.BT() * groups});
+    k_rstd_ = Tensor::zeros({d.BT() * groups});
+  }
+  probs_ = Tensor::zeros({d.B, d.Hl, d.T, d.T});
+  att_ = Tensor::zeros({d.BT(), HD});
+  scales_ = Tensor::zeros({d.Hl});
+}
+
+kernels::NormShape Attention::qk_norm_shape(int64_t B) const {
+  const ModelDims& d = ctx_.dims;
+  const int64_t HD = d.Hl * d.D;
+  kernels::NormShape s;
+  s.N = B * d.T;
+  if (d.qk_scope == config::PROJECTION) {
+    s.G = 1;
+    s.Cg = HD;
+  } else {
+    s.G = d.Hl;
+    s.Cg = d.D;
+  }
+  s.ld_in = 3 * HD;
+  s.ld_out = 2 * HD;
+  s.w_group_stride = d.qk_scope == config::HEAD_SHARED ? 0 : s.Cg;
+  return s;
+}
+
+void Attention::qk_scales(float* out) const {
+  const ModelDims& d = ctx_.dims;
+  for (int64_t h = 0; h < d.Hl; ++h) {
+    if (d.qk_norm == config::L2) {
+      const float* g = const_cast<ParamStore&>(ps_).param(qk_scale_);
+      out[h] = d.qk_scope == config::HEAD ? g[h] : g[0];
+    } else {
+      out[h] = 1.0f / std::sqrt(static_cast<float>(d.D));
+    }
+  }
+}
+
+float Attention::forward(const float* x, float* y, int64_t B) {
+  const ModelDims& d = ctx_.dims;
+  const int64_t HD = d.Hl * d.D, BT = B * d.T;
+  Profiler* prof = ctx_.profiler;
+  {
+    ProfileScope p(prof, "matmul.qkv");
+    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param(qkv_b_), BT, d.C, 3 * HD);
+  }
+  const float* q = qkv_.f32();
+  const float* k = qkv_.f32() + HD;
+  int64_t ldqk = 3 * HD;
+  if (d.qk_norm != config::NONE) {
+    ProfileScope p(prof, "qk_norm");
+    const kernels::NormShape s = qk_norm_shape(B);
+    const kernels::NormOp op = qk_op(d.qk_norm);
+    const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
+    auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
+    kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
+                          q_mean_.f32(), q_rstd_.f32(), eps);
+    kernels::norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
+                          k_mean_.f32(), k_rstd_.f32(), eps);
+    q = qk_.f32();
+    k = qk_.f32() + HD;
+    ldqk = 2 * HD;
+  }
+  qk_scales(scales_.f32());
+  float max_logit = 0.0f;
+  {
+    ProfileScope p(prof, "attention");
+    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
+    kernels::attention_forward(s, att_.f32(), probs_.f32(), q, k, qkv_.f32() + 2 * HD,
+                               scales_.f32(), &max_logit);
+  }
+  {
+    ProfileScope p(prof, "matmul.attn_proj");
+    kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), ps_.param(proj_b_), BT, HD, d.C);
+  }
+  return max_logit;
+}
+
+void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) {
+  const ModelDims& d = ctx_.dims;
+  const int64_t HD = d.Hl * d.D, BT = B * d.T;
+  Scratch& sc = *ctx_.scratch;
+  Profiler* prof = ctx_.profiler;
+  {
+    ProfileScope p(prof, "matmul.attn_proj");
+    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad(proj_b_), dy,
+                             att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
+  }
+  const bool normed = d.qk_norm != config::NONE;
+  float* dqkv = sc.dqkv.f32();
+  {
+    ProfileScope p(prof, "attention");
+    const int64_t ldqk = normed ? 2 * HD : 3 * HD;
+    const float* q = normed ? qk_.f32() : qkv_.f32();
+    const float* k = normed ? qk_.f32() + HD : qkv_.f32() + HD;
+    float* dq = normed ? sc.dqk.f32() : dqkv;
+    float* dk = normed ? sc.dqk.f32() + HD : dqkv + HD;
+    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
+    // dq/dk use ldq/ldk, dv uses ldv (3 HD, inside dqkv).
+    float* dscale = nullptr;
+    if (d.qk_norm == config::L2) {
+      sc.dscale.zero_();
+      dscale = sc.dscale.f32();
+    }
+    kernels::attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), probs_.f32(), q,
+                                k, qkv_.f32() + 2 * HD, scales_.f32(), sc.attn_ws.f32());
+    if (dscale) {
+      float* g = ps_.grad(qk_scale_);
+      for (int64_t h = 0; h < d.Hl; ++h) g[d.qk_scope == config::HEAD ? h : 0] += dscale[h];
+    }
+  }
+  if (normed) {
+    ProfileScope p(prof, "qk_norm");
+    // Gradients flow from the normalised q, k (stride 2 HD) to the raw ones inside dqkv.
+    kernels::NormShape s = qk_norm_shape(B);
+    const kernels::NormOp op = qk_op(d.qk_norm);
+    auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
+    auto g = [&](int id) { return id >= 0 ? ps_.grad(id) : nullptr; };
+    // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
+    kernels::norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
+                           qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
+    kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
+                           sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
+                           k_rstd_.f32());
+  }
+  {
+    ProfileScope p(prof, "matmul.qkv");
+    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad(qkv_b_), dqkv, x,
+                             ps_.param(qkv_w_), BT, d.C, 3 * HD);
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,41 @@
+// Causal self-attention with QK-norm (NONE, RMS, LAYER, L2; scopes HEAD_SHARED, HEAD, PROJECTION).
+// The QKV projection is column-parallel by whole heads: its logical weight is [3, H, D, C] sharded
+// on H, so a rank holds q, k and v of heads [r H/tp, (r+1) H/tp) and runs QK-norm locally.
+// The output projection [C, H D] is row-parallel (sharded on its input dimension).
+#pragma once
+
+#include <string>
+
+#include "framework/kernels/norm.h"
+#include "layers/context.h"
+#include "layers/params.h"
+
+namespace keel {
+
+class Attention {
+ public:
+  Attention(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
+  void allocate(const LayerContext& ctx);
+  // y[BT, C] (=) from x[BT, C] (the block's normalised input). Returns the max |scaled logit|.
+  float forward(const float* x, float* y, int64_t B);
+  // dx[BT, C] (=) from dy[BT, C]; parameter gradients +=.
+  void backward(const float* x, const float* dy, float* dx, int64_t B);
+
+ private:
+  void qk_scales(float* out) const;  // [Hl] logit scale per local head
+  kernels::NormShape qk_norm_shape(int64_t B) const;
+
+  ParamStore& ps_;
+  const LayerContext& ctx_;
+  int qkv_w_, qkv_b_, proj_w_, proj_b_;
+  int q_norm_w_ = -1, q_norm_b_ = -1, k_norm_w_ = -1, k_norm_b_ = -1, qk_scale_ = -1;
+  // activations
+  Tensor qkv_;      // [BT, 3 Hl D] projection output (q, k raw; v)
+  Tensor qk_;       // [BT, 2 Hl D] QK-normalised q, k (unused for NONE)
+  Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
+  Tensor probs_;    // [B, Hl, T, T]
+  Tensor att_;      // [BT, Hl D]
+  Tensor scales_;   // [Hl]
+};
+
+}  // namespace keel

@@ -1,0 +1,47 @@
+// What every layer needs besides its own weights: the resolved model dimensions, the topology
+// (for TP collectives), the shared backward scratch and the profiler.
+#pragma once
+
+#include <cstdint>
+
+#include "framework/config/keel.pb.h"
+#include "framework/profiler.h"
+#include "framework/tensor.h"
+#include "parallel/communicator.h"
+
+namespace keel {
+
+struct ModelDims {
+  int64_t V, C, H, D, F, L, P;  // vocab, d_model, heads, head_dim, d_ff, layers, positions
+  int64_t T;                    // sequence length
+  int64_t B;                    // micro-batch (sequences)
+  int64_t Hl, Fl, Vl;           // this TP rank's heads, d_ff columns and vocab rows
+  int64_t v_begin;              // first vocab row held here
+  config::QkNorm qk_norm;
+  config::QkNormScope qk_scope;
+  config::NormKind norm;
+  bool tied;
+  float init_std;
+  static ModelDims from(const config::Model& m, int64_t micro_batch, const Topology& topo);
+  int64_t BT() const { return B * T; }
+};
+
+// Backward temporaries shared by all blocks (one block runs backward at a time).
+struct Scratch {
+  Tensor dn;     // [BT, C]     gradient w.r.t. a norm output
+  Tensor datt;   // [BT, Hl D]  gradient w.r.t. the attention output
+  Tensor dqkv;   // [BT, 3 Hl D]
+  Tensor dqk;    // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
+  Tensor dh;     // [BT, Fl]
+  Tensor attn_ws;  // attention backward workspace
+  Tensor dscale;   // [Hl] per-head gradient of the attention scale
+};
+
+struct LayerContext {
+  ModelDims dims;
+  const Topology* topo = nullptr;
+  Scratch* scratch = nullptr;
+  Profiler* profiler = nullptr;
+};
+
+}  // namespace keel

@@ -1,0 +1,215 @@
+// GPT model assembly, embedding, LM head and the cross-entropy + z-loss.
+#include "layers/gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <omp.h>
+
+#include "framework/error.h"
+#include "framework/kernels/attention.h"
+#include "framework/kernels/cross_entropy.h"
+#include "framework/kernels/elementwise.h"
+#include "framework/kernels/embedding.h"
+#include "framework/kernels/gemm.h"
+
+namespace keel {
+
+ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Topology& topo) {
+  ModelDims d{};
+  d.V = m.vocab_size();
+  d.C = m.d_model();
+  d.H = m.n_heads();
+  KEEL_CHECK(d.H > 0 && d.C % d.H == 0, kConfig, "model.n_heads=", d.H,
+             " does not divide model.d_model=", d.C);
+  d.D = d.C / d.H;
+  d.F = m.d_ff() > 0 ? m.d_ff() : 4 * d.C;
+  d.L = m.n_layers();
+  d.T = m.seq_len();
+  d.P = m.max_positions() > 0 ? m.max_positions() : d.T;
+  KEEL_CHECK(d.T <= d.P, kConfig, "model.seq_len=", d.T, " exceeds model.max_positions=", d.P,
+             " (the position table)");
+  d.B = micro_batch;
+  const int tp = topo.tp;
+  KEEL_CHECK(d.H % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.n_heads=", d.H);
+  KEEL_CHECK(d.F % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d.F);
+  KEEL_CHECK(d.V % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.vocab_size=", d.V);
+  d.Hl = d.H / tp;
+  d.Fl = d.F / tp;
+  d.Vl = d.V / tp;
+  d.v_begin = topo.tp_rank * d.Vl;
+  d.qk_norm = m.qk_norm();
+  d.qk_scope = m.qk_norm_scope();
+  d.norm = m.norm();
+  d.tied = m.tie_embeddings();
+  d.init_std = m.init_std();
+  return d;
+}
+
+// ---- Block -------------------------------------------------------------------------------------
+
+Block::Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
+    : ctx_(ctx),
+      ln1_(prefix + ".ln1", ps, ctx),
+      ln2_(prefix + ".ln2", ps, ctx),
+      attn_(prefix + ".attn", ps, ctx),
+      mlp_(prefix + ".mlp", ps, ctx) {}
+
+void Block::allocate(const LayerContext& ctx) {
+  ln1_.allocate(ctx);
+  ln2_.allocate(ctx);
+  attn_.allocate(ctx);
+  mlp_.allocate(ctx);
+  const Shape s{ctx.dims.BT(), ctx.dims.C};
+  n1_ = Tensor::zeros(s);
+  r1_ = Tensor::zeros(s);
+  n2_ = Tensor::zeros(s);
+  out_ = Tensor::zeros(s);
+}
+
+float Block::forward(const float* x, int64_t B) {
+  const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
+  // The attention and MLP outputs pass through out_ before the residual adds.
+  ln1_.forward(x, n1_.f32(), B);
+  const float max_logit = attn_.forward(n1_.f32(), out_.f32(), B);
+  kernels::add(r1_.f32(), x, out_.f32(), n);
+  ln2_.forward(r1_.f32(), n2_.f32(), B);
+  mlp_.forward(n2_.f32(), out_.f32(), B);
+  kernels::add_inplace(out_.f32(), r1_.f32(), n);
+  return max_logit;
+}
+
+void Block::backward(const float* x, float* dres, int64_t B) {
+  float* dn = ctx_.scratch->dn.f32();
+  mlp_.backward(n2_.f32(), dres, dn, B);
+  ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
+  attn_.backward(n1_.f32(), dres, dn, B);
+  ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
+}
+
+// ---- GPT ---------------------------------------------------------------------------------------
+
+GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch) {
+  ctx_.dims = ModelDims::from(cfg.model(), micro_batch, topo);
+  ctx_.topo = &topo;
+  ctx_.scratch = &scratch_;
+  ctx_.profiler = &profiler_;
+  z_coef_ = cfg.loss().z_loss();
+  const ModelDims& d = ctx_.dims;
+
+  // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
+  wte_ = ps_.add({"wte", {d.V, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+  wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
+  for (int64_t l = 0; l < d.L; ++l) {
+    blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
+  }
+  ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
+  if (!d.tied) {
+    lm_head_ = ps_.add({"lm_head.weight", {d.V, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+  }
+  ps_.allocate(topo.tp_rank, topo.tp);
+
+  for (auto& b : blocks_) b->allocate(ctx_);
+  ln_f_->allocate(ctx_);
+  const int64_t BT = d.BT(), C = d.C, HD = d.Hl * d.D;
+  tokens_ = Tensor::zeros({BT}, DType::kI32);
+  targets_ = Tensor::zeros({BT}, DType::kI32);
+  x0_ = Tensor::zeros({BT, C});
+  xf_ = Tensor::zeros({BT, C});
+  logits_ = Tensor::zeros({BT, d.Vl});
+  row_max_ = Tensor::zeros({BT});
+  lse_ = Tensor::zeros({BT});
+  tl_ = Tensor::zeros({BT});
+  dres_ = Tensor::zeros({BT, C});
+  scratch_.dn = Tensor::zeros({BT, C});
+  scratch_.datt = Tensor::zeros({BT, HD});
+  scratch_.dqkv = Tensor::zeros({BT, 3 * HD});
+  if (d.qk_norm != config::NONE) scratch_.dqk = Tensor::zeros({BT, 2 * HD});
+  scratch_.dh = Tensor::zeros({BT, d.Fl});
+  kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
+  scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, omp_get_max_threads())});
+  scratch_.dscale = Tensor::zeros({d.Hl});
+}
+
+float* GPT::head_weight() { return ps_.param(lm_head_ >= 0 ? lm_head_ : wte_); }
+float* GPT::head_grad() { return ps_.grad(lm_head_ >= 0 ? lm_head_ : wte_); }
+
+LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B) {
+  const ModelDims& d = ctx_.dims;
+  KEEL_ASSERT(B >= 1 && B <= d.B);
+  const int64_t BT = B * d.T, C = d.C;
+  last_B_ = B;
+  std::memcpy(tokens_.i32(), tokens, BT * sizeof(int32_t));
+  if (targets) std::memcpy(targets_.i32(), targets, BT * sizeof(int32_t));
+  Communicator& tp = *ctx_.topo->tp_comm;
+  {
+    ProfileScope p(&profiler_, "embedding");
+    kernels::embedding_forward(x0_.f32(), tokens, BT, ps_.param(wte_), d.v_begin, d.Vl, C);
+    tp.all_reduce(x0_.f32(), BT * C, ReduceOp::kSum);
+    kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
+  }
+  LossStats stats;
+  const float* x = x0_.f32();
+  for (auto& b : blocks_) {
+    stats.max_attn_logit = std::max(stats.max_attn_logit, b->forward(x, B));
+    x = b->out();
+  }
+  ln_f_->forward(x, xf_.f32(), B);
+  {
+    ProfileScope p(&profiler_, "matmul.lm_head");
+    kernels::linear_forward<float>(logits_.f32(), xf_.f32(), head_weight(), nullptr, BT, C, d.Vl);
+  }
+  if (!targets) return stats;
+
+  // Vocab-parallel cross-entropy + z-loss: all-reduce max, sum-exp and target logit.
+  ProfileScope p(&profiler_, "loss");
+  float* mx = row_max_.f32();
+  float* lse = lse_.f32();
+  float* tl = tl_.f32();
+  kernels::xent_row_max(logits_.f32(), BT, d.Vl, d.Vl, mx);
+  tp.all_reduce(mx, BT, ReduceOp::kMax);
+  kernels::xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.Vl, lse);
+  tp.all_reduce(lse, BT, ReduceOp::kSum);
+  kernels::xent_target_logit(logits_.f32(), targets, BT, d.Vl, d.v_begin, tl);
+  tp.all_reduce(tl, BT, ReduceOp::kSum);
+  double ce = 0.0, z = 0.0;
+  for (int64_t n = 0; n < BT; ++n) {
+    const double l = static_cast<double>(mx[n]) + std::log(static_cast<double>(lse[n]));
+    lse[n] = static_cast<float>(l);
+    ce += l - tl[n];
+    z += l * l;
+  }
+  stats.ce = ce / static_cast<double>(BT);
+  stats.z_loss = z_coef_ * z / static_cast<double>(BT);
+  return stats;
+}
+
+void GPT::backward(float loss_weight) {
+  const ModelDims& d = ctx_.dims;
+  const int64_t B = last_B_, BT = B * d.T, C = d.C;
+  float* dxf = scratch_.dn.f32();
+  {
+    ProfileScope p(&profiler_, "loss");
+    kernels::xent_backward(logits_.f32(), logits_.f32(), lse_.f32(), targets_.i32(), BT, d.Vl,
+                           d.Vl, d.v_begin, loss_weight / static_cast<float>(BT),
+                           static_cast<float>(z_coef_));
+  }
+  {
+    ProfileScope p(&profiler_, "matmul.lm_head");
+    kernels::linear_backward<float>(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
+                                    head_weight(), BT, C, d.Vl);
+    ctx_.topo->tp_comm->all_reduce(dxf, BT * C, ReduceOp::kSum);
+  }
+  const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
+  ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);
+  for (int64_t l = d.L - 1; l >= 0; --l) {
+    const float* x = l == 0 ? x0_.f32() : blocks_[l - 1]->out();
+    blocks_[l]->backward(x, dres_.f32(), B);
+  }
+  ProfileScope p(&profiler_, "embedding");
+  kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl, C);
+  kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+}
+
+}  // namespace keel

@@ -1,0 +1,81 @@
+// The GPT model: token + learned position embedding, n_layers pre-norm blocks (QK-norm attention,
+// GELU MLP), final norm, LM head (tied to the token embedding or not) and the loss:
+// mean token cross-entropy plus z-loss  z_coef * mean(logsumexp(logits)^2), reported separately.
+// Forward saves what backward needs; backward accumulates parameter gradients (+=), so several
+// micro-batches accumulate into one optimizer step.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "framework/config/keel.pb.h"
+#include "layers/attention.h"
+#include "layers/context.h"
+#include "layers/mlp.h"
+#include "layers/norm.h"
+#include "layers/params.h"
+
+namespace keel {
+
+class Block {
+ public:
+  Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
+  void allocate(const LayerContext& ctx);
+  float forward(const float* x, int64_t B);  // writes out(); returns max |attention logit|
+  // On entry dres = d(out); on exit dres = d(x).
+  void backward(const float* x, float* dres, int64_t B);
+  const float* out() const { return out_.f32(); }
+
+ private:
+  const LayerContext& ctx_;
+  Norm ln1_, ln2_;
+  Attention attn_;
+  Mlp mlp_;
+  Tensor n1_, r1_, n2_, out_;  // [BT, C] each
+};
+
+struct LossStats {
+  double ce = 0.0;              // mean cross-entropy, nats/token
+  double z_loss = 0.0;          // z_coef * mean(lse^2), the term added to the loss
+  float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
+};
+
+class GPT {
+ public:
+  // micro_batch: sequences per forward; a forward may use fewer (B <= micro_batch).
+  GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch);
+  GPT(const GPT&) = delete;
+  GPT& operator=(const GPT&) = delete;
+
+  void init(uint64_t seed) { ps_.init(seed); }
+  ParamStore& params() { return ps_; }
+  const ModelDims& dims() const { return ctx_.dims; }
+  Profiler& profiler() { return profiler_; }
+
+  // tokens, targets: [B, T]. targets may be null (inference: logits only, no loss).
+  LossStats forward(const int32_t* tokens, const int32_t* targets, int64_t B);
+  // Gradient of (loss_weight * (ce + z_loss)) of the last forward, accumulated into params().grads.
+  void backward(float loss_weight);
+  // [B T, V_local] logits of the last forward (valid until backward overwrites them).
+  const float* logits() const { return logits_.f32(); }
+
+ private:
+  float* head_weight();
+  float* head_grad();
+
+  Profiler profiler_;
+  Scratch scratch_;
+  LayerContext ctx_;
+  ParamStore ps_;
+  double z_coef_;
+  int wte_, wpe_, lm_head_ = -1;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  std::unique_ptr<Norm> ln_f_;
+  Tensor tokens_, targets_;      // [BT] int32 copies of the last batch
+  Tensor x0_, xf_, logits_;      // [BT, C], [BT, C], [BT, Vl]
+  Tensor row_max_, lse_, tl_;    // [BT]
+  Tensor dres_;                  // [BT, C] residual-stream gradient
+  int64_t last_B_ = 0;
+};
+
+}  // namespace keel

@@ -1,0 +1,64 @@
+// GELU MLP forward/backward.
+#include "layers/mlp.h"
+
+#include <cmath>
+
+#include "framework/kernels/elementwise.h"
+#include "framework/kernels/gemm.h"
+
+namespace keel {
+
+Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : ps_(ps), ctx_(ctx) {
+  const ModelDims& d = ctx.dims;
+  const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
+  fc_w_ = ps.add({prefix + ".fc.weight", {d.F, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+  fc_b_ = ps.add({prefix + ".fc.bias", {d.F}, 0, ParamInit::kConstant, 0.0f});
+  proj_w_ = ps.add({prefix + ".proj.weight", {d.C, d.F}, 1, ParamInit::kNormal, resid_std, true});
+  proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+}
+
+void Mlp::allocate(const LayerContext& ctx) {
+  h_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
+  g_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
+}
+
+void Mlp::forward(const float* x, float* y, int64_t B) {
+  const ModelDims& d = ctx_.dims;
+  const int64_t BT = B * d.T;
+  Profiler* prof = ctx_.profiler;
+  {
+    ProfileScope p(prof, "matmul.mlp_fc");
+    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param(fc_b_), BT, d.C, d.Fl);
+  }
+  {
+    ProfileScope p(prof, "gelu");
+    kernels::gelu_forward(g_.f32(), h_.f32(), BT * d.Fl);
+  }
+  {
+    ProfileScope p(prof, "matmul.mlp_proj");
+    kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), ps_.param(proj_b_), BT, d.Fl, d.C);
+  }
+}
+
+void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
+  const ModelDims& d = ctx_.dims;
+  const int64_t BT = B * d.T;
+  float* dh = ctx_.scratch->dh.f32();
+  Profiler* prof = ctx_.profiler;
+  {
+    ProfileScope p(prof, "matmul.mlp_proj");
+    kernels::linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad(proj_b_), dy, g_.f32(),
+                             ps_.param(proj_w_), BT, d.Fl, d.C);
+  }
+  {
+    ProfileScope p(prof, "gelu");
+    kernels::gelu_backward(dh, h_.f32(), dh, BT * d.Fl);
+  }
+  {
+    ProfileScope p(prof, "matmul.mlp_fc");
+    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad(fc_b_), dh, x,
+                             ps_.param(fc_w_), BT, d.C, d.Fl);
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,41 @@
+// Block/final norm wrapper over the grouped norm kernel (one group per token row).
+#include "layers/norm.h"
+
+namespace keel {
+
+Norm::Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
+    : ps_(ps), ctx_(ctx) {
+  const ModelDims& d = ctx.dims;
+  w_ = ps.add({prefix + ".weight", {d.C}, -1, ParamInit::kConstant, 1.0f});
+  if (d.norm == config::LAYERNORM) {
+    b_ = ps.add({prefix + ".bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+    op_ = kernels::NormOp::kLayer;
+  } else {
+    op_ = kernels::NormOp::kRms;
+  }
+}
+
+void Norm::allocate(const LayerContext& ctx) {
+  mean_ = Tensor::zeros({ctx.dims.BT()});
+  rstd_ = Tensor::zeros({ctx.dims.BT()});
+}
+
+kernels::NormShape Norm::shape(int64_t B) const {
+  const int64_t C = ctx_.dims.C;
+  return kernels::NormShape{B * ctx_.dims.T, 1, C, C, C, C};
+}
+
+void Norm::forward(const float* x, float* y, int64_t B) {
+  ProfileScope p(ctx_.profiler, "norm");
+  kernels::norm_forward(op_, shape(B), y, x, ps_.param(w_), b_ >= 0 ? ps_.param(b_) : nullptr,
+                        mean_.f32(), rstd_.f32(), 1e-5f);
+}
+
+void Norm::backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B) {
+  ProfileScope p(ctx_.profiler, "norm");
+  kernels::norm_backward(op_, shape(B), dx, accumulate, ps_.grad(w_),
+                         b_ >= 0 ? ps_.grad(b_) : nullptr, dy, x, ps_.param(w_), mean_.f32(),
+                         rstd_.f32());
+}
+
+}  // namespace keel

@@ -1,0 +1,30 @@
+// Block and final norms (LayerNorm with gain and bias, or RMSNorm with gain), replicated
+// under TP. Owns its saved statistics.
+#pragma once
+
+#include <string>
+
+#include "framework/kernels/norm.h"
+#include "layers/context.h"
+#include "layers/params.h"
+
+namespace keel {
+
+class Norm {
+ public:
+  Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
+  void allocate(const LayerContext& ctx);
+  void forward(const float* x, float* y, int64_t B);  // y[BT, C] (=)
+  // dx[BT, C] += norm backward of dy (the residual stream's gradient accumulates).
+  void backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B);
+
+ private:
+  kernels::NormShape shape(int64_t B) const;
+  ParamStore& ps_;
+  const LayerContext& ctx_;
+  int w_, b_ = -1;
+  kernels::NormOp op_;
+  Tensor mean_, rstd_;
+};
+
+}  // namespace keel

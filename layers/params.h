@@ -1,0 +1,64 @@
+// ParamStore: every parameter of the model as a logical global tensor with this rank's slice
+// stored in flat arenas (parameters, gradients, AdamW m and v share one layout, so the gradient
+// arena doubles as the DP bucket space and the optimizer is one loop over the arena).
+// Note [layout-independent init]: see framework/philox.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/tensor.h"
+
+namespace keel {
+
+enum class ParamInit { kNormal, kConstant };
+
+struct ParamSpec {
+  std::string name;
+  Shape logical;          // shape of the whole tensor, whatever the layout
+  int shard_dim = -1;     // dimension split over TP ranks; -1: replicated
+  ParamInit init = ParamInit::kNormal;
+  float value = 0.0f;     // std for kNormal, the constant for kConstant
+  bool decay = false;     // AdamW weight decay applies
+};
+
+struct ParamInfo {
+  ParamSpec spec;
+  Shape local;            // this rank's slice
+  int64_t shard_begin = 0;  // first index along shard_dim held here
+  int64_t offset = 0;     // element offset in the arenas
+  int64_t numel() const { return shape_numel(local); }
+};
+
+class ParamStore {
+ public:
+  // Registers a parameter; returns its id. Only before allocate().
+  int add(ParamSpec spec);
+  // Lays out the arenas for this TP rank (64-byte aligned per tensor) and zeros them.
+  void allocate(int tp_rank, int tp_size);
+  // Draws every parameter from Philox(seed, name, logical index).
+  void init(uint64_t seed);
+
+  float* param(int id) { return params_.f32() + infos_[id].offset; }
+  float* grad(int id) { return grads_.f32() + infos_[id].offset; }
+  const ParamInfo& info(int id) const { return infos_[id]; }
+  int find(const std::string& name) const;  // -1 when absent
+  int size() const { return static_cast<int>(infos_.size()); }
+  int64_t total_elems() const { return total_; }
+
+  Tensor& params() { return params_; }
+  Tensor& grads() { return grads_; }
+  void zero_grads() { grads_.zero_(); }
+
+  // Logical flat index of local element j of parameter id.
+  int64_t logical_index(int id, int64_t j) const;
+
+ private:
+  std::vector<ParamInfo> infos_;
+  Tensor params_, grads_;
+  int64_t total_ = 0;
+  bool allocated_ = false;
+};
+
+}  // namespace keel

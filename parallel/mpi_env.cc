@@ -1,0 +1,53 @@
+// MPI initialisation and node-local rank discovery.
+#include "parallel/mpi_env.h"
+
+#include <mpi.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "framework/error.h"
+
+namespace keel {
+
+namespace {
+void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    KEEL_FAIL(kComm, what, " failed: ", std::string(msg, len));
+  }
+}
+}  // namespace
+
+MpiEnv::MpiEnv(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+  }
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), "MPI_Comm_size");
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank");
+  MPI_Comm local;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL,
+                                &local),
+            "MPI_Comm_split_type");
+  MPI_Comm_size(local, &local_size_);
+  MPI_Comm_rank(local, &local_rank_);
+  MPI_Comm_free(&local);
+}
+
+MpiEnv::~MpiEnv() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void MpiEnv::abort(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::abort();
+}
+
+}  // namespace keel
