@@ -28,3 +28,9 @@ template <typename T>
 void column_sum_add(T* out, const T* x, int64_t N, int64_t C, int64_t ld);
 
 }  // namespace keel::kernels
+
+namespace keel::kernels {
+// Threads used by BLAS and the OpenMP kernels of this process (one shared OpenMP pool).
+void set_num_threads(int n);
+int num_threads();
+}  // namespace keel::kernels

@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include "framework/kernels/attention.h"
+#include "framework/kernels/fast_math.h"
 #include "framework/kernels/gemm.h"
 
 namespace keel::kernels {
@@ -44,7 +45,7 @@ void attention_forward(const AttentionShape& s, T* out, T* probs, const T* q, co
         }
         T sum = T(0);
         for (int64_t u = 0; u <= t; ++u) {
-          row[u] = std::exp(row[u] - mx);
+          row[u] = exp_t(row[u] - mx);
           sum += row[u];
         }
         const T inv = T(1) / sum;

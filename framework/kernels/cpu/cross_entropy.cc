@@ -1,6 +1,7 @@
 // CPU cross-entropy + z-loss phases (see framework/kernels/cross_entropy.h). Row statistics are
 // accumulated in double so large vocabularies keep float32 logits accurate.
 #include "framework/kernels/cross_entropy.h"
+#include "framework/kernels/fast_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,7 +29,7 @@ void xent_row_sumexp(const T* logits, const T* row_max, int64_t N, int64_t V_loc
     const T mx = row_max[n];
     T acc = T(0);
 #pragma omp simd reduction(+ : acc)
-    for (int64_t v = 0; v < v_valid_local; ++v) acc += std::exp(row[v] - mx);
+    for (int64_t v = 0; v < v_valid_local; ++v) acc += exp_t(row[v] - mx);
     sumexp[n] = acc;
   }
 }
@@ -54,7 +55,7 @@ void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* tar
     const T l = lse[n];
     const T coef = grad_scale * (T(1) + T(2) * z_coef * l);
 #pragma omp simd
-    for (int64_t v = 0; v < v_valid_local; ++v) drow[v] = coef * std::exp(row[v] - l);
+    for (int64_t v = 0; v < v_valid_local; ++v) drow[v] = coef * exp_t(row[v] - l);
     for (int64_t v = v_valid_local; v < V_local; ++v) drow[v] = T(0);
     const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
     if (col >= 0 && col < V_local) drow[col] -= grad_scale;

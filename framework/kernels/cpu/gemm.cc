@@ -71,3 +71,13 @@ KEEL_INSTANTIATE(double)
 #undef KEEL_INSTANTIATE
 
 }  // namespace keel::kernels
+
+#include <omp.h>
+
+namespace keel::kernels {
+void set_num_threads(int n) {
+  omp_set_num_threads(n);
+  openblas_set_num_threads(n);
+}
+int num_threads() { return omp_get_max_threads(); }
+}  // namespace keel::kernels

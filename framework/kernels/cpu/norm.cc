@@ -1,6 +1,6 @@
 // CPU LayerNorm / RMSNorm / L2 over grouped, strided rows (see framework/kernels/norm.h).
-// Row math runs in double accumulators; parameter gradients are summed per channel block in a
-// fixed order so results do not depend on the thread count.
+// Row math runs in T with SIMD reductions; parameter gradients are summed per channel block in
+// a fixed order so results do not depend on the thread count.
 #include "framework/kernels/norm.h"
 
 #include <algorithm>
@@ -13,31 +13,34 @@ template <typename T>
 void norm_forward(NormOp op, const NormShape& s, T* out, const T* inp, const T* weight,
                   const T* bias, T* mean, T* rstd, T eps) {
   const int64_t rows = s.N * s.G;
+  const int64_t Cg = s.Cg;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = r / s.G, g = r % s.G;
-    const T* x = inp + n * s.ld_in + g * s.Cg;
-    T* y = out + n * s.ld_out + g * s.Cg;
+    const T* x = inp + n * s.ld_in + g * Cg;
+    T* y = out + n * s.ld_out + g * Cg;
     const T* w = weight ? weight + g * s.w_group_stride : nullptr;
     const T* b = bias ? bias + g * s.w_group_stride : nullptr;
-    double m = 0.0;
+    T mu = T(0);
     if (op == NormOp::kLayer) {
-      for (int64_t c = 0; c < s.Cg; ++c) m += x[c];
-      m /= static_cast<double>(s.Cg);
+#pragma omp simd reduction(+ : mu)
+      for (int64_t c = 0; c < Cg; ++c) mu += x[c];
+      mu /= static_cast<T>(Cg);
     }
-    double ss = 0.0;
-    for (int64_t c = 0; c < s.Cg; ++c) {
-      const double d = x[c] - m;
-      ss += d * d;
-    }
-    const double denom = op == NormOp::kL2 ? ss : ss / static_cast<double>(s.Cg);
-    const T rs = static_cast<T>(1.0 / std::sqrt(denom + static_cast<double>(eps)));
-    const T mu = static_cast<T>(m);
-    for (int64_t c = 0; c < s.Cg; ++c) {
-      T v = (x[c] - mu) * rs;
-      if (w) v *= w[c];
-      if (b) v += b[c];
-      y[c] = v;
+    T ss = T(0);
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < Cg; ++c) ss += (x[c] - mu) * (x[c] - mu);
+    const T denom = op == NormOp::kL2 ? ss : ss / static_cast<T>(Cg);
+    const T rs = T(1) / std::sqrt(denom + eps);
+    if (w && b) {
+#pragma omp simd
+      for (int64_t c = 0; c < Cg; ++c) y[c] = (x[c] - mu) * rs * w[c] + b[c];
+    } else if (w) {
+#pragma omp simd
+      for (int64_t c = 0; c < Cg; ++c) y[c] = (x[c] - mu) * rs * w[c];
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < Cg; ++c) y[c] = (x[c] - mu) * rs;
     }
     if (mean) mean[r] = mu;
     rstd[r] = rs;
@@ -48,34 +51,42 @@ template <typename T>
 void norm_backward(NormOp op, const NormShape& s, T* dinp, bool accumulate, T* dweight, T* dbias,
                    const T* dout, const T* inp, const T* weight, const T* mean, const T* rstd) {
   const int64_t rows = s.N * s.G;
-  const double inv_c = 1.0 / static_cast<double>(s.Cg);
+  const int64_t Cg = s.Cg;
+  const T inv_c = T(1) / static_cast<T>(Cg);
   if (dinp) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = r / s.G, g = r % s.G;
-      const T* x = inp + n * s.ld_in + g * s.Cg;
-      const T* dy = dout + n * s.ld_out + g * s.Cg;
-      T* dx = dinp + n * s.ld_in + g * s.Cg;
+      const T* x = inp + n * s.ld_in + g * Cg;
+      const T* dy = dout + n * s.ld_out + g * Cg;
+      T* dx = dinp + n * s.ld_in + g * Cg;
       const T* w = weight ? weight + g * s.w_group_stride : nullptr;
       const T mu = op == NormOp::kLayer ? mean[r] : T(0);
       const T rs = rstd[r];
       // dn = dy * w ; xhat = (x - mu) * rs
-      double sum_dn = 0.0, sum_dn_xhat = 0.0;
-      for (int64_t c = 0; c < s.Cg; ++c) {
-        const double dn = w ? static_cast<double>(dy[c]) * w[c] : static_cast<double>(dy[c]);
-        const double xhat = (static_cast<double>(x[c]) - mu) * rs;
+      T sum_dn = T(0), sum_dn_xhat = T(0);
+#pragma omp simd reduction(+ : sum_dn, sum_dn_xhat)
+      for (int64_t c = 0; c < Cg; ++c) {
+        const T dn = w ? dy[c] * w[c] : dy[c];
         sum_dn += dn;
-        sum_dn_xhat += dn * xhat;
+        sum_dn_xhat += dn * ((x[c] - mu) * rs);
       }
       // LayerNorm: dx = rs (dn - mean(dn) - xhat mean(dn xhat)); RMS: no mean(dn) term;
       // L2: the statistics are sums, not means.
-      const double a = op == NormOp::kLayer ? sum_dn * inv_c : 0.0;
-      const double bcoef = op == NormOp::kL2 ? sum_dn_xhat : sum_dn_xhat * inv_c;
-      for (int64_t c = 0; c < s.Cg; ++c) {
-        const double dn = w ? static_cast<double>(dy[c]) * w[c] : static_cast<double>(dy[c]);
-        const double xhat = (static_cast<double>(x[c]) - mu) * rs;
-        const T g_in = static_cast<T>(rs * (dn - a - xhat * bcoef));
-        dx[c] = accumulate ? dx[c] + g_in : g_in;
+      const T a = op == NormOp::kLayer ? sum_dn * inv_c : T(0);
+      const T bcoef = op == NormOp::kL2 ? sum_dn_xhat : sum_dn_xhat * inv_c;
+      if (accumulate) {
+#pragma omp simd
+        for (int64_t c = 0; c < Cg; ++c) {
+          const T dn = w ? dy[c] * w[c] : dy[c];
+          dx[c] += rs * (dn - a - (x[c] - mu) * rs * bcoef);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < Cg; ++c) {
+          const T dn = w ? dy[c] * w[c] : dy[c];
+          dx[c] = rs * (dn - a - (x[c] - mu) * rs * bcoef);
+        }
       }
     }
   }
@@ -89,7 +100,7 @@ void norm_backward(NormOp op, const NormShape& s, T* dinp, bool accumulate, T* d
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t w0 = blk * kBlock, w1 = std::min(wsize, w0 + kBlock);
-    double accw[kBlock] = {}, accb[kBlock] = {};
+    T accw[kBlock] = {}, accb[kBlock] = {};
     const int64_t g_begin = shared ? 0 : w0 / s.Cg;
     const int64_t g_end = shared ? s.G : (w1 - 1) / s.Cg + 1;
     for (int64_t n = 0; n < s.N; ++n) {
@@ -104,14 +115,14 @@ void norm_backward(NormOp op, const NormShape& s, T* dinp, bool accumulate, T* d
         const int64_t c1 = std::min<int64_t>(w1 - base, s.Cg);
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t wi = base + c - w0;
-          accw[wi] += static_cast<double>(dy[c]) * ((static_cast<double>(x[c]) - mu) * rs);
+          accw[wi] += dy[c] * ((x[c] - mu) * rs);
           accb[wi] += dy[c];
         }
       }
     }
     for (int64_t i = w0; i < w1; ++i) {
-      if (dweight) dweight[i] += static_cast<T>(accw[i - w0]);
-      if (dbias) dbias[i] += static_cast<T>(accb[i - w0]);
+      if (dweight) dweight[i] += accw[i - w0];
+      if (dbias) dbias[i] += accb[i - w0];
     }
   }
 }

@@ -1,0 +1,78 @@
+// JSON-lines metrics output.
+#include "framework/metrics.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+#include "framework/error.h"
+
+namespace keel {
+
+namespace {
+std::string fmt(const char* f, double v) {
+  if (std::isnan(v)) return "NaN";  // JSON has no NaN; Python's json and jq accept these tokens
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+JsonObject& JsonObject::add(const std::string& key, int64_t v) {
+  fields_.emplace_back(key, std::to_string(v));
+  return *this;
+}
+JsonObject& JsonObject::add(const std::string& key, double v) {
+  fields_.emplace_back(key, fmt("%.17g", v));
+  return *this;
+}
+JsonObject& JsonObject::add_f(const std::string& key, float v) {
+  fields_.emplace_back(key, fmt("%.9g", v));
+  return *this;
+}
+JsonObject& JsonObject::add(const std::string& key, const std::string& v) {
+  fields_.emplace_back(key, "\"" + escape(v) + "\"");
+  return *this;
+}
+std::string JsonObject::str() const {
+  std::string s = "{";
+  for (size_t i = 0; i < fields_.size(); ++i) {
+    if (i) s += ", ";
+    s += "\"" + escape(fields_[i].first) + "\": " + fields_[i].second;
+  }
+  return s + "}";
+}
+
+JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
+  f_ = std::fopen(path.c_str(), "w");
+  KEEL_CHECK(f_ != nullptr, kIo, path, ": cannot open for writing: ", std::strerror(errno));
+}
+JsonlWriter::~JsonlWriter() {
+  if (f_) std::fclose(f_);
+}
+void JsonlWriter::write(const JsonObject& obj) {
+  if (!f_) return;
+  const std::string line = obj.str() + "\n";
+  KEEL_CHECK(std::fwrite(line.data(), 1, line.size(), f_) == line.size(), kIo, path_,
+             ": write failed");
+  std::fflush(f_);
+}
+
+}  // namespace keel

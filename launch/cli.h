@@ -1,0 +1,21 @@
+// Command-line parsing shared by keel-train and keel-bench, and the one place that turns a
+// keel::Error into a one-line message and an exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace keel {
+
+struct TrainArgs {
+  std::string config_path;        // may be empty: defaults only
+  std::vector<std::string> sets;  // "dotted.path=value"
+  std::string run_dir = "runs/default";
+  bool help = false;
+};
+
+// Throws kUsage for an unknown flag, a missing value or a second config path.
+TrainArgs parse_train_args(int argc, char** argv);
+const char* train_usage();
+
+}  // namespace keel

@@ -1,0 +1,185 @@
+// keel-bench: times training steps (forward, backward, clipping, AdamW) of named configs and
+// reports tokens/s, achieved GFLOP/s and the fraction of this machine's measured sgemm peak.
+//
+// FLOPs per training token (PaLM appendix B convention, the usual MFU accounting):
+//   6 * N_matmul + 12 * n_layers * seq_len * d_model
+// with N_matmul = n_layers * (4 d_model^2 + 2 d_model d_ff) + vocab * d_model (the LM head);
+// the attention term counts the full T x T products (keel skips the masked half, so the true
+// work is lower and the reported fraction is the conventional, comparable one).
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "framework/error.h"
+#include "framework/kernels/gemm.h"
+#include "launch/trainer.h"
+#include "parallel/mpi_env.h"
+
+namespace {
+
+using keel::config::KeelConfig;
+
+struct Named {
+  const char* name;
+  const char* text;
+};
+
+// Both fp32, d_ff = 4 d_model, qk_norm RMS, z-loss on, AdamW in the step (issue #2).
+const Named kConfigs[] = {
+    {"S",
+     "model { vocab_size: 256 d_model: 384 n_layers: 6 n_heads: 6 seq_len: 256 }"
+     " train { global_batch: 8 }"},
+    {"M",
+     "model { vocab_size: 8192 d_model: 768 n_layers: 4 n_heads: 12 seq_len: 512 }"
+     " train { global_batch: 4 }"},
+};
+
+double flops_per_token(const KeelConfig& c) {
+  const double L = c.model().n_layers(), d = c.model().d_model(), T = c.model().seq_len();
+  const double f = c.model().d_ff() > 0 ? c.model().d_ff() : 4 * d, V = c.model().vocab_size();
+  const double n_matmul = L * (4 * d * d + 2 * d * f) + V * d;
+  return 6 * n_matmul + 12 * L * T * d;
+}
+
+// Best of several 2048^3 sgemms on the current thread count.
+double measure_sgemm_peak() {
+  const int n = 2048;
+  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n, 0.0f);
+  double best = 0.0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = omp_get_wtime();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                n, 0.0f, c.data(), n);
+    const double dt = omp_get_wtime() - t0;
+    if (rep > 0) best = std::max(best, 2.0 * n * n * n / dt / 1e9);
+  }
+  return best;
+}
+
+void usage() {
+  std::printf(
+      "usage: keel-bench [--config S|M|all] [--steps N] [--warmup N] [--threads N] [--profile]\n"
+      "                  [--set path=value]...\n"
+      "Prints per-config tokens/s, GFLOP/s and the fraction of the measured sgemm peak, and\n"
+      "ends with one 'config=... tokens_per_s=... gflops=... peak_gflops=... peak_fraction=...'\n"
+      "line per config.\n");
+}
+
+int run(int argc, char** argv) {
+  std::string which = "all";
+  int steps = 5, warmup = 2, threads = 2;
+  bool profile = false;
+  std::vector<std::string> sets;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
+      return argv[++i];
+    };
+    auto int_value = [&]() {
+      const std::string v = value();
+      try {
+        size_t pos = 0;
+        const int x = std::stoi(v, &pos);
+        KEEL_CHECK(pos == v.size() && x >= 0, kUsage, a, ": not a non-negative integer: ", v);
+        return x;
+      } catch (const std::logic_error&) {
+        KEEL_FAIL(kUsage, a, ": not an integer: ", v);
+      }
+    };
+    if (a == "--config") which = value();
+    else if (a == "--steps") steps = int_value();
+    else if (a == "--warmup") warmup = int_value();
+    else if (a == "--threads") threads = int_value();
+    else if (a == "--profile") profile = true;
+    else if (a == "--set") sets.push_back(value());
+    else if (a == "-h" || a == "--help") {
+      usage();
+      return 0;
+    } else KEEL_FAIL(kUsage, "unknown option ", a, " (see --help)");
+  }
+  KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
+  KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
+  keel::kernels::set_num_threads(threads);
+  const double peak = measure_sgemm_peak();
+  std::printf("keel-bench: %d threads, sgemm peak %.1f GFLOP/s (2048^3, best of 4)\n", threads,
+              peak);
+  std::vector<std::string> summaries;
+  bool matched = false;
+  for (const Named& named : kConfigs) {
+    if (which != "all" && which != named.name) continue;
+    matched = true;
+    std::vector<std::string> all_sets;
+    KeelConfig cfg = keel::default_config();
+    keel::merge_config_text(named.text, std::string("config ") + named.name, cfg);
+    cfg.mutable_train()->set_eval_every(0);
+    cfg.mutable_train()->set_steps(steps + warmup);
+    cfg.mutable_optim()->set_warmup_steps(1);
+    cfg.mutable_model()->set_d_ff(0);
+    cfg.mutable_model()->set_max_positions(0);
+    for (const auto& s : sets) keel::apply_set(s, cfg);
+    keel::validate(cfg);
+    std::unique_ptr<keel::Communicator> tp, dp;
+    keel::Topology topo = keel::Topology::single(tp, dp);
+    keel::TrainerOptions opts;
+    opts.progress = false;
+    keel::Trainer trainer(cfg, topo, opts);
+    for (int i = 0; i < warmup; ++i) trainer.step();
+    keel::Profiler& prof = trainer.model().profiler();
+    prof.reset();
+    prof.set_enabled(profile);
+    double total = 0.0;
+    for (int i = 0; i < steps; ++i) total += trainer.step().seconds;
+    const double sec = total / steps;
+    const double tps = static_cast<double>(trainer.tokens_per_step()) / sec;
+    const double gflops = tps * flops_per_token(cfg) / 1e9;
+    std::printf(
+        "config %s: %lld params, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f GFLOP/s "
+        "(%.1f%% of sgemm peak), loss %.4f\n",
+        named.name, static_cast<long long>(trainer.model().params().total_elems()),
+        static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops, 100 * gflops / peak,
+        trainer.last().loss);
+    if (profile) {
+      double sum = 0.0;
+      for (const auto& e : prof.entries()) sum += e.second;
+      std::printf("  %-18s %10s %7s\n", "op", "ms/step", "share");
+      auto entries = prof.entries();
+      std::sort(entries.begin(), entries.end(),
+                [](const auto& a, const auto& b) { return a.second > b.second; });
+      for (const auto& e : entries) {
+        std::printf("  %-18s %10.1f %6.1f%%\n", e.first.c_str(), 1e3 * e.second / steps,
+                    100 * e.second / sum);
+      }
+      std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
+                  1e3 * sum / steps, 1e3 * sec);
+    }
+    char line[256];
+    std::snprintf(line, sizeof(line),
+                  "config=%s tokens_per_s=%.1f gflops=%.2f peak_gflops=%.2f peak_fraction=%.4f",
+                  named.name, tps, gflops, peak, gflops / peak);
+    summaries.push_back(line);
+    std::fflush(stdout);
+  }
+  KEEL_CHECK(matched, kUsage, "--config ", which, ": no such benchmark config (S, M or all)");
+  for (const auto& s : summaries) std::printf("%s\n", s.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    keel::MpiEnv mpi(&argc, &argv);
+    return run(argc, argv);
+  } catch (const keel::Error& e) {
+    std::fprintf(stderr, "keel-bench: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
+    return keel::exit_code_for(e.kind());
+  }
+}

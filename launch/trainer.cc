@@ -1,0 +1,217 @@
+// Training loop, evaluation, metrics and sampling.
+#include "launch/trainer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "framework/config/config.h"
+#include "framework/error.h"
+#include "framework/kernels/elementwise.h"
+#include "framework/philox.h"
+
+namespace keel {
+
+namespace {
+std::string human_seconds(double s) {
+  char buf[32];
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(t / 3600),
+                  static_cast<long long>(t % 3600 / 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(t / 60),
+                  static_cast<long long>(t % 60));
+  }
+  return buf;
+}
+}  // namespace
+
+Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOptions opts)
+    : cfg_(cfg),
+      topo_(topo),
+      opts_(std::move(opts)),
+      data_(Dataset::open(cfg)),
+      sampler_(data_, cfg) {
+  const auto& t = cfg_.train();
+  const int64_t per_rank = t.global_batch() / topo_.dp;
+  KEEL_CHECK(t.global_batch() % topo_.dp == 0, kConfig, "train.global_batch=", t.global_batch(),
+             " is not divisible by the data-parallel size ", topo_.dp);
+  micro_ = t.micro_batch() > 0 ? t.micro_batch() : per_rank;
+  KEEL_CHECK(per_rank % micro_ == 0, kConfig, "train.micro_batch=", micro_,
+             " does not divide the per-rank batch ", per_rank, " (train.global_batch / dp)");
+  accum_ = per_rank / micro_;
+  model_ = std::make_unique<GPT>(cfg_, topo_, micro_);
+  model_->init(t.seed());
+  ParamStore& ps = model_->params();
+  std::vector<ParamSegment> segs;
+  for (int id = 0; id < ps.size(); ++id) {
+    segs.push_back({ps.info(id).offset, ps.info(id).numel(), ps.info(id).spec.decay});
+  }
+  opt_ = std::make_unique<AdamW>(cfg_.optim(), ps.total_elems(), std::move(segs));
+  const int64_t T = cfg_.model().seq_len();
+  inputs_.resize(micro_ * T);
+  targets_.resize(micro_ * T);
+  if (!opts_.run_dir.empty() && topo_.world_rank == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(opts_.run_dir, ec);
+    KEEL_CHECK(!ec, kIo, opts_.run_dir, ": cannot create run directory: ", ec.message());
+    std::ofstream(opts_.run_dir + "/config.pbtxt") << to_text(cfg_);
+    metrics_ = std::make_unique<JsonlWriter>(opts_.run_dir + "/metrics.jsonl");
+  }
+}
+
+StepResult Trainer::step() {
+  const double t0 = omp_get_wtime();
+  const int64_t global_batch = cfg_.train().global_batch();
+  ParamStore& ps = model_->params();
+  StepResult r;
+  r.lr = learning_rate(cfg_.optim(), step_, cfg_.train().steps());
+  ps.zero_grads();
+  // Global sample stream: this step's samples are [first, first + global_batch); DP rank d takes
+  // its contiguous slice, so the data a step sees does not depend on dp.
+  const uint64_t first = sampler_.state().next_sample;
+  const uint64_t rank_first = first + static_cast<uint64_t>(topo_.dp_rank) * (global_batch / topo_.dp);
+  double ce = 0.0, z = 0.0;
+  for (int64_t m = 0; m < accum_; ++m) {
+    sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
+    const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_);
+    model_->backward(1.0f / static_cast<float>(accum_));
+    ce += st.ce;
+    z += st.z_loss;
+    r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
+  }
+  sampler_.skip(global_batch);
+  r.loss = ce / static_cast<double>(accum_);
+  r.z_loss = z / static_cast<double>(accum_);
+  {
+    ProfileScope p(&model_->profiler(), "optimizer");
+    r.grad_norm = std::sqrt(kernels::sum_squares(ps.grads().f32(), ps.total_elems()));
+    const float scale = clip_scale(r.grad_norm, cfg_.optim().grad_clip());
+    opt_->step(ps.params().f32(), ps.grads().f32(), r.lr, scale);
+  }
+  r.step = ++step_;
+  r.seconds = omp_get_wtime() - t0;
+  last_ = r;
+  return r;
+}
+
+double Trainer::evaluate() {
+  if (!data_.has_val()) return std::nan("");
+  const int64_t batches = std::max(1, cfg_.train().eval_batches());
+  const int64_t n = batches * cfg_.train().global_batch() / topo_.dp;
+  double ce = 0.0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; i += micro_) {
+    const int64_t b = std::min(micro_, n - i);
+    sampler_.fill_val(topo_.dp_rank * n + i, b, inputs_.data(), targets_.data());
+    ce += model_->forward(inputs_.data(), targets_.data(), b).ce * static_cast<double>(b);
+    count += b;
+  }
+  last_val_ = ce / static_cast<double>(count);
+  return last_val_;
+}
+
+void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
+  const int64_t tokens = r.step * tokens_per_step();
+  const double tps = window_seconds_ > 0 ? static_cast<double>(window_tokens_) / window_seconds_ : 0;
+  if (metrics_) {
+    JsonObject o;
+    o.add("step", r.step)
+        .add("loss", r.loss)
+        .add("z_loss", r.z_loss)
+        .add("grad_norm", r.grad_norm)
+        .add_f("lr", r.lr)
+        .add("tokens", tokens)
+        .add("tokens_per_s", tps)
+        .add_f("max_attn_logit", r.max_attn_logit);
+    if (val_loss) o.add("val_loss", *val_loss);
+    metrics_->write(o);
+  }
+  if (!opts_.progress || topo_.world_rank != 0) return;
+  const int64_t total = cfg_.train().steps();
+  const double elapsed = omp_get_wtime() - run_t0_;
+  const double eta = elapsed / static_cast<double>(r.step) * static_cast<double>(total - r.step);
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "step %5lld/%lld | loss %.4f | z %.2e | gnorm %.3f | lr %.2e | %7.0f tok/s | "
+                "max logit %.1f | ETA %s",
+                static_cast<long long>(r.step), static_cast<long long>(total), r.loss, r.z_loss,
+                r.grad_norm, r.lr, tps, r.max_attn_logit, human_seconds(eta).c_str());
+  std::string s = line;
+  if (val_loss) {
+    char v[48];
+    std::snprintf(v, sizeof(v), " | val %.4f", *val_loss);
+    s += v;
+  }
+  if (opts_.interactive && !val_loss && r.step != total) {
+    std::printf("\r%s\033[K", s.c_str());
+  } else {
+    std::printf("%s%s\n", opts_.interactive ? "\r" : "", s.c_str());
+  }
+  std::fflush(stdout);
+}
+
+void Trainer::run() {
+  const auto& t = cfg_.train();
+  run_t0_ = omp_get_wtime();
+  while (step_ < t.steps()) {
+    const StepResult r = step();
+    window_seconds_ += r.seconds;
+    window_tokens_ += tokens_per_step();
+    const bool last = r.step == t.steps();
+    const bool eval = t.eval_every() > 0 && (r.step % t.eval_every() == 0 || last);
+    std::optional<double> val;
+    if (eval && data_.has_val()) val = evaluate();
+    if (r.step % std::max(1, t.log_every()) == 0 || last || val) {
+      log_step(r, val);
+      window_seconds_ = 0.0;
+      window_tokens_ = 0;
+    }
+  }
+}
+
+std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
+  const ModelDims& d = model_->dims();
+  const int64_t T = d.T;
+  std::vector<int32_t> ctx(T, 0);
+  std::string out;
+  // Prompt: the start of a validation window (or of the training data), so the model continues
+  // text in its own domain.
+  const TokenStream& src = data_.has_val() ? data_.val() : data_.train();
+  int64_t len = std::min<int64_t>(16, src.size());
+  src.copy(0, len, ctx.data());
+  for (int64_t i = 0; i < len; ++i) out += static_cast<char>(ctx[i]);
+  std::vector<double> p(d.V);
+  for (int64_t i = 0; i < n_chars; ++i) {
+    const int64_t start = std::max<int64_t>(0, len - T);
+    std::vector<int32_t> window(ctx.begin() + start, ctx.begin() + std::min<int64_t>(len, start + T));
+    window.resize(T, 0);
+    model_->forward(window.data(), nullptr, 1);
+    const float* row = model_->logits() + (len - start - 1) * d.Vl;
+    double mx = -1e300, sum = 0.0;
+    for (int64_t v = 0; v < d.V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / temperature);
+    for (int64_t v = 0; v < d.V; ++v) sum += p[v] = std::exp(row[v] / temperature - mx);
+    const double u = philox_uniform(seed, fnv1a64("sample"), static_cast<uint64_t>(i)) * sum;
+    double acc = 0.0;
+    int32_t tok = static_cast<int32_t>(d.V - 1);
+    for (int64_t v = 0; v < d.V; ++v) {
+      acc += p[v];
+      if (u < acc) {
+        tok = static_cast<int32_t>(v);
+        break;
+      }
+    }
+    if (len == static_cast<int64_t>(ctx.size())) ctx.push_back(tok);
+    else ctx[len] = tok;
+    ++len;
+    out += static_cast<char>(tok);
+  }
+  return out;
+}
+
+}  // namespace keel

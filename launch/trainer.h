@@ -1,0 +1,78 @@
+// The training loop: data -> micro-batch forward/backward (gradient accumulation) -> global-norm
+// clipping -> AdamW, with metrics.jsonl, periodic validation, a progress line on rank 0 and text
+// sampling from the trained model. Everything a step decides comes from (config, step, global
+// sample index), so two runs with the same seed are bit-identical.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "framework/config/keel.pb.h"
+#include "framework/data/dataset.h"
+#include "framework/data/sampler.h"
+#include "framework/metrics.h"
+#include "framework/optim/optimizer.h"
+#include "layers/gpt.h"
+
+namespace keel {
+
+struct StepResult {
+  int64_t step = 0;        // 1-based optimizer step just taken
+  double loss = 0.0;       // mean cross-entropy over the global batch, nats/token
+  double z_loss = 0.0;     // z-loss term (coefficient included)
+  double grad_norm = 0.0;  // global gradient norm before clipping
+  float lr = 0.0f;
+  float max_attn_logit = 0.0f;
+  double seconds = 0.0;    // wall time of the step
+};
+
+struct TrainerOptions {
+  std::string run_dir;      // empty: write no files (benchmarks, tests)
+  bool progress = true;     // print progress lines (rank 0)
+  bool interactive = false; // progress redraws one terminal line instead of one line per log step
+};
+
+class Trainer {
+ public:
+  Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOptions opts);
+
+  StepResult step();                 // one optimizer step
+  void run();                        // train.steps steps with logging and evaluation
+  double evaluate();                 // mean validation cross-entropy (eval_batches batches)
+  std::string sample(int64_t n_chars, uint64_t seed, float temperature = 0.8f);
+
+  GPT& model() { return *model_; }
+  const Dataset& dataset() const { return data_; }
+  AdamW& optimizer() { return *opt_; }
+  int64_t steps_done() const { return step_; }
+  int64_t tokens_per_step() const { return cfg_.train().global_batch() * cfg_.model().seq_len(); }
+  int64_t micro_batch() const { return micro_; }
+  int64_t accum_steps() const { return accum_; }
+  const StepResult& last() const { return last_; }
+  double last_val_loss() const { return last_val_; }
+
+ private:
+  void log_step(const StepResult& r, std::optional<double> val_loss);
+
+  config::KeelConfig cfg_;
+  const Topology& topo_;
+  TrainerOptions opts_;
+  Dataset data_;
+  Sampler sampler_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<AdamW> opt_;
+  int64_t micro_ = 0, accum_ = 0;
+  int64_t step_ = 0;
+  std::vector<int32_t> inputs_, targets_;
+  std::unique_ptr<JsonlWriter> metrics_;
+  StepResult last_;
+  double last_val_ = 0.0;
+  double run_t0_ = 0.0;
+  double window_seconds_ = 0.0;
+  int64_t window_tokens_ = 0;
+};
+
+}  // namespace keel
