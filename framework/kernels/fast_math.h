@@ -4,6 +4,7 @@
 // Shared by the CPU and CUDA backends (__host__ __device__).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
