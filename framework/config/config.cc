@@ -1,0 +1,472 @@
+// Defaults, loading, --set overrides, validation and printing of keel.proto's KeelConfig.
+// Proto3 scalars have no declared defaults, so ours live in kDefaultsText below; a file is merged
+// over them with TextFormat (which, unlike Message::MergeFrom, also applies explicit zeros and
+// falses), and --set walks the descriptors so every field is reachable by its dotted path.
+#include "framework/config/config.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "framework/error.h"
+
+namespace keel {
+namespace {
+
+namespace pb = google::protobuf;
+using config::KeelConfig;
+
+// Tune freely: every field is listed, so this string is the single place the defaults live.
+constexpr const char* kDefaultsText = R"text(
+model {
+  vocab_size: 256
+  seq_len: 128
+  d_model: 128
+  n_layers: 4
+  n_heads: 4
+  d_ff: 0  # 4 x d_model
+  qk_norm: RMS
+  qk_norm_scope: HEAD_SHARED
+  tie_embeddings: true
+  norm: LAYERNORM
+  max_positions: 0  # seq_len
+  init_std: 0.02
+}
+parallel {
+  tp: 1
+}
+train {
+  steps: 400
+  global_batch: 16
+  seed: 1234
+  log_every: 10
+  eval_every: 100
+  eval_batches: 4
+  threads: 0
+  sample_chars: 240
+  micro_batch: 0  # global_batch / dp
+}
+optim {
+  lr: 3e-3
+  min_lr_ratio: 0.1
+  warmup_steps: 40
+  weight_decay: 0.1
+  grad_clip: 1.0
+  beta1: 0.9
+  beta2: 0.95
+  eps: 1e-8
+}
+loss {
+  z_loss: 1e-4
+}
+data {
+  path: ""
+  format: AUTO
+  val_fraction: 0.05
+  val_path: ""
+  builtin_bytes: 4000000
+  builtin_seed: 7
+}
+checkpoint {
+  every: 0
+  keep: 3
+}
+spike {
+  enabled: false
+}
+debug {
+  inject_spike_at_step: 0
+  inject_nan_at_step: 0
+}
+)text";
+
+// Keeps the first error the text-format parser reports. The parser's positions are 0-based and
+// point just past the offending token; located() turns them into "<source>:<line>:<col>: <reason>"
+// with 1-based positions at the start of the token the reason quotes, when it can be found.
+class FirstErrorCollector : public pb::io::ErrorCollector {
+ public:
+#if GOOGLE_PROTOBUF_VERSION >= 4022000
+  void RecordError(int line, pb::io::ColumnNumber column, absl::string_view message) override {
+    record(line, column, std::string(message));
+  }
+  void RecordWarning(int, pb::io::ColumnNumber, absl::string_view) override {}
+#else
+  void AddError(int line, pb::io::ColumnNumber column, const std::string& message) override {
+    record(line, column, message);
+  }
+  void AddWarning(int, pb::io::ColumnNumber, const std::string&) override {}
+#endif
+
+  bool has_error() const { return has_error_; }
+
+  std::string located(const std::string& source, const std::string& text) const {
+    std::ostringstream os;
+    os << source;
+    if (line_ >= 0) os << ":" << line_ + 1 << ":" << token_column(text) + 1;
+    os << ": " << message_;
+    return os.str();
+  }
+
+ private:
+  void record(int line, int column, const std::string& message) {
+    if (has_error_) return;
+    has_error_ = true;
+    line_ = line;
+    column_ = column;
+    message_ = message;
+  }
+
+  // The column where a "quoted" token of the message starts, if it ends on line_ at or before
+  // column_ (e.g. the misspelt field name) and none starts at column_; else the parser's column.
+  int token_column(const std::string& text) const {
+    size_t begin = 0;
+    for (int l = 0; l < line_ && begin != std::string::npos; ++l) {
+      begin = text.find('\n', begin);
+      if (begin != std::string::npos) ++begin;
+    }
+    if (begin == std::string::npos) return column_;
+    const std::string line = text.substr(begin, text.find('\n', begin) - begin);
+    // The tokenizer counts a tab as up to 8 columns, so columns are byte offsets only without.
+    if (static_cast<size_t>(column_) > line.size() || line.find('\t') != std::string::npos) {
+      return column_;
+    }
+    int best = -1;
+    for (size_t q = message_.find('"'); q != std::string::npos;) {
+      const size_t end = message_.find('"', q + 1);
+      if (end == std::string::npos) break;
+      const std::string token = message_.substr(q + 1, end - q - 1);
+      if (!token.empty() && line.compare(column_, token.size(), token) == 0) {
+        return column_;  // the parser already points at the token ("found X")
+      }
+      if (!token.empty() && static_cast<size_t>(column_) >= token.size()) {
+        const size_t at = line.rfind(token, column_ - token.size());
+        if (at != std::string::npos) best = std::max(best, static_cast<int>(at));
+      }
+      q = message_.find('"', end + 1);
+    }
+    return best >= 0 ? best : column_;
+  }
+
+  bool has_error_ = false;
+  int line_ = -1;
+  int column_ = 0;
+  std::string message_;
+};
+
+std::string field_names(const pb::Descriptor* d) {
+  std::string out;
+  for (int i = 0; i < d->field_count(); ++i) {
+    if (i > 0) out += ", ";
+    out += d->field(i)->name();
+  }
+  return out;
+}
+
+// "NONE, RMS, LAYER, L2": the names a user may choose (the *_UNSPECIFIED zero is left out).
+std::string enum_choices(const pb::EnumDescriptor* e) {
+  std::string out;
+  for (int i = 0; i < e->value_count(); ++i) {
+    if (e->value(i)->number() == 0) continue;
+    if (!out.empty()) out += ", ";
+    out += e->value(i)->name();
+  }
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::error_code ec;
+  KEEL_CHECK(!std::filesystem::is_directory(path, ec), kConfig, path,
+             ": is a directory, not a config file");
+  std::ifstream in(path, std::ios::binary);
+  KEEL_CHECK(in.good(), kConfig, path, ": cannot open config file");
+  std::ostringstream os;
+  os << in.rdbuf();
+  KEEL_CHECK(!in.bad(), kConfig, path, ": cannot read config file");
+  return os.str();
+}
+
+// Checks every enum field of every section: defined and not the *_UNSPECIFIED zero.
+void check_enums(const KeelConfig& cfg) {
+  const pb::Reflection* top = cfg.GetReflection();
+  const pb::Descriptor* d = cfg.GetDescriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* section = d->field(i);
+    const pb::Message& msg = top->GetMessage(cfg, section);
+    const pb::Reflection* r = msg.GetReflection();
+    for (int j = 0; j < section->message_type()->field_count(); ++j) {
+      const pb::FieldDescriptor* f = section->message_type()->field(j);
+      if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_ENUM) continue;
+      const int value = r->GetEnumValue(msg, f);
+      const std::string name = section->name() + "." + f->name();
+      KEEL_CHECK(value != 0, kConfig, name, " is unspecified (choose one of ",
+                 enum_choices(f->enum_type()), ")");
+      KEEL_CHECK(f->enum_type()->FindValueByNumber(value) != nullptr, kConfig, name, "=", value,
+                 " is not a valid value (choose one of ", enum_choices(f->enum_type()), ")");
+    }
+  }
+}
+
+// Checks every float and double field of every section is finite (no nan or inf).
+void check_finite(const KeelConfig& cfg) {
+  const pb::Reflection* top = cfg.GetReflection();
+  const pb::Descriptor* d = cfg.GetDescriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* section = d->field(i);
+    const pb::Message& msg = top->GetMessage(cfg, section);
+    const pb::Reflection* r = msg.GetReflection();
+    for (int j = 0; j < section->message_type()->field_count(); ++j) {
+      const pb::FieldDescriptor* f = section->message_type()->field(j);
+      double value = 0;
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT) {
+        value = r->GetFloat(msg, f);
+      } else if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_DOUBLE) {
+        value = r->GetDouble(msg, f);
+      } else {
+        continue;
+      }
+      KEEL_CHECK(std::isfinite(value), kConfig, section->name(), ".", f->name(), "=", value,
+                 " is not a finite number");
+    }
+  }
+}
+
+// A path that names llm.c shards: *.bin, or a glob pattern.
+bool looks_like_shards(const std::string& path) {
+  const bool bin = path.size() >= 4 && path.compare(path.size() - 4, 4, ".bin") == 0;
+  return bin || path.find_first_of("*?[") != std::string::npos;
+}
+
+void validate_model(config::Model& m) {
+  KEEL_CHECK(m.vocab_size() > 0, kConfig, "model.vocab_size=", m.vocab_size(), " must be > 0");
+  KEEL_CHECK(m.seq_len() > 0, kConfig, "model.seq_len=", m.seq_len(), " must be > 0");
+  KEEL_CHECK(m.d_model() > 0, kConfig, "model.d_model=", m.d_model(), " must be > 0");
+  KEEL_CHECK(m.n_layers() > 0, kConfig, "model.n_layers=", m.n_layers(), " must be > 0");
+  KEEL_CHECK(m.n_heads() > 0, kConfig, "model.n_heads=", m.n_heads(), " must be > 0");
+  KEEL_CHECK(m.d_model() % m.n_heads() == 0, kConfig, "model.n_heads=", m.n_heads(),
+             " does not divide model.d_model=", m.d_model());
+  KEEL_CHECK(m.d_ff() >= 0, kConfig, "model.d_ff=", m.d_ff(), " must be >= 0 (0: 4 x d_model)");
+  if (m.d_ff() == 0) {
+    const int64_t d_ff = 4 * static_cast<int64_t>(m.d_model());
+    KEEL_CHECK(d_ff <= std::numeric_limits<int32_t>::max(), kConfig, "model.d_model=", m.d_model(),
+               " is too large for model.d_ff=4 x d_model");
+    m.set_d_ff(static_cast<int32_t>(d_ff));
+  }
+  KEEL_CHECK(m.max_positions() >= 0, kConfig, "model.max_positions=", m.max_positions(),
+             " must be >= 0 (0: seq_len)");
+  if (m.max_positions() == 0) m.set_max_positions(m.seq_len());
+  KEEL_CHECK(m.seq_len() <= m.max_positions(), kConfig, "model.seq_len=", m.seq_len(),
+             " exceeds model.max_positions=", m.max_positions(), " (the position table)");
+  KEEL_CHECK(m.init_std() > 0, kConfig, "model.init_std=", m.init_std(), " must be > 0");
+}
+
+void validate_train(const config::Train& t) {
+  KEEL_CHECK(t.steps() > 0, kConfig, "train.steps=", t.steps(), " must be > 0");
+  KEEL_CHECK(t.global_batch() > 0, kConfig, "train.global_batch=", t.global_batch(),
+             " must be > 0");
+  KEEL_CHECK(t.log_every() > 0, kConfig, "train.log_every=", t.log_every(), " must be > 0");
+  KEEL_CHECK(t.eval_every() >= 0, kConfig, "train.eval_every=", t.eval_every(),
+             " must be >= 0 (0 disables evaluation)");
+  KEEL_CHECK(t.eval_every() == 0 || t.eval_batches() > 0, kConfig,
+             "train.eval_batches=", t.eval_batches(),
+             " must be > 0 when train.eval_every=", t.eval_every());
+  KEEL_CHECK(t.eval_batches() >= 0, kConfig, "train.eval_batches=", t.eval_batches(),
+             " must be >= 0");
+  KEEL_CHECK(t.threads() >= 0, kConfig, "train.threads=", t.threads(),
+             " must be >= 0 (0: all cores)");
+  KEEL_CHECK(t.sample_chars() >= 0, kConfig, "train.sample_chars=", t.sample_chars(),
+             " must be >= 0");
+  // Whether micro_batch divides the per-rank batch depends on dp: the launcher checks that.
+  KEEL_CHECK(t.micro_batch() >= 0, kConfig, "train.micro_batch=", t.micro_batch(),
+             " must be >= 0 (0: global_batch / dp)");
+}
+
+void validate_optim(const config::Optim& o) {
+  KEEL_CHECK(o.lr() > 0, kConfig, "optim.lr=", o.lr(), " must be > 0");
+  KEEL_CHECK(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1, kConfig,
+             "optim.min_lr_ratio=", o.min_lr_ratio(), " must be in [0, 1]");
+  KEEL_CHECK(o.warmup_steps() >= 0, kConfig, "optim.warmup_steps=", o.warmup_steps(),
+             " must be >= 0");
+  KEEL_CHECK(o.weight_decay() >= 0, kConfig, "optim.weight_decay=", o.weight_decay(),
+             " must be >= 0");
+  KEEL_CHECK(o.grad_clip() >= 0, kConfig, "optim.grad_clip=", o.grad_clip(),
+             " must be >= 0 (0 disables clipping)");
+  KEEL_CHECK(o.beta1() >= 0 && o.beta1() < 1, kConfig, "optim.beta1=", o.beta1(),
+             " must be in [0, 1)");
+  KEEL_CHECK(o.beta2() >= 0 && o.beta2() < 1, kConfig, "optim.beta2=", o.beta2(),
+             " must be in [0, 1)");
+  KEEL_CHECK(o.eps() > 0, kConfig, "optim.eps=", o.eps(), " must be > 0");
+}
+
+void validate_data(config::Data& d, const config::Train& t) {
+  if (d.format() == config::AUTO) {
+    if (d.path().empty()) {
+      d.set_format(config::BUILTIN);
+    } else if (looks_like_shards(d.path())) {
+      d.set_format(config::SHARDS);
+    } else {
+      d.set_format(config::TEXT);
+    }
+  }
+  const std::string format = config::DataFormat_Name(d.format());
+  if (d.format() == config::BUILTIN) {
+    KEEL_CHECK(d.path().empty(), kConfig, "data.path='", d.path(),
+               "' is set but data.format=BUILTIN (the generated corpus) reads no file");
+    KEEL_CHECK(d.val_path().empty(), kConfig, "data.val_path='", d.val_path(),
+               "' is set but data.format=BUILTIN holds out data.val_fraction instead");
+    KEEL_CHECK(d.builtin_bytes() > 0, kConfig, "data.builtin_bytes=", d.builtin_bytes(),
+               " must be > 0");
+  } else {
+    KEEL_CHECK(!d.path().empty(), kConfig, "data.path is empty but data.format=", format,
+               " needs a file");
+  }
+  KEEL_CHECK(d.val_fraction() >= 0 && d.val_fraction() < 1, kConfig,
+             "data.val_fraction=", d.val_fraction(), " must be in [0, 1)");
+  const bool has_val = !d.val_path().empty() || d.val_fraction() > 0;
+  KEEL_CHECK(has_val || t.eval_every() == 0, kConfig, "train.eval_every=", t.eval_every(),
+             " needs a validation split: set data.val_fraction > 0 or data.val_path"
+             " (or train.eval_every=0)");
+}
+
+}  // namespace
+
+KeelConfig default_config() {
+  KeelConfig cfg;
+  merge_config_text(kDefaultsText, "<built-in defaults>", cfg);
+  return cfg;
+}
+
+void merge_config_text(const std::string& text, const std::string& source, KeelConfig& cfg) {
+  FirstErrorCollector errors;
+  pb::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  // Parse (which rejects a field given twice) into a scratch message for the diagnostics, then
+  // merge (which applies explicit zeros over the defaults) into cfg.
+  KeelConfig scratch;
+  if (!parser.ParseFromString(text, &scratch)) {
+    KEEL_FAIL(kConfig,
+              errors.has_error() ? errors.located(source, text) : source + ": cannot parse");
+  }
+  const bool merged = parser.MergeFromString(text, &cfg);
+  KEEL_ASSERT(merged);
+}
+
+KeelConfig load_config(const std::string& path, const std::vector<std::string>& sets) {
+  KeelConfig cfg = default_config();
+  if (!path.empty()) merge_config_text(read_file(path), path, cfg);
+  for (const std::string& set : sets) apply_set(set, cfg);
+  validate(cfg);
+  return cfg;
+}
+
+void apply_set(const std::string& assignment, KeelConfig& cfg) {
+  const size_t eq = assignment.find('=');
+  KEEL_CHECK(eq != std::string::npos, kUsage, "--set ", assignment,
+             ": expected dotted.path=value (e.g. --set model.n_heads=8)");
+  const std::string path = assignment.substr(0, eq);
+  const std::string value = assignment.substr(eq + 1);
+
+  pb::Message* msg = &cfg;
+  std::string walked;  // the dotted path of `msg`
+  size_t start = 0;
+  while (true) {
+    const size_t dot = path.find('.', start);
+    const std::string name = path.substr(start, dot == std::string::npos ? dot : dot - start);
+    const pb::Descriptor* d = msg->GetDescriptor();
+    const pb::FieldDescriptor* f = d->FindFieldByName(name);
+    KEEL_CHECK(f != nullptr, kConfig, "--set ", path, ": no such field (",
+               walked.empty() ? "the config" : walked, " has: ", field_names(d), ")");
+    const std::string here = walked.empty() ? name : walked + "." + name;
+    const bool is_message = f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE;
+    KEEL_ASSERT(!f->is_repeated());  // keel.proto has no repeated fields
+    if (dot == std::string::npos) {
+      KEEL_CHECK(!is_message, kConfig, "--set ", path, ": ", here,
+                 " is a section; set one of its fields (", here,
+                 " has: ", field_names(f->message_type()), ")");
+      const pb::Reflection* r = msg->GetReflection();
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING) {
+        r->SetString(msg, f, value);  // verbatim: --set data.path=/d/x.bin needs no quotes
+      } else if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_ENUM) {
+        const pb::EnumValueDescriptor* v = f->enum_type()->FindValueByName(value);
+        KEEL_CHECK(v != nullptr && v->number() != 0, kConfig, "--set ", assignment,
+                   ": invalid value for enum field (choose one of ", enum_choices(f->enum_type()),
+                   ")");
+        r->SetEnum(msg, f, v);
+      } else {
+        FirstErrorCollector silent;
+        pb::TextFormat::Parser parser;
+        parser.RecordErrorsTo(&silent);
+        KEEL_CHECK(parser.ParseFieldValueFromString(value, f, msg), kConfig, "--set ", assignment,
+                   ": invalid value for ", f->type_name(), " field");
+      }
+      return;
+    }
+    KEEL_CHECK(is_message, kConfig, "--set ", path, ": ", here, " is a ", f->type_name(),
+               " field, not a section");
+    msg = msg->GetReflection()->MutableMessage(msg, f);
+    walked = here;
+    start = dot + 1;
+  }
+}
+
+void validate(KeelConfig& cfg) {
+  check_enums(cfg);
+  check_finite(cfg);
+  validate_model(*cfg.mutable_model());
+  KEEL_CHECK(cfg.parallel().tp() >= 1, kConfig, "parallel.tp=", cfg.parallel().tp(),
+             " must be >= 1");
+  validate_train(cfg.train());
+  validate_optim(cfg.optim());
+  KEEL_CHECK(cfg.loss().z_loss() >= 0, kConfig, "loss.z_loss=", cfg.loss().z_loss(),
+             " must be >= 0 (0 disables)");
+  validate_data(*cfg.mutable_data(), cfg.train());
+  KEEL_CHECK(cfg.checkpoint().every() >= 0, kConfig, "checkpoint.every=", cfg.checkpoint().every(),
+             " must be >= 0 (0 disables checkpoints)");
+  KEEL_CHECK(cfg.checkpoint().keep() >= 1, kConfig, "checkpoint.keep=", cfg.checkpoint().keep(),
+             " must be >= 1");
+  KEEL_CHECK(cfg.debug().inject_spike_at_step() >= 0, kConfig,
+             "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
+             " must be >= 0 (0: never)");
+  KEEL_CHECK(cfg.debug().inject_nan_at_step() >= 0, kConfig,
+             "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
+             " must be >= 0 (0: never)");
+}
+
+namespace {
+
+void print_message(const pb::Message& msg, int indent, std::string& out) {
+  const pb::Descriptor* d = msg.GetDescriptor();
+  const pb::Reflection* r = msg.GetReflection();
+  const std::string pad(indent, ' ');
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      out += pad + f->name() + " {\n";
+      print_message(r->GetMessage(msg, f), indent + 2, out);
+      out += pad + "}\n";
+    } else {
+      std::string value;
+      pb::TextFormat::PrintFieldValueToString(msg, f, -1, &value);
+      out += pad + f->name() + ": " + value + "\n";
+    }
+  }
+}
+
+}  // namespace
+
+std::string to_text(const KeelConfig& cfg) {
+  std::string out;
+  print_message(cfg, 0, out);
+  return out;
+}
+
+}  // namespace keel

@@ -1,0 +1,57 @@
+// A read-only view of a token stream: in-memory bytes (the built-in corpus), a text file read as
+// bytes, or llm.c token shards (one file or a sorted glob, concatenated in order), memory-mapped.
+// Every token is checked against the vocabulary once at open, so reads never fail. Copies share
+// the underlying storage; views are cheap to copy and safe to read from many threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+// llm.c shard layout: int32 header[256] = {magic, version, n_tokens, 0...}, then uint16 tokens.
+inline constexpr int32_t kShardMagic = 20240520;
+inline constexpr int32_t kShardVersion = 1;
+inline constexpr int64_t kShardHeaderBytes = 256 * 4;
+
+class TokenStream {
+ public:
+  TokenStream() = default;  // empty
+
+  // Each byte is a token. `description` names the source in errors and describe().
+  static TokenStream from_bytes(std::vector<uint8_t> bytes, const std::string& description,
+                                int32_t vocab_size);
+  // A text file read as bytes (mmap). `field` (e.g. "data.path") names the setting in errors.
+  static TokenStream open_text(const std::string& path, int32_t vocab_size,
+                               const std::string& field);
+  // One llm.c shard file or a glob(3) pattern of them, sorted by name and concatenated (mmap).
+  static TokenStream open_shards(const std::string& pattern, int32_t vocab_size,
+                                 const std::string& field);
+
+  int64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  int32_t at(int64_t i) const;                              // 0 <= i < size()
+  void copy(int64_t start, int64_t n, int32_t* out) const;  // out[0, n) = tokens [start, start+n)
+  // A view of tokens [start, start + n), sharing storage.
+  TokenStream slice(int64_t start, int64_t n) const;
+  const std::string& describe() const { return description_; }
+
+ private:
+  // A run of tokens of one width (1: uint8, 2: uint16) at `data`, kept alive by `owner`.
+  struct Segment {
+    std::shared_ptr<const void> owner;
+    const uint8_t* data;
+    int width;
+    int64_t start;  // index of the segment's first token in the stream
+    int64_t n;
+  };
+  size_t segment_of(int64_t i) const;
+
+  std::vector<Segment> segments_;
+  int64_t size_ = 0;
+  std::string description_ = "empty token stream";
+};
+
+}  // namespace keel

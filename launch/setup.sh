@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian packages keel needs to build and test, when they are missing.
+# As root it runs apt-get; otherwise it prints the exact apt-get line and exits 2.
+# Used by launch/quickstart and tests/run (so CI on a fresh machine installs the same set).
+set -euo pipefail
+
+packages=(
+  cmake make g++ pkg-config
+  libprotobuf-dev protobuf-compiler
+  libopenblas-openmp-dev     # OpenMP OpenBLAS: BLAS shares keel's OpenMP thread pool
+  libopenmpi-dev openmpi-bin
+  libgtest-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "keel: missing packages; run as root:" >&2
+  echo "  apt-get install -y ${missing[*]}" >&2
+  exit 2
+fi
+echo "keel: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq "${missing[@]}" >/dev/null

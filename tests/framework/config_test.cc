@@ -1,0 +1,291 @@
+// Tests for framework/config: defaults, file merge, --set overrides, validation and its one-line
+// errors (each must name the file position or the dotted field), and the to_text round trip.
+#include "framework/config/config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "framework/error.h"
+
+namespace keel {
+namespace {
+
+using config::KeelConfig;
+
+// A temporary directory removed when the test ends.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "keel_config_test_XXXXXX");
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string write(const std::string& name, const std::string& text) const {
+    const std::string file = path_ + "/" + name;
+    std::ofstream(file) << text;
+    return file;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs `fn`, expects a keel::Error of `kind`, and returns its message.
+template <typename Fn>
+std::string error_of(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;
+    return message;
+  }
+  ADD_FAILURE() << "no keel::Error thrown";
+  return "";
+}
+
+void expect_contains(const std::string& message, const std::vector<std::string>& parts) {
+  for (const std::string& part : parts) {
+    EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+  }
+}
+
+TEST(Config, DefaultsValidateAndResolve) {
+  KeelConfig cfg = default_config();
+  EXPECT_EQ(cfg.model().d_ff(), 0);
+  EXPECT_EQ(cfg.data().format(), config::AUTO);
+  validate(cfg);
+  EXPECT_EQ(cfg.model().vocab_size(), 256);
+  EXPECT_EQ(cfg.model().d_ff(), 4 * cfg.model().d_model());
+  EXPECT_EQ(cfg.model().max_positions(), cfg.model().seq_len());
+  EXPECT_EQ(cfg.model().qk_norm(), config::RMS);
+  EXPECT_EQ(cfg.model().qk_norm_scope(), config::HEAD_SHARED);
+  EXPECT_TRUE(cfg.model().tie_embeddings());
+  EXPECT_EQ(cfg.data().format(), config::BUILTIN);
+  EXPECT_EQ(cfg.data().builtin_seed(), 7u);
+  EXPECT_FLOAT_EQ(cfg.optim().lr(), 3e-3f);
+  EXPECT_DOUBLE_EQ(cfg.loss().z_loss(), 1e-4);
+  EXPECT_EQ(cfg.checkpoint().keep(), 3);
+  EXPECT_FALSE(cfg.spike().enabled());
+  // validate is idempotent.
+  KeelConfig again = cfg;
+  validate(again);
+  EXPECT_EQ(again.SerializeAsString(), cfg.SerializeAsString());
+  // load_config with no file and no overrides is the validated defaults.
+  EXPECT_EQ(load_config("", {}).SerializeAsString(), cfg.SerializeAsString());
+}
+
+TEST(Config, FileMergesOverDefaults) {
+  TempDir dir;
+  const std::string file = dir.write("run.pbtxt",
+                                     "# a comment\n"
+                                     "model { d_model: 64 n_heads: 2 tie_embeddings: false }\n"
+                                     "optim { lr: 1e-3 }\n"
+                                     "data { path: \"/data/x.bin\" }\n");
+  KeelConfig cfg = load_config(file, {});
+  EXPECT_EQ(cfg.model().d_model(), 64);
+  EXPECT_EQ(cfg.model().n_heads(), 2);
+  EXPECT_FALSE(cfg.model().tie_embeddings());  // an explicit false overrides the default true
+  EXPECT_EQ(cfg.model().d_ff(), 256);          // resolved from the merged d_model
+  EXPECT_EQ(cfg.model().n_layers(), 4);        // untouched defaults survive
+  EXPECT_EQ(cfg.model().seq_len(), 128);
+  EXPECT_FLOAT_EQ(cfg.optim().lr(), 1e-3f);
+  EXPECT_FLOAT_EQ(cfg.optim().beta2(), 0.95f);
+  EXPECT_EQ(cfg.data().format(), config::SHARDS);
+}
+
+TEST(Config, SetOverridesEveryKindOfField) {
+  KeelConfig cfg = load_config(
+      "", {"model.n_heads=8", "optim.lr=0.01", "model.qk_norm=L2", "model.qk_norm_scope=PROJECTION",
+           "model.tie_embeddings=false", "spike.enabled=true", "data.path=/tmp/some file.txt",
+           "train.seed=18446744073709551615", "loss.z_loss=0"});
+  EXPECT_EQ(cfg.model().n_heads(), 8);
+  EXPECT_FLOAT_EQ(cfg.optim().lr(), 0.01f);
+  EXPECT_EQ(cfg.model().qk_norm(), config::L2);
+  EXPECT_EQ(cfg.model().qk_norm_scope(), config::PROJECTION);
+  EXPECT_FALSE(cfg.model().tie_embeddings());
+  EXPECT_TRUE(cfg.spike().enabled());
+  EXPECT_EQ(cfg.data().path(), "/tmp/some file.txt");  // strings verbatim, no quotes needed
+  EXPECT_EQ(cfg.data().format(), config::TEXT);
+  EXPECT_EQ(cfg.train().seed(), 18446744073709551615ull);
+  EXPECT_EQ(cfg.loss().z_loss(), 0.0);
+}
+
+TEST(Config, SetsApplyInOrderAfterTheFile) {
+  TempDir dir;
+  const std::string file = dir.write("a.pbtxt", "train { steps: 50 }\n");
+  KeelConfig cfg = load_config(file, {"train.steps=60", "train.steps=70"});
+  EXPECT_EQ(cfg.train().steps(), 70);
+}
+
+TEST(Config, DataFormatAutoResolution) {
+  auto format_of = [](const std::string& path) {
+    return load_config("", {"data.path=" + path}).data().format();
+  };
+  EXPECT_EQ(format_of("/d/train_000001.bin"), config::SHARDS);
+  EXPECT_EQ(format_of("/d/train_*.dat"), config::SHARDS);
+  EXPECT_EQ(format_of("/d/shard_?"), config::SHARDS);
+  EXPECT_EQ(format_of("/d/shard_[0-3]"), config::SHARDS);
+  EXPECT_EQ(format_of("/d/tiny_shakespeare.txt"), config::TEXT);
+  EXPECT_EQ(load_config("", {}).data().format(), config::BUILTIN);
+  // An explicit format is kept.
+  EXPECT_EQ(load_config("", {"data.path=/d/a.bin", "data.format=TEXT"}).data().format(),
+            config::TEXT);
+}
+
+TEST(Config, UnknownFieldInFileNamesLineAndColumn) {
+  TempDir dir;
+  const std::string file = dir.write("bad.pbtxt", "model {\n  seq_len: 64\n  d_modle: 32\n}\n");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(file, {}); });
+  expect_contains(msg, {file + ":3:3: ", "d_modle"});
+}
+
+TEST(Config, SyntaxErrorNamesLineAndColumn) {
+  TempDir dir;
+  const std::string file = dir.write("bad.pbtxt", "train {\n  steps: 10\n\n  seed 12 }\n}\n");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(file, {}); });
+  expect_contains(msg, {file + ":4:"});
+  const std::string msg2 =
+      error_of(ErrorKind::kConfig, [&] { load_config(dir.write("b.pbtxt", "model {"), {}); });
+  expect_contains(msg2, {":1:"});
+}
+
+TEST(Config, BadEnumInFileNamesTheField) {
+  TempDir dir;
+  const std::string file = dir.write("bad.pbtxt", "model { qk_norm: RSM }\n");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(file, {}); });
+  expect_contains(msg, {file + ":1:18: ", "RSM", "qk_norm"});
+}
+
+TEST(Config, WrongTypeAndDuplicateFieldInFile) {
+  TempDir dir;
+  const std::string typed = dir.write("t.pbtxt", "train {\n steps: \"ten\"\n}\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(typed, {}); }), {typed + ":2:"});
+  const std::string twice = dir.write("d.pbtxt", "train { steps: 1 steps: 2 }\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(twice, {}); }),
+                  {twice + ":1:", "steps"});
+}
+
+TEST(Config, MissingFileNamesIt) {
+  const std::string msg =
+      error_of(ErrorKind::kConfig, [] { load_config("/nonexistent/keel.pbtxt", {}); });
+  expect_contains(msg, {"/nonexistent/keel.pbtxt"});
+  TempDir dir;
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(dir.path(), {}); }),
+                  {dir.path(), "directory"});
+}
+
+TEST(Config, SetErrors) {
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.foo=1"}); }),
+                  {"--set model.foo: no such field (model has: vocab_size, seq_len, d_model"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"modle.seq_len=1"}); }),
+                  {"--set modle.seq_len: no such field (the config has: model, parallel"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.n_heads=abc"}); }),
+                  {"--set model.n_heads=abc: invalid value for int32 field"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.n_heads=4x"}); }),
+                  {"model.n_heads=4x", "int32"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"optim.lr=fast"}); }),
+                  {"optim.lr=fast", "float"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"spike.enabled=maybe"}); }),
+                  {"spike.enabled=maybe", "bool"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.qk_norm=RSM"}); }),
+                  {"model.qk_norm=RSM", "NONE, RMS, LAYER, L2"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model=3"}); }),
+                  {"--set model", "section"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.seq_len.x=3"}); }),
+                  {"model.seq_len", "not a section"});
+  expect_contains(error_of(ErrorKind::kUsage, [] { load_config("", {"model.n_heads"}); }),
+                  {"--set model.n_heads", "path=value"});
+}
+
+TEST(Config, ValidationErrorsNameTheField) {
+  struct Case {
+    std::vector<std::string> sets;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"model.n_heads=5"}, "model.n_heads=5 does not divide model.d_model=128"},
+      {{"model.seq_len=300", "model.max_positions=256"},
+       "model.seq_len=300 exceeds model.max_positions=256 (the position table)"},
+      {{"model.vocab_size=0"}, "model.vocab_size"},
+      {{"model.d_model=-8"}, "model.d_model"},
+      {{"model.n_layers=0"}, "model.n_layers"},
+      {{"model.d_ff=-1"}, "model.d_ff"},
+      {{"model.init_std=0"}, "model.init_std"},
+      {{"parallel.tp=0"}, "parallel.tp"},
+      {{"train.steps=0"}, "train.steps=0"},
+      {{"train.global_batch=0"}, "train.global_batch=0"},
+      {{"train.log_every=0"}, "train.log_every"},
+      {{"train.eval_batches=0"}, "train.eval_batches"},
+      {{"train.micro_batch=-1"}, "train.micro_batch"},
+      {{"optim.lr=0"}, "optim.lr=0"},
+      {{"optim.lr=nan"}, "optim.lr=nan is not a finite number"},
+      {{"optim.beta1=1"}, "optim.beta1=1"},
+      {{"optim.beta2=-0.1"}, "optim.beta2"},
+      {{"optim.eps=0"}, "optim.eps"},
+      {{"optim.min_lr_ratio=1.5"}, "optim.min_lr_ratio"},
+      {{"optim.weight_decay=-1"}, "optim.weight_decay"},
+      {{"optim.grad_clip=-1"}, "optim.grad_clip"},
+      {{"loss.z_loss=-1e-4"}, "loss.z_loss"},
+      {{"data.val_fraction=1"}, "data.val_fraction=1"},
+      {{"data.val_fraction=-0.5"}, "data.val_fraction"},
+      {{"data.val_fraction=0"}, "train.eval_every=100 needs a validation split"},
+      {{"data.builtin_bytes=0"}, "data.builtin_bytes"},
+      {{"data.format=BUILTIN", "data.path=/x.txt"}, "data.path='/x.txt'"},
+      {{"data.format=SHARDS"}, "data.path is empty but data.format=SHARDS"},
+      {{"checkpoint.keep=0"}, "checkpoint.keep"},
+      {{"checkpoint.every=-1"}, "checkpoint.every"},
+      {{"debug.inject_nan_at_step=-1"}, "debug.inject_nan_at_step"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expected);
+    expect_contains(error_of(ErrorKind::kConfig, [&] { load_config("", c.sets); }), {c.expected});
+  }
+  // The boundaries that are allowed.
+  EXPECT_NO_THROW(load_config("", {"data.val_fraction=0", "train.eval_every=0"}));
+  EXPECT_NO_THROW(load_config("", {"optim.beta1=0", "loss.z_loss=0", "optim.grad_clip=0"}));
+  EXPECT_NO_THROW(load_config("", {"model.seq_len=256", "model.max_positions=256"}));
+}
+
+TEST(Config, UnspecifiedOrUnknownEnumIsAnError) {
+  KeelConfig cfg = default_config();
+  cfg.mutable_model()->set_qk_norm(config::QK_NORM_UNSPECIFIED);
+  expect_contains(error_of(ErrorKind::kConfig, [&] { validate(cfg); }),
+                  {"model.qk_norm is unspecified", "NONE, RMS, LAYER, L2"});
+  cfg = default_config();
+  cfg.mutable_data()->set_format(config::DATA_FORMAT_UNSPECIFIED);
+  expect_contains(error_of(ErrorKind::kConfig, [&] { validate(cfg); }), {"data.format"});
+  cfg = default_config();
+  cfg.mutable_model()->set_norm(static_cast<config::NormKind>(9));
+  expect_contains(error_of(ErrorKind::kConfig, [&] { validate(cfg); }),
+                  {"model.norm=9 is not a valid value"});
+  // A file that leaves an enum at its zero name is caught the same way.
+  TempDir dir;
+  const std::string file = dir.write("z.pbtxt", "model { norm: NORM_KIND_UNSPECIFIED }\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }),
+                  {"model.norm is unspecified"});
+}
+
+TEST(Config, ToTextRoundTripsIncludingZerosAndFalses) {
+  KeelConfig cfg = load_config(
+      "", {"model.tie_embeddings=false", "loss.z_loss=0", "data.path=/d/a \"quoted\".txt",
+           "optim.lr=0.1", "train.eval_every=0", "data.val_fraction=0"});
+  const std::string text = to_text(cfg);
+  EXPECT_NE(text.find("tie_embeddings: false"), std::string::npos) << text;
+  EXPECT_NE(text.find("z_loss: 0"), std::string::npos) << text;
+  TempDir dir;
+  KeelConfig back = load_config(dir.write("config.pbtxt", text), {});
+  EXPECT_EQ(back.SerializeAsString(), cfg.SerializeAsString()) << text;
+  EXPECT_FLOAT_EQ(back.optim().lr(), 0.1f);
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,557 @@
+// Tests for framework/data: shard and text validation and their one-line errors, glob order,
+// dataset splits, sampler determinism and data-parallel independence, fixed validation windows,
+// and the built-in corpus's determinism and entropy figures (checked against measured ones).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "framework/data/corpus.h"
+#include "framework/data/dataset.h"
+#include "framework/data/sampler.h"
+#include "framework/data/token_stream.h"
+#include "framework/error.h"
+
+namespace keel {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "keel_data_test_XXXXXX");
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+struct ShardSpec {
+  int32_t magic = kShardMagic;
+  int32_t version = kShardVersion;
+  int64_t header_tokens = -1;  // -1: the true count
+  int64_t drop_bytes = 0;      // cut this many bytes off the end
+};
+
+void write_shard(const std::string& path, const std::vector<uint16_t>& tokens,
+                 ShardSpec spec = {}) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = spec.magic;
+  header[1] = spec.version;
+  header[2] = static_cast<int32_t>(spec.header_tokens < 0 ? tokens.size() : spec.header_tokens);
+  std::string bytes(reinterpret_cast<const char*>(header.data()), 1024);
+  bytes.append(reinterpret_cast<const char*>(tokens.data()), 2 * tokens.size());
+  bytes.resize(bytes.size() - spec.drop_bytes);
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+std::vector<uint16_t> iota_tokens(int n, int first) {
+  std::vector<uint16_t> t(n);
+  for (int i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(first + i);
+  return t;
+}
+
+template <typename Fn>
+std::string error_of(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;
+    return message;
+  }
+  ADD_FAILURE() << "no keel::Error thrown";
+  return "";
+}
+
+#define EXPECT_HAS(message, part) \
+  EXPECT_NE((message).find(part), std::string::npos) << "'" << (part) << "' not in: " << (message)
+
+std::vector<int32_t> all_tokens(const TokenStream& s) {
+  std::vector<int32_t> out(s.size());
+  s.copy(0, s.size(), out.data());
+  return out;
+}
+
+// ---- shards ------------------------------------------------------------------------------------
+
+TEST(Shards, GoodShardReadsBack) {
+  TempDir dir;
+  const std::string path = dir.file("a.bin");
+  write_shard(path, {5, 0, 65535, 7});
+  TokenStream s = TokenStream::open_shards(path, 65536, "data.path");
+  ASSERT_EQ(s.size(), 4);
+  EXPECT_EQ(s.at(0), 5);
+  EXPECT_EQ(s.at(2), 65535);  // uint16 tokens are read unsigned
+  EXPECT_EQ(all_tokens(s), (std::vector<int32_t>{5, 0, 65535, 7}));
+  EXPECT_HAS(s.describe(), path);
+}
+
+TEST(Shards, MalformedShardsNameTheFileAndReason) {
+  TempDir dir;
+  const auto open = [&](const std::string& path, int32_t vocab = 50257) {
+    return [=] { TokenStream::open_shards(path, vocab, "data.path"); };
+  };
+  const std::string magic = dir.file("magic.bin");
+  write_shard(magic, iota_tokens(10, 0), {.magic = 123});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(magic)),
+             magic + ": bad magic 123 (expected 20240520, an llm.c token shard)");
+
+  const std::string version = dir.file("version.bin");
+  write_shard(version, iota_tokens(10, 0), {.version = 2});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(version)),
+             version + ": unsupported version 2 (expected 1 = uint16 tokens)");
+
+  const std::string truncated = dir.file("truncated.bin");
+  write_shard(truncated, iota_tokens(50, 0), {.header_tokens = 100});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(truncated)),
+             truncated + ": truncated: header says 100 tokens, file holds 50");
+
+  const std::string cut = dir.file("cut.bin");
+  write_shard(cut, iota_tokens(50, 0), {.drop_bytes = 3});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(cut)),
+             cut + ": truncated: header says 50 tokens, file holds 48");
+
+  const std::string tiny = dir.file("tiny.bin");
+  write_bytes(tiny, "0123456789");
+  EXPECT_HAS(error_of(ErrorKind::kData, open(tiny)), tiny + ": truncated: 10 bytes");
+
+  const std::string empty = dir.file("empty.bin");
+  write_bytes(empty, "");
+  EXPECT_HAS(error_of(ErrorKind::kData, open(empty)), empty + ": truncated: 0 bytes");
+
+  const std::string trailing = dir.file("trailing.bin");
+  write_shard(trailing, iota_tokens(50, 0), {.header_tokens = 40});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(trailing)),
+             trailing + ": header says 40 tokens but the file holds 100 bytes");
+
+  const std::string zero = dir.file("zero.bin");
+  write_shard(zero, {}, {});
+  EXPECT_HAS(error_of(ErrorKind::kData, open(zero)), zero + ": header says 0 tokens");
+
+  const std::string big = dir.file("big.bin");
+  std::vector<uint16_t> tokens = iota_tokens(20, 100);
+  tokens[12] = 60000;
+  tokens[15] = 60001;
+  write_shard(big, tokens);
+  EXPECT_HAS(error_of(ErrorKind::kData, open(big)),
+             big + ": token 60000 at index 12 >= model.vocab_size=50257");
+  EXPECT_NO_THROW(open(big, 60002)());
+}
+
+TEST(Shards, MissingFileOrEmptyGlobNamesTheField) {
+  TempDir dir;
+  const std::string missing = dir.file("nope.bin");
+  EXPECT_HAS(
+      error_of(ErrorKind::kData, [&] { TokenStream::open_shards(missing, 256, "data.path"); }),
+      "data.path: no file matches '" + missing + "'");
+  const std::string pattern = dir.file("train_*.bin");
+  EXPECT_HAS(
+      error_of(ErrorKind::kData, [&] { TokenStream::open_shards(pattern, 256, "data.val_path"); }),
+      "data.val_path: no file matches '" + pattern + "'");
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { TokenStream::open_shards(dir.file(""), 256, "f"); }),
+             "not a regular file");
+}
+
+TEST(Shards, GlobConcatenatesInNameOrder) {
+  TempDir dir;
+  // Written out of order; read back sorted by name.
+  write_shard(dir.file("train_000002.bin"), iota_tokens(7, 200));
+  write_shard(dir.file("train_000000.bin"), iota_tokens(5, 0));
+  write_shard(dir.file("train_000001.bin"), iota_tokens(3, 100));
+  write_shard(dir.file("val_000000.bin"), iota_tokens(4, 900));  // not matched
+  TokenStream s = TokenStream::open_shards(dir.file("train_*.bin"), 1000, "data.path");
+  std::vector<int32_t> expected;
+  for (int i = 0; i < 5; ++i) expected.push_back(i);
+  for (int i = 0; i < 3; ++i) expected.push_back(100 + i);
+  for (int i = 0; i < 7; ++i) expected.push_back(200 + i);
+  ASSERT_EQ(s.size(), 15);
+  EXPECT_EQ(all_tokens(s), expected);
+  for (int64_t i = 0; i < s.size(); ++i) EXPECT_EQ(s.at(i), expected[i]);
+  EXPECT_HAS(s.describe(), "3 shards");
+  // Reads that cross shard boundaries, and slices that start and end inside shards.
+  std::vector<int32_t> window(9);
+  s.copy(3, 9, window.data());
+  EXPECT_EQ(window, std::vector<int32_t>(expected.begin() + 3, expected.begin() + 12));
+  TokenStream middle = s.slice(4, 6);
+  EXPECT_EQ(all_tokens(middle), std::vector<int32_t>(expected.begin() + 4, expected.begin() + 10));
+  EXPECT_EQ(middle.at(5), expected[9]);
+  EXPECT_EQ(all_tokens(middle.slice(1, 3)),
+            std::vector<int32_t>(expected.begin() + 5, expected.begin() + 8));
+  EXPECT_EQ(s.slice(15, 0).size(), 0);
+}
+
+// ---- text --------------------------------------------------------------------------------------
+
+TEST(Text, ReadsBytesAndChecksThem) {
+  TempDir dir;
+  const std::string good = dir.file("t.txt");
+  write_bytes(good, std::string("hi\xff", 3));
+  TokenStream s = TokenStream::open_text(good, 256, "data.path");
+  EXPECT_EQ(all_tokens(s), (std::vector<int32_t>{'h', 'i', 255}));
+
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { TokenStream::open_text(good, 128, "data.path"); }),
+             good + ": byte 255 at index 2 >= model.vocab_size=128");
+  const std::string empty = dir.file("empty.txt");
+  write_bytes(empty, "");
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { TokenStream::open_text(empty, 256, "data.path"); }),
+             empty + ": empty text file");
+  const std::string missing = dir.file("missing.txt");
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { TokenStream::open_text(missing, 256, "data.path"); }),
+             missing + ": cannot open");
+}
+
+TEST(Text, FromBytesChecksVocab) {
+  EXPECT_EQ(TokenStream::from_bytes({1, 2, 3}, "mem", 4).size(), 3);
+  EXPECT_HAS(error_of(ErrorKind::kData,
+                      [] {
+                        TokenStream::from_bytes({1, 2, 9}, "mem", 4);
+                      }),
+             "mem: token 9 at index 2 >= model.vocab_size=4");
+}
+
+// ---- dataset -----------------------------------------------------------------------------------
+
+TEST(Dataset, BuiltinSplitsTailForValidation) {
+  config::KeelConfig cfg = load_config("", {"data.builtin_bytes=200000"});
+  Dataset ds = Dataset::open(cfg);
+  EXPECT_EQ(ds.train().size(), 190000);
+  EXPECT_EQ(ds.val().size(), 10000);
+  ASSERT_TRUE(ds.has_val());
+  ASSERT_TRUE(ds.entropy_rate_nats_per_token().has_value());
+  const Corpus corpus = generate_corpus(7, 200000);
+  EXPECT_EQ(*ds.entropy_rate_nats_per_token(), corpus.entropy_rate_nats_per_byte);
+  EXPECT_EQ(ds.val().at(0), corpus.bytes[190000]);  // val is the tail
+  EXPECT_EQ(ds.val().at(9999), corpus.bytes[199999]);
+  EXPECT_EQ(ds.train().at(189999), corpus.bytes[189999]);
+}
+
+TEST(Dataset, TextAndSeparateValidationShards) {
+  TempDir dir;
+  write_bytes(dir.file("a.txt"), std::string(1000, 'x'));
+  config::KeelConfig cfg = load_config("", {"data.path=" + dir.file("a.txt"), "model.seq_len=16"});
+  Dataset text = Dataset::open(cfg);
+  EXPECT_EQ(text.train().size(), 950);
+  EXPECT_EQ(text.val().size(), 50);
+  EXPECT_FALSE(text.entropy_rate_nats_per_token().has_value());
+
+  write_shard(dir.file("train_0.bin"), iota_tokens(100, 0));
+  write_shard(dir.file("train_1.bin"), iota_tokens(100, 100));
+  write_shard(dir.file("val_0.bin"), iota_tokens(40, 7));
+  cfg = load_config("", {"data.path=" + dir.file("train_*.bin"),
+                         "data.val_path=" + dir.file("val_*.bin"), "model.seq_len=16"});
+  Dataset shards = Dataset::open(cfg);
+  EXPECT_EQ(shards.train().size(), 200);  // all of data.path
+  EXPECT_EQ(shards.val().size(), 40);
+  EXPECT_EQ(shards.val().at(0), 7);
+}
+
+TEST(Dataset, NoValidationSplitWhenDisabled) {
+  config::KeelConfig cfg =
+      load_config("", {"data.builtin_bytes=5000", "data.val_fraction=0", "train.eval_every=0"});
+  Dataset ds = Dataset::open(cfg);
+  EXPECT_EQ(ds.train().size(), 5000);
+  EXPECT_FALSE(ds.has_val());
+}
+
+TEST(Dataset, TooSmallSplitsNameTheField) {
+  EXPECT_HAS(error_of(ErrorKind::kData,
+                      [] { Dataset::open(load_config("", {"data.builtin_bytes=100"})); }),
+             "data.builtin_bytes=100");
+  EXPECT_HAS(
+      error_of(
+          ErrorKind::kData,
+          [] {
+            Dataset::open(load_config("", {"data.builtin_bytes=2000", "data.val_fraction=0.01"}));
+          }),
+      "data.val_fraction=0.01: holds out 20 of 2000 tokens");
+  TempDir dir;
+  write_shard(dir.file("t.bin"), iota_tokens(300, 0));
+  write_shard(dir.file("v.bin"), iota_tokens(100, 0));
+  const std::string vocab = "model.vocab_size=1000";
+  EXPECT_HAS(
+      error_of(ErrorKind::kData,
+               [&] {
+                 Dataset::open(load_config("", {"data.path=" + dir.file("t.bin"),
+                                                "data.val_path=" + dir.file("v.bin"), vocab}));
+               }),
+      "data.val_path: ");
+  EXPECT_HAS(
+      error_of(ErrorKind::kData,
+               [&] {
+                 Dataset::open(load_config("", {"data.path=" + dir.file("t.bin"),
+                                                "data.val_path=" + dir.file("x*.bin"), vocab}));
+               }),
+      "data.val_path: no file matches");
+}
+
+// ---- sampler -----------------------------------------------------------------------------------
+
+TokenStream counting_stream(int n) {
+  std::vector<uint8_t> bytes(n);
+  for (int i = 0; i < n; ++i) bytes[i] = static_cast<uint8_t>(i % 251);
+  return TokenStream::from_bytes(std::move(bytes), "counting", 256);
+}
+
+TEST(Sampler, WindowsAreShiftedPairsInRange) {
+  const int T = 8;
+  Sampler sampler(counting_stream(1000), TokenStream(), T, 42, 0);
+  std::vector<int32_t> in(4 * T), tgt(4 * T);
+  sampler.fill_samples(0, 4, in.data(), tgt.data());
+  for (int i = 0; i < 4; ++i) {
+    const int64_t off = sampler.sample_offset(i);
+    for (int t = 0; t < T; ++t) {
+      EXPECT_EQ(in[i * T + t], (off + t) % 251);
+      EXPECT_EQ(tgt[i * T + t], (off + t + 1) % 251);
+    }
+  }
+  // Offsets cover [0, size - T) uniformly: every window start is reachable, none past the end.
+  int64_t lo = 1 << 30, hi = -1;
+  double mean = 0;
+  const int n = 20000;
+  for (int s = 0; s < n; ++s) {
+    const int64_t off = sampler.sample_offset(s);
+    lo = std::min(lo, off);
+    hi = std::max(hi, off);
+    mean += static_cast<double>(off) / n;
+  }
+  EXPECT_EQ(lo, 0);
+  EXPECT_EQ(hi, 1000 - T - 1);
+  EXPECT_NEAR(mean, (1000 - T - 1) / 2.0, 10.0);  // sd of the mean ~2
+}
+
+TEST(Sampler, DeterministicAndSeeded) {
+  const int T = 16;
+  TokenStream train = counting_stream(5000);
+  Sampler a(train, TokenStream(), T, 1234, 0), b(train, TokenStream(), T, 1234, 0),
+      c(train, TokenStream(), T, 1235, 0);
+  std::vector<int32_t> ia(8 * T), ta(8 * T), ib(8 * T), tb(8 * T), ic(8 * T), tc(8 * T);
+  a.next_batch(8, ia.data(), ta.data());
+  b.next_batch(8, ib.data(), tb.data());
+  c.next_batch(8, ic.data(), tc.data());
+  EXPECT_EQ(ia, ib);
+  EXPECT_EQ(ta, tb);
+  EXPECT_NE(ia, ic);
+  EXPECT_EQ(a.state().next_sample, 8u);
+  // The next batch differs from the first.
+  a.next_batch(8, ia.data(), ta.data());
+  EXPECT_NE(ia, ib);
+  EXPECT_EQ(a.state().next_sample, 16u);
+}
+
+TEST(Sampler, GlobalBatchIsTheUnionOfDataParallelSlices) {
+  const int T = 12, batch = 16;
+  TokenStream train = counting_stream(3000);
+  Sampler whole(train, TokenStream(), T, 99, 0);
+  whole.skip(160);  // as if resuming at step 10
+  std::vector<int32_t> in(batch * T), tgt(batch * T);
+  whole.next_batch(batch, in.data(), tgt.data());
+  for (int world : {1, 2, 4, 8}) {
+    SCOPED_TRACE(world);
+    const int per_rank = batch / world;
+    std::vector<int32_t> joined_in, joined_tgt;
+    for (int rank = 0; rank < world; ++rank) {
+      // Each rank builds its own sampler; only (seed, global index) decides its data.
+      Sampler mine(train, TokenStream(), T, 99, 0);
+      std::vector<int32_t> ri(per_rank * T), rt(per_rank * T);
+      mine.fill_samples(160 + rank * per_rank, per_rank, ri.data(), rt.data());
+      joined_in.insert(joined_in.end(), ri.begin(), ri.end());
+      joined_tgt.insert(joined_tgt.end(), rt.begin(), rt.end());
+    }
+    EXPECT_EQ(joined_in, in);
+    EXPECT_EQ(joined_tgt, tgt);
+  }
+}
+
+TEST(Sampler, StateRoundTripsAndResumes) {
+  const int T = 8;
+  TokenStream train = counting_stream(2000);
+  Sampler a(train, TokenStream(), T, 5, 0);
+  std::vector<int32_t> in(4 * T), tgt(4 * T), in2(4 * T), tgt2(4 * T);
+  a.next_batch(4, in.data(), tgt.data());
+  a.next_batch(4, in.data(), tgt.data());
+  const std::string saved = a.state().serialize();
+  EXPECT_EQ(saved, "8");
+  a.next_batch(4, in.data(), tgt.data());
+
+  Sampler b(train, TokenStream(), T, 5, 0);
+  b.set_state(SamplerState::parse(saved));
+  b.next_batch(4, in2.data(), tgt2.data());
+  EXPECT_EQ(in, in2);
+  EXPECT_EQ(tgt, tgt2);
+
+  EXPECT_EQ(SamplerState::parse("18446744073709551615").next_sample, 18446744073709551615ull);
+  for (const char* bad : {"", "x", "12x", "-1", "18446744073709551616", " 3"}) {
+    EXPECT_HAS(error_of(ErrorKind::kData, [&] { SamplerState::parse(bad); }),
+               "sampler state '" + std::string(bad) + "'");
+  }
+}
+
+TEST(Sampler, ValidationWindowsAreFixedSpreadAndNonOverlapping) {
+  const int T = 10;
+  // 1001 tokens of validation hold 100 non-overlapping windows; an evaluation reads 8.
+  Sampler s(counting_stream(500), counting_stream(1001), T, 3, 8);
+  EXPECT_EQ(s.val_windows(), 8);
+  std::vector<int64_t> offsets;
+  for (int w = 0; w < 8; ++w) offsets.push_back(s.val_offset(w));
+  EXPECT_EQ(offsets, (std::vector<int64_t>{0, 120, 250, 370, 500, 620, 750, 870}));
+  for (int w = 1; w < 8; ++w) EXPECT_GE(offsets[w] - offsets[w - 1], T);  // no overlap
+  EXPECT_LE(offsets.back() + T + 1, 1001);                                // inside the stream
+
+  std::vector<int32_t> in(4 * T), tgt(4 * T), in2(4 * T), tgt2(4 * T);
+  s.val_batch(1, 4, in.data(), tgt.data());
+  s.val_batch(1, 4, in2.data(), tgt2.data());
+  EXPECT_EQ(in, in2);  // fixed
+  for (int t = 0; t < T; ++t) {
+    EXPECT_EQ(in[t], (500 + t) % 251);  // window 4
+    EXPECT_EQ(tgt[t], (501 + t) % 251);
+  }
+  // Wraps around: batch 2 reads windows 8..11 = windows 0..3.
+  s.val_batch(2, 4, in.data(), tgt.data());
+  s.val_batch(0, 4, in2.data(), tgt2.data());
+  EXPECT_EQ(in, in2);
+  // Validation reads do not move the training state.
+  EXPECT_EQ(s.state().next_sample, 0u);
+
+  // More windows asked for than fit: every slot, each once, then wrap.
+  Sampler small(counting_stream(500), counting_stream(45), T, 3, 64);
+  EXPECT_EQ(small.val_windows(), 4);
+  EXPECT_EQ(small.val_offset(3), 30);
+  EXPECT_EQ(small.val_offset(4), 0);
+
+  Sampler none(counting_stream(500), TokenStream(), T, 3, 8);
+  EXPECT_EQ(none.val_windows(), 0);
+  EXPECT_THROW(none.val_batch(0, 1, in.data(), tgt.data()), Error);
+}
+
+TEST(Sampler, FromDatasetAndConfig) {
+  config::KeelConfig cfg = load_config("", {"data.builtin_bytes=400000"});
+  Dataset ds = Dataset::open(cfg);
+  Sampler s(ds, cfg);
+  EXPECT_EQ(s.seq_len(), 128);
+  EXPECT_EQ(s.val_windows(), 4 * 16);  // eval_batches x global_batch
+  std::vector<int32_t> in(2 * 128), tgt(2 * 128);
+  s.next_batch(2, in.data(), tgt.data());
+  for (int t = 0; t + 1 < 128; ++t) EXPECT_EQ(in[t + 1], tgt[t]);
+}
+
+// ---- built-in corpus ---------------------------------------------------------------------------
+
+TEST(Corpus, DeterministicPerSeedAndPrefixStable) {
+  const Corpus a = generate_corpus(7, 100000);
+  const Corpus b = generate_corpus(7, 100000);
+  const Corpus c = generate_corpus(8, 100000);
+  const Corpus shorter = generate_corpus(7, 1234);
+  ASSERT_EQ(a.bytes.size(), 100000u);
+  EXPECT_EQ(a.bytes, b.bytes);
+  EXPECT_EQ(a.entropy_rate_nats_per_byte, b.entropy_rate_nats_per_byte);
+  EXPECT_NE(a.bytes, c.bytes);
+  EXPECT_NE(a.entropy_rate_nats_per_byte, c.entropy_rate_nats_per_byte);
+  ASSERT_EQ(shorter.bytes.size(), 1234u);
+  EXPECT_TRUE(std::equal(shorter.bytes.begin(), shorter.bytes.end(), a.bytes.begin()));
+  for (uint8_t byte : a.bytes) {
+    ASSERT_TRUE(std::isalpha(byte) || byte == ' ' || byte == '.' || byte == '\n') << int(byte);
+  }
+}
+
+// Splits the corpus into its states (words with their '.', first letter lower-cased) and measures
+// the empirical conditional entropy H(next word | word) in nats.
+struct Measured {
+  double nats_per_word = 0;
+  double bytes_per_word = 0;
+  size_t distinct_words = 0;
+};
+
+Measured measure(const std::vector<uint8_t>& bytes) {
+  std::vector<int> ids;
+  std::unordered_map<std::string, int> index;
+  std::string word;
+  size_t last_end = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const char c = static_cast<char>(bytes[i]);
+    if (c != ' ' && c != '\n') {
+      word += word.empty() ? static_cast<char>(std::tolower(c)) : c;
+      continue;
+    }
+    ids.push_back(index.emplace(word, static_cast<int>(index.size())).first->second);
+    word.clear();
+    last_end = i + 1;
+  }
+  std::map<std::pair<int, int>, double> pairs;
+  std::vector<double> firsts(index.size(), 0);
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    pairs[{ids[i], ids[i + 1]}] += 1;
+    firsts[ids[i]] += 1;
+  }
+  const double n = static_cast<double>(ids.size() - 1);
+  Measured m;
+  for (const auto& [pair, count] : pairs) {
+    m.nats_per_word -= count / n * std::log(count / firsts[pair.first]);
+  }
+  m.bytes_per_word = static_cast<double>(last_end) / static_cast<double>(ids.size());
+  m.distinct_words = index.size();
+  return m;
+}
+
+TEST(Corpus, EntropyFiguresMatchTheMeasuredText) {
+  const auto start = std::chrono::steady_clock::now();
+  const Corpus c = generate_corpus(7, 4000000);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 2.0);  // about 0.04 s in a release build; generous for debug builds
+  ASSERT_EQ(c.bytes.size(), 4000000u);
+
+  EXPECT_GT(c.entropy_rate_nats_per_byte, 0.2);
+  EXPECT_LT(c.entropy_rate_nats_per_byte, 0.5);
+  EXPECT_GT(c.unigram_entropy_nats, 2.6);
+  EXPECT_LT(c.unigram_entropy_nats, 3.1);
+  EXPECT_LT(c.entropy_rate_nats_per_byte, c.unigram_entropy_nats / 4);
+  EXPECT_NEAR(c.entropy_rate_nats_per_byte, c.entropy_nats_per_word / c.mean_bytes_per_word, 1e-12);
+
+  const Measured m = measure(c.bytes);
+  EXPECT_LE(m.distinct_words, 400u);  // a closed lexicon: the text decodes to the chain's states
+  EXPECT_NEAR(m.nats_per_word, c.entropy_nats_per_word, 0.05 * c.entropy_nats_per_word);
+  EXPECT_NEAR(m.bytes_per_word, c.mean_bytes_per_word, 0.02 * c.mean_bytes_per_word);
+  EXPECT_NEAR(m.nats_per_word / m.bytes_per_word, c.entropy_rate_nats_per_byte,
+              0.05 * c.entropy_rate_nats_per_byte);
+
+  // The reported unigram entropy is the text's.
+  std::vector<double> counts(256, 0);
+  for (uint8_t b : c.bytes) counts[b] += 1;
+  double h = 0;
+  for (double k : counts) {
+    if (k > 0) h -= k / 4e6 * std::log(k / 4e6);
+  }
+  EXPECT_NEAR(h, c.unigram_entropy_nats, 1e-9);
+}
+
+TEST(Corpus, OtherSeedsStayInRange) {
+  for (uint64_t seed : {1, 2, 3, 1000}) {
+    const Corpus c = generate_corpus(seed, 1000);
+    EXPECT_GT(c.entropy_rate_nats_per_byte, 0.2) << seed;
+    EXPECT_LT(c.entropy_rate_nats_per_byte, 0.5) << seed;
+  }
+}
+
+}  // namespace
+}  // namespace keel
