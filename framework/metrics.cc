@@ -48,16 +48,23 @@ JsonObject& JsonObject::add_f(const std::string& key, float v) {
   return *this;
 }
 JsonObject& JsonObject::add(const std::string& key, const std::string& v) {
-  fields_.emplace_back(key, "\"" + escape(v) + "\"");
+  std::string quoted = "\"";
+  quoted += escape(v);
+  quoted += '"';
+  fields_.emplace_back(key, std::move(quoted));
   return *this;
 }
 std::string JsonObject::str() const {
   std::string s = "{";
   for (size_t i = 0; i < fields_.size(); ++i) {
     if (i) s += ", ";
-    s += "\"" + escape(fields_[i].first) + "\": " + fields_[i].second;
+    s += '"';
+    s += escape(fields_[i].first);
+    s += "\": ";
+    s += fields_[i].second;
   }
-  return s + "}";
+  s += '}';
+  return s;
 }
 
 JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {

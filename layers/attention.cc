@@ -160,7 +160,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     const float* k = normed ? qk_.f32() + HD : qkv_.f32() + HD;
     float* dq = normed ? sc.dqk.f32() : dqkv;
     float* dk = normed ? sc.dqk.f32() + HD : dqkv + HD;
-    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
+    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD, sc.attn_threads};
     // dq/dk use ldq/ldk, dv uses ldv (3 HD, inside dqkv).
     float* dscale = nullptr;
     if (d.qk_norm == config::L2) {

@@ -33,7 +33,8 @@ struct Scratch {
   Tensor dqkv;   // [BT, 3 Hl D]
   Tensor dqk;    // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
   Tensor dh;     // [BT, Fl]
-  Tensor attn_ws;  // attention backward workspace
+  Tensor attn_ws;  // attention backward workspace, sized for attn_threads OpenMP threads
+  int attn_threads = 1;
   Tensor dscale;   // [Hl] per-head gradient of the attention scale
 };
 

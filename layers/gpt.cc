@@ -128,7 +128,9 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   if (d.qk_norm != config::NONE) scratch_.dqk = Tensor::zeros({BT, 2 * HD});
   scratch_.dh = Tensor::zeros({BT, d.Fl});
   kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
-  scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, omp_get_max_threads())});
+  scratch_.attn_threads = omp_get_max_threads();
+  scratch_.attn_ws =
+      Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
   scratch_.dscale = Tensor::zeros({d.Hl});
 }
 

@@ -11,6 +11,8 @@ namespace keel::kernels {
 struct AttentionShape {
   int64_t B, T, H, D;
   int64_t ldq, ldk, ldv, ldo;
+  int threads = 0;  // OpenMP threads the backward may use (its workspace is sized for them);
+                    // 0: omp_get_max_threads() at call time
 };
 
 // out = softmax(causal(scale * q k^T)) v (=). *max_abs_logit = largest |scale * q.k| over the

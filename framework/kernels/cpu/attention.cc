@@ -69,9 +69,9 @@ void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale,
                         const T* probs, const T* q, const T* k, const T* v, const T* scale,
                         T* workspace) {
   const int64_t B = s.B, TT = s.T, H = s.H, D = s.D;
-  const int threads = omp_get_max_threads();
+  const int threads = s.threads > 0 ? s.threads : omp_get_max_threads();
   T* partials = workspace + static_cast<int64_t>(threads) * 2 * TT * TT;  // [B * H] dscale terms
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     T* dS = workspace + static_cast<int64_t>(omp_get_thread_num()) * 2 * TT * TT;

@@ -1,5 +1,6 @@
-// CPU cross-entropy + z-loss phases (see framework/kernels/cross_entropy.h). Row statistics are
-// accumulated in double so large vocabularies keep float32 logits accurate.
+// CPU cross-entropy + z-loss phases (see framework/kernels/cross_entropy.h). Rows are independent
+// and parallel over OpenMP; each row's sum-exp is a SIMD reduction in T (float: relative error
+// ~1e-7 x sqrt(V), far inside the parity test's 1e-5).
 #include "framework/kernels/cross_entropy.h"
 #include "framework/kernels/fast_math.h"
 
