@@ -36,18 +36,22 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
     const bool shared = d.qk_scope == config::HEAD_SHARED;
     const Shape shape = shared ? Shape{d.D} : Shape{d.H, d.D};
     const int shard = shared ? -1 : 0;
-    q_norm_w_ = ps.add({prefix + ".q_norm.weight", shape, shard, ParamInit::kConstant, 1.0f});
-    k_norm_w_ = ps.add({prefix + ".k_norm.weight", shape, shard, ParamInit::kConstant, 1.0f});
+    // A shared gain sees only this rank's heads in backward: its gradient is a TP partial sum.
+    auto spec = [&](const char* name, float value) {
+      return ParamSpec{prefix + name, shape, shard, ParamInit::kConstant, value, false, shared};
+    };
+    q_norm_w_ = ps.add(spec(".q_norm.weight", 1.0f));
+    k_norm_w_ = ps.add(spec(".k_norm.weight", 1.0f));
     if (d.qk_norm == config::LAYER) {
-      q_norm_b_ = ps.add({prefix + ".q_norm.bias", shape, shard, ParamInit::kConstant, 0.0f});
-      k_norm_b_ = ps.add({prefix + ".k_norm.bias", shape, shard, ParamInit::kConstant, 0.0f});
+      q_norm_b_ = ps.add(spec(".q_norm.bias", 0.0f));
+      k_norm_b_ = ps.add(spec(".k_norm.bias", 0.0f));
     }
   } else if (d.qk_norm == config::L2) {
     // Henry et al. 2020: g0 = log2(L^2 - L) for training length L.
     const float g0 = std::log2(static_cast<float>(d.T * d.T - d.T));
     const bool per_head = d.qk_scope == config::HEAD;
     qk_scale_ = ps.add({prefix + ".qk_scale", per_head ? Shape{d.H} : Shape{1}, per_head ? 0 : -1,
-                        ParamInit::kConstant, g0});
+                        ParamInit::kConstant, g0, false, !per_head});
   }
   proj_w_ = ps.add({prefix + ".proj.weight", {d.C, d.H * d.D}, 1, ParamInit::kNormal, resid_std,
                     true});
@@ -65,6 +69,10 @@ void Attention::allocate(const LayerContext& ctx) {
     q_rstd_ = Tensor::zeros({d.BT() * groups});
     k_mean_ = Tensor::zeros({d.BT() * groups});
     k_rstd_ = Tensor::zeros({d.BT() * groups});
+  }
+  if (d.qk_scope == config::PROJECTION && d.qk_norm != config::NONE) {
+    q_stats_ = Tensor::zeros({d.BT(), 2});
+    k_stats_ = Tensor::zeros({d.BT(), 2});
   }
   probs_ = Tensor::zeros({d.B, d.Hl, d.T, d.T});
   att_ = Tensor::zeros({d.BT(), HD});
@@ -118,10 +126,27 @@ float Attention::forward(const float* x, float* y, int64_t B) {
     const kernels::NormOp op = qk_op(d.qk_norm);
     const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
     auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
-    kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
-                          q_mean_.f32(), q_rstd_.f32(), eps);
-    kernels::norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
-                          k_mean_.f32(), k_rstd_.f32(), eps);
+    if (d.qk_scope == config::PROJECTION) {
+      // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
+      // partial sums, never the activations.
+      Communicator& tp = *ctx_.topo->tp_comm;
+      const int64_t Cg_total = d.H * d.D;
+      kernels::norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
+      kernels::norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
+      tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
+      tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
+      kernels::norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), qk_.f32(), qkv_.f32(),
+                                       w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
+                                       eps);
+      kernels::norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), qk_.f32() + HD,
+                                       qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
+                                       k_mean_.f32(), k_rstd_.f32(), eps);
+    } else {
+      kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
+                            q_mean_.f32(), q_rstd_.f32(), eps);
+      kernels::norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
+                            k_mean_.f32(), k_rstd_.f32(), eps);
+    }
     q = qk_.f32();
     k = qk_.f32() + HD;
     ldqk = 2 * HD;
@@ -136,7 +161,13 @@ float Attention::forward(const float* x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "matmul.attn_proj");
-    kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), ps_.param(proj_b_), BT, HD, d.C);
+    // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
+    const float* bias = d.tp_rank == 0 ? ps_.param(proj_b_) : nullptr;
+    kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
+  }
+  {
+    ProfileScope p(prof, "tp.all_reduce");
+    ctx_.topo->tp_comm->all_reduce(y, BT * d.C, ReduceOp::kSum);
   }
   return max_logit;
 }
@@ -182,16 +213,40 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
     auto g = [&](int id) { return id >= 0 ? ps_.grad(id) : nullptr; };
     // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
-    kernels::norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
-                           qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-    kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
-                           sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
-                           k_rstd_.f32());
+    if (d.qk_scope == config::PROJECTION) {
+      Communicator& tp = *ctx_.topo->tp_comm;
+      const int64_t Cg_total = d.H * d.D;
+      float* qp = q_stats_.f32();  // reused: forward statistics are no longer needed
+      float* kp = k_stats_.f32();
+      kernels::norm_backward_partials(s, sc.dqk.f32(), qkv_.f32(), w(q_norm_w_), q_mean_.f32(),
+                                      q_rstd_.f32(), qp);
+      kernels::norm_backward_partials(s, sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_),
+                                      k_mean_.f32(), k_rstd_.f32(), kp);
+      tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
+      tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
+      kernels::norm_backward_from_partials(op, s, Cg_total, qp, dqkv, false, g(q_norm_w_),
+                                           g(q_norm_b_), sc.dqk.f32(), qkv_.f32(), w(q_norm_w_),
+                                           q_mean_.f32(), q_rstd_.f32());
+      kernels::norm_backward_from_partials(op, s, Cg_total, kp, dqkv + HD, false, g(k_norm_w_),
+                                           g(k_norm_b_), sc.dqk.f32() + HD, qkv_.f32() + HD,
+                                           w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
+    } else {
+      kernels::norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
+                             qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
+      kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
+                             sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
+                             k_rstd_.f32());
+    }
   }
   {
     ProfileScope p(prof, "matmul.qkv");
     kernels::linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad(qkv_b_), dqkv, x,
                              ps_.param(qkv_w_), BT, d.C, 3 * HD);
+  }
+  {
+    // Column-parallel input: each rank's dx covers its heads only.
+    ProfileScope p(prof, "tp.all_reduce");
+    ctx_.topo->tp_comm->all_reduce(dx, BT * d.C, ReduceOp::kSum);
   }
 }
 

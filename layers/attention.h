@@ -33,6 +33,7 @@ class Attention {
   Tensor qkv_;      // [BT, 3 Hl D] projection output (q, k raw; v)
   Tensor qk_;       // [BT, 2 Hl D] QK-normalised q, k (unused for NONE)
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
+  Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
   Tensor probs_;    // [B, Hl, T, T]
   Tensor att_;      // [BT, Hl D]
   Tensor scales_;   // [Hl]

@@ -13,10 +13,13 @@ namespace keel {
 
 struct ModelDims {
   int64_t V, C, H, D, F, L, P;  // vocab, d_model, heads, head_dim, d_ff, layers, positions
+  int64_t Vp;                   // vocab padded to a multiple of 64 x tp (Vp = V when tp = 1)
   int64_t T;                    // sequence length
   int64_t B;                    // micro-batch (sequences)
   int64_t Hl, Fl, Vl;           // this TP rank's heads, d_ff columns and vocab rows
   int64_t v_begin;              // first vocab row held here
+  int64_t v_valid;              // rows of this rank's shard below V (the rest are padding)
+  int tp_rank, tp;
   config::QkNorm qk_norm;
   config::QkNormScope qk_scope;
   config::NormKind norm;

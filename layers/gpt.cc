@@ -34,11 +34,17 @@ ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Top
   const int tp = topo.tp;
   KEEL_CHECK(d.H % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.n_heads=", d.H);
   KEEL_CHECK(d.F % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d.F);
-  KEEL_CHECK(d.V % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.vocab_size=", d.V);
+  // Note [vocab padding]: under TP the vocabulary is padded to a multiple of 64 x tp so it splits
+  // evenly; padded rows are never looked up (tokens < V) and their logits are excluded from the
+  // loss, so every layout computes the same function. tp = 1 keeps the exact [V, C] table.
+  d.Vp = tp == 1 ? d.V : (d.V + 64 * tp - 1) / (64 * tp) * (64 * tp);
   d.Hl = d.H / tp;
   d.Fl = d.F / tp;
-  d.Vl = d.V / tp;
+  d.Vl = d.Vp / tp;
   d.v_begin = topo.tp_rank * d.Vl;
+  d.v_valid = std::clamp<int64_t>(d.V - d.v_begin, 0, d.Vl);
+  d.tp_rank = topo.tp_rank;
+  d.tp = tp;
   d.qk_norm = m.qk_norm();
   d.qk_scope = m.qk_norm_scope();
   d.norm = m.norm();
@@ -99,14 +105,14 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   const ModelDims& d = ctx_.dims;
 
   // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
-  wte_ = ps_.add({"wte", {d.V, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+  wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
   wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
   for (int64_t l = 0; l < d.L; ++l) {
     blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
   }
   ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
   if (!d.tied) {
-    lm_head_ = ps_.add({"lm_head.weight", {d.V, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+    lm_head_ = ps_.add({"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
   }
   ps_.allocate(topo.tp_rank, topo.tp);
 
@@ -169,9 +175,9 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
-  kernels::xent_row_max(logits_.f32(), BT, d.Vl, d.Vl, mx);
+  kernels::xent_row_max(logits_.f32(), BT, d.Vl, d.v_valid, mx);
   tp.all_reduce(mx, BT, ReduceOp::kMax);
-  kernels::xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.Vl, lse);
+  kernels::xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.v_valid, lse);
   tp.all_reduce(lse, BT, ReduceOp::kSum);
   kernels::xent_target_logit(logits_.f32(), targets, BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
@@ -194,7 +200,7 @@ void GPT::backward(float loss_weight) {
   {
     ProfileScope p(&profiler_, "loss");
     kernels::xent_backward(logits_.f32(), logits_.f32(), lse_.f32(), targets_.i32(), BT, d.Vl,
-                           d.Vl, d.v_begin, loss_weight / static_cast<float>(BT),
+                           d.v_valid, d.v_begin, loss_weight / static_cast<float>(BT),
                            static_cast<float>(z_coef_));
   }
   {

@@ -36,7 +36,13 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "matmul.mlp_proj");
-    kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), ps_.param(proj_b_), BT, d.Fl, d.C);
+    // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
+    const float* bias = d.tp_rank == 0 ? ps_.param(proj_b_) : nullptr;
+    kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
+  }
+  {
+    ProfileScope p(prof, "tp.all_reduce");
+    ctx_.topo->tp_comm->all_reduce(y, BT * d.C, ReduceOp::kSum);
   }
 }
 
@@ -58,6 +64,10 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
     ProfileScope p(prof, "matmul.mlp_fc");
     kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad(fc_b_), dh, x,
                              ps_.param(fc_w_), BT, d.C, d.Fl);
+  }
+  {
+    ProfileScope p(prof, "tp.all_reduce");
+    ctx_.topo->tp_comm->all_reduce(dx, BT * d.C, ReduceOp::kSum);
   }
 }
 

@@ -21,6 +21,9 @@ struct ParamSpec {
   ParamInit init = ParamInit::kNormal;
   float value = 0.0f;     // std for kNormal, the constant for kConstant
   bool decay = false;     // AdamW weight decay applies
+  // Replicated across TP ranks but each rank's gradient covers only its heads (a gain shared by
+  // all heads): the gradient is all-reduced over TP once per step.
+  bool tp_partial_grad = false;
 };
 
 struct ParamInfo {
@@ -29,6 +32,7 @@ struct ParamInfo {
   int64_t shard_begin = 0;  // first index along shard_dim held here
   int64_t offset = 0;     // element offset in the arenas
   int64_t numel() const { return shape_numel(local); }
+  bool sharded() const { return local != spec.logical; }
 };
 
 class ParamStore {

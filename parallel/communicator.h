@@ -3,6 +3,7 @@
 // keel-bench can check communication volume against the analytic formula.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 
@@ -10,20 +11,54 @@ namespace keel {
 
 enum class ReduceOp { kSum, kMax };
 
+// Handle of a non-blocking collective; wait() completes it (and is idempotent).
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  virtual void wait() = 0;
+  virtual bool test() = 0;  // drives progress; true once complete
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // In place, element-wise over all ranks.
   virtual void all_reduce(float* data, int64_t n, ReduceOp op) = 0;
   virtual void all_reduce(double* data, int64_t n, ReduceOp op) = 0;
+  // recv[size() * n] = every rank's send[n], in rank order.
+  virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
+  // recv[n] = sum over ranks of send[rank() * n, (rank() + 1) * n).
+  virtual void reduce_scatter(const float* send, float* recv, int64_t n) = 0;
   virtual void broadcast(float* data, int64_t n, int root) = 0;
   virtual void barrier() = 0;
-  // Bytes this rank sent for collectives so far (payload bytes, ring-algorithm independent).
+  // Non-blocking in-place sum; `data` must stay alive and untouched until wait().
+  virtual std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) = 0;
+
+  // Payload bytes of every collective this communicator ran: n * sizeof(element) for
+  // all-reduce and broadcast, size() * n * sizeof for all-gather and reduce-scatter (the full
+  // logical buffer), 0 for a group of one. Independent of the algorithm MPI or NCCL picks.
   int64_t bytes_moved() const { return bytes_moved_; }
+  int64_t calls() const { return calls_; }
+  void reset_counters() {
+    bytes_moved_ = 0;
+    calls_ = 0;
+  }
 
  protected:
+  void count(int64_t bytes) {
+    bytes_moved_ += bytes;
+    ++calls_;
+  }
   int64_t bytes_moved_ = 0;
+  int64_t calls_ = 0;
+};
+
+class DoneRequest final : public CommRequest {
+ public:
+  void wait() override {}
+  bool test() override { return true; }
 };
 
 // A group of one: every collective is the identity and moves nothing. Used for tp = 1 / dp = 1
@@ -34,8 +69,17 @@ class SelfCommunicator final : public Communicator {
   int size() const override { return 1; }
   void all_reduce(float*, int64_t, ReduceOp) override {}
   void all_reduce(double*, int64_t, ReduceOp) override {}
+  void all_gather(const float* send, float* recv, int64_t n) override {
+    std::copy(send, send + n, recv);
+  }
+  void reduce_scatter(const float* send, float* recv, int64_t n) override {
+    std::copy(send, send + n, recv);
+  }
   void broadcast(float*, int64_t, int) override {}
   void barrier() override {}
+  std::unique_ptr<CommRequest> iall_reduce(float*, int64_t) override {
+    return std::make_unique<DoneRequest>();
+  }
 };
 
 // Where this rank sits: world = dp x tp, TP groups are consecutive ranks. Passed by reference to
@@ -46,6 +90,7 @@ struct Topology {
   int dp = 1, dp_rank = 0;
   Communicator* tp_comm = nullptr;
   Communicator* dp_comm = nullptr;
+  Communicator* world_comm = nullptr;  // null in single-process topologies
 
   // Single process: both groups are SelfCommunicators owned by the returned holder.
   static Topology single(std::unique_ptr<Communicator>& tp_holder,

@@ -38,3 +38,33 @@ void norm_backward(NormOp op, const NormShape& s, T* dinp, bool accumulate, T* d
                    const T* dout, const T* inp, const T* weight, const T* mean, const T* rstd);
 
 }  // namespace keel::kernels
+
+// ---- Split form, for a norm whose row is sharded across ranks (PROJECTION-scope QK-norm under
+// tensor parallelism): each rank reduces its part of every row, the caller all-reduces the
+// per-row statistics ([rows, 2] floats: B x T x 2, never the activations), then applies.
+// Cg_total is the full row length across ranks. kLayer uses var = E[x^2] - mean^2 (one
+// all-reduce instead of two; inputs here are q/k projections with |mean| << std).
+namespace keel::kernels {
+
+// stats[r, 0] = sum_c x, stats[r, 1] = sum_c x^2 over this rank's part of row r (=).
+template <typename T>
+void norm_partial_stats(const NormShape& s, const T* inp, T* stats);
+
+// From all-reduced stats: mean, rstd (=), then out (=) as norm_forward.
+template <typename T>
+void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const T* stats,
+                             T* out, const T* inp, const T* weight, const T* bias, T* mean,
+                             T* rstd, T eps);
+
+// part[r, 0] = sum_c dn, part[r, 1] = sum_c dn * xhat over this rank's part (=), dn = dy * w.
+template <typename T>
+void norm_backward_partials(const NormShape& s, const T* dout, const T* inp, const T* weight,
+                            const T* mean, const T* rstd, T* part);
+
+// dinp (= or +=) from all-reduced partials; dweight, dbias += (each may be null).
+template <typename T>
+void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total, const T* part,
+                                 T* dinp, bool accumulate, T* dweight, T* dbias, const T* dout,
+                                 const T* inp, const T* weight, const T* mean, const T* rstd);
+
+}  // namespace keel::kernels

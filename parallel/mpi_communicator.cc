@@ -1,0 +1,161 @@
+// MPI implementation of Communicator. Counts vary as int in MPI; buffers larger than 2^31 - 1
+// elements are sent in chunks.
+#include "parallel/mpi_communicator.h"
+
+#include <algorithm>
+#include <climits>
+#include <vector>
+
+#include "framework/error.h"
+
+namespace keel {
+
+namespace {
+
+void check(int rc, const char* what, const std::string& group) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  KEEL_FAIL(kComm, what, " over the ", group, " group failed: ", std::string(msg, len));
+}
+
+MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
+
+constexpr int64_t kMaxCount = INT_MAX / 2;
+
+class Guard {
+ public:
+  Guard(Watchdog* w, const char* op, const std::string& group) : w_(w) {
+    if (w_) w_->begin(op, group.c_str());
+  }
+  ~Guard() {
+    if (w_) w_->end();
+  }
+
+ private:
+  Watchdog* w_;
+};
+
+class MpiRequest final : public CommRequest {
+ public:
+  MpiRequest(std::vector<MPI_Request> reqs, Watchdog* w, const std::string& group)
+      : reqs_(std::move(reqs)), w_(w), group_(group) {}
+  ~MpiRequest() override {
+    if (!done_) wait();
+  }
+  void wait() override {
+    if (done_) return;
+    Guard g(w_, "all_reduce (non-blocking)", group_);
+    check(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall", group_);
+    done_ = true;
+  }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    check(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
+          "MPI_Testall", group_);
+    done_ = flag != 0;
+    return done_;
+  }
+
+ private:
+  std::vector<MPI_Request> reqs_;
+  Watchdog* w_;
+  std::string group_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, Watchdog* watchdog)
+    : comm_(comm), name_(std::move(name)), watchdog_(watchdog) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::all_reduce(float* data, int64_t n, ReduceOp op) {
+  if (size_ == 1 || n == 0) return;
+  count(n * static_cast<int64_t>(sizeof(float)));
+  Guard g(watchdog_, "all_reduce", name_);
+  for (int64_t off = 0; off < n; off += kMaxCount) {
+    const int c = static_cast<int>(std::min(kMaxCount, n - off));
+    check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_FLOAT, mpi_op(op), comm_),
+          "MPI_Allreduce", name_);
+  }
+}
+
+void MpiCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
+  if (size_ == 1 || n == 0) return;
+  count(n * static_cast<int64_t>(sizeof(double)));
+  Guard g(watchdog_, "all_reduce", name_);
+  for (int64_t off = 0; off < n; off += kMaxCount) {
+    const int c = static_cast<int>(std::min(kMaxCount, n - off));
+    check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_DOUBLE, mpi_op(op), comm_),
+          "MPI_Allreduce", name_);
+  }
+}
+
+void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
+  if (size_ == 1) {
+    std::copy(send, send + n, recv);
+    return;
+  }
+  KEEL_CHECK(n <= kMaxCount, kInternal, "all_gather of ", n, " elements per rank is too large");
+  count(n * size_ * static_cast<int64_t>(sizeof(float)));
+  Guard g(watchdog_, "all_gather", name_);
+  check(MPI_Allgather(send, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT,
+                      comm_),
+        "MPI_Allgather", name_);
+}
+
+void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) {
+  if (size_ == 1) {
+    std::copy(send, send + n, recv);
+    return;
+  }
+  KEEL_CHECK(n <= kMaxCount, kInternal, "reduce_scatter of ", n, " elements per rank is too large");
+  count(n * size_ * static_cast<int64_t>(sizeof(float)));
+  Guard g(watchdog_, "reduce_scatter", name_);
+  check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_),
+        "MPI_Reduce_scatter_block", name_);
+}
+
+void MpiCommunicator::broadcast(float* data, int64_t n, int root) {
+  if (size_ == 1 || n == 0) return;
+  count(n * static_cast<int64_t>(sizeof(float)));
+  Guard g(watchdog_, "broadcast", name_);
+  for (int64_t off = 0; off < n; off += kMaxCount) {
+    const int c = static_cast<int>(std::min(kMaxCount, n - off));
+    check(MPI_Bcast(data + off, c, MPI_FLOAT, root, comm_), "MPI_Bcast", name_);
+  }
+}
+
+void MpiCommunicator::barrier() {
+  if (size_ == 1) return;
+  Guard g(watchdog_, "barrier", name_);
+  check(MPI_Barrier(comm_), "MPI_Barrier", name_);
+}
+
+std::unique_ptr<CommRequest> MpiCommunicator::iall_reduce(float* data, int64_t n) {
+  if (size_ == 1 || n == 0) return std::make_unique<DoneRequest>();
+  count(n * static_cast<int64_t>(sizeof(float)));
+  std::vector<MPI_Request> reqs;
+  for (int64_t off = 0; off < n; off += kMaxCount) {
+    const int c = static_cast<int>(std::min(kMaxCount, n - off));
+    MPI_Request r;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data + off, c, MPI_FLOAT, MPI_SUM, comm_, &r),
+          "MPI_Iallreduce", name_);
+    reqs.push_back(r);
+  }
+  return std::make_unique<MpiRequest>(std::move(reqs), watchdog_, name_);
+}
+
+}  // namespace keel
