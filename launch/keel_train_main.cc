@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -15,8 +16,16 @@
 #include "launch/cli.h"
 #include "launch/trainer.h"
 #include "parallel/mpi_env.h"
+#include "parallel/topology.h"
 
 namespace {
+
+int64_t count_logical_params(keel::GPT& model) {
+  int64_t n = 0;
+  const keel::ParamStore& ps = model.params();
+  for (int id = 0; id < ps.size(); ++id) n += keel::shape_numel(ps.info(id).spec.logical);
+  return n;
+}
 
 int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   using namespace keel;
@@ -26,16 +35,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     return 0;
   }
   config::KeelConfig cfg = load_config(args.config_path, args.sets);
-  KEEL_CHECK(mpi.world_size() == 1, kLayout, "keel-train was started on ", mpi.world_size(),
-             " ranks, but multi-process training (parallel.tp / data parallelism) is not built "
-             "yet: run one process");
-  KEEL_CHECK(cfg.parallel().tp() == 1, kLayout, "parallel.tp=", cfg.parallel().tp(),
-             " needs ", cfg.parallel().tp(), " ranks; this build trains in one process (tp=1)");
-  std::unique_ptr<Communicator> tp_comm, dp_comm;
-  Topology topo = Topology::single(tp_comm, dp_comm);
-  topo.world_size = mpi.world_size();
-  topo.world_rank = mpi.world_rank();
-
+  // Every rank validates the same config, so a layout error stops all of them before any
+  // collective (no hang); rank 0 alone prints it.
+  Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
+  const Topology& topo = dist.topology();
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = cfg.train().threads() > 0 ? cfg.train().threads()
                                                 : std::max(1, hw / mpi.local_size());
@@ -43,19 +46,28 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
 
   TrainerOptions opts;
   opts.run_dir = args.run_dir;
-  opts.interactive = isatty(STDOUT_FILENO) != 0;
+  // mpirun hands ranks a pseudo-terminal: redraw in place only when run directly in a terminal.
+  const bool launched = std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMI_RANK") ||
+                        std::getenv("SLURM_PROCID");
+  opts.interactive = isatty(STDOUT_FILENO) != 0 && !launched;
+  opts.watchdog = &dist.watchdog();
   Trainer trainer(cfg, topo, opts);
   const ModelDims& d = trainer.model().dims();
   if (mpi.world_rank() == 0) {
+    std::printf("keel-train: %d ranks = dp %d x tp %d | %d threads per rank | optimizer state "
+                "%.1f MiB per rank%s\n",
+                topo.world_size, topo.dp, topo.tp, threads,
+                static_cast<double>(trainer.optimizer().state_bytes()) / (1024.0 * 1024.0),
+                cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "");
     std::printf(
         "keel-train: %lld parameters (d_model %lld, %lld layers, %lld heads, qk_norm %s/%s, "
-        "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step | %d threads\n",
-        static_cast<long long>(trainer.model().params().total_elems()),
+        "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step\n",
+        static_cast<long long>(count_logical_params(trainer.model())),
         static_cast<long long>(d.C), static_cast<long long>(d.L), static_cast<long long>(d.H),
         config::QkNorm_Name(d.qk_norm).c_str(), config::QkNormScope_Name(d.qk_scope).c_str(),
         cfg.loss().z_loss(), trainer.dataset().train().describe().c_str(),
         static_cast<long long>(trainer.dataset().train().size()),
-        static_cast<long long>(trainer.tokens_per_step()), threads);
+        static_cast<long long>(trainer.tokens_per_step()));
     std::fflush(stdout);
   }
   trainer.run();
@@ -63,13 +75,13 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     const StepResult& r = trainer.last();
     std::printf("keel-train: done: %lld steps, final loss %.4f nats/token", 
                 static_cast<long long>(r.step), r.loss);
-    if (trainer.dataset().has_val()) std::printf(", val loss %.4f", trainer.last_val_loss());
+    if (trainer.evaluated()) std::printf(", val loss %.4f", trainer.last_val_loss());
     if (auto floor = trainer.dataset().entropy_rate_nats_per_token()) {
       std::printf(" (data entropy rate %.4f)", *floor);
     }
     std::printf("\nkeel-train: outputs in %s/ (metrics.jsonl, config.pbtxt)\n",
                 args.run_dir.c_str());
-    if (cfg.train().sample_chars() > 0 && d.V <= 256) {
+    if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {
       const std::string text = trainer.sample(cfg.train().sample_chars(), cfg.train().seed());
       std::printf("keel-train: sample from the trained model:\n%s\n", text.c_str());
     }
@@ -80,16 +92,28 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int rank = 0;
+  int rank = 0, world = 1;
   try {
     keel::MpiEnv mpi(&argc, &argv);
     rank = mpi.world_rank();
+    world = mpi.world_size();
     return run(argc, argv, mpi);
   } catch (const keel::Error& e) {
-    if (rank == 0) std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
-    return keel::exit_code_for(e.kind());
+    const int code = keel::exit_code_for(e.kind());
+    // Usage, config, data and layout errors are found identically by every rank; rank 0 speaks.
+    // Anything else may have struck one rank only: it names itself and ends the whole job.
+    if (code == 2 || world == 1) {
+      if (rank == 0) {
+        std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
+      }
+      return code;
+    }
+    std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank, keel::error_kind_name(e.kind()),
+                 e.what());
+    keel::MpiEnv::abort(code);
   } catch (const std::exception& e) {
-    if (rank == 0) std::fprintf(stderr, "keel-train: internal error: %s\n", e.what());
+    std::fprintf(stderr, "keel-train: rank %d: internal error: %s\n", rank, e.what());
+    if (world > 1) keel::MpiEnv::abort(1);
     return 1;
   }
 }

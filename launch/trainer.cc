@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -48,11 +49,30 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   model_ = std::make_unique<GPT>(cfg_, topo_, micro_);
   model_->init(t.seed());
   ParamStore& ps = model_->params();
+  for (int id = 0; id < ps.size(); ++id) {
+    if (ps.info(id).spec.tp_partial_grad && topo_.tp > 1) tp_partial_ids_.push_back(id);
+  }
+  // Data parallelism: ZeRO-1 shards the optimizer over DP; otherwise bucketed, overlapped
+  // all-reduce of the whole gradient arena.
+  zero_ = topo_.dp > 1 && cfg_.parallel().zero_stage() == 1;
+  shard_n_ = zero_ ? ps.total_elems() / topo_.dp : ps.total_elems();
+  shard_off_ = zero_ ? topo_.dp_rank * shard_n_ : 0;
   std::vector<ParamSegment> segs;
   for (int id = 0; id < ps.size(); ++id) {
-    segs.push_back({ps.info(id).offset, ps.info(id).numel(), ps.info(id).spec.decay});
+    const int64_t lo = std::max(ps.info(id).offset, shard_off_);
+    const int64_t hi = std::min(ps.info(id).offset + ps.info(id).numel(), shard_off_ + shard_n_);
+    if (hi > lo) segs.push_back({lo - shard_off_, hi - lo, ps.info(id).spec.decay});
   }
-  opt_ = std::make_unique<AdamW>(cfg_.optim(), ps.total_elems(), std::move(segs));
+  opt_ = std::make_unique<AdamW>(cfg_.optim(), shard_n_, std::move(segs));
+  if (zero_) {
+    shard_grads_ = Tensor::zeros({shard_n_});
+  } else if (topo_.dp > 1) {
+    std::vector<ArenaRange> ranges;
+    for (int id = 0; id < ps.size(); ++id) ranges.push_back({ps.info(id).offset, ps.info(id).numel()});
+    const auto bucket_bytes = static_cast<int64_t>(cfg_.parallel().bucket_mb() * 1024.0 * 1024.0);
+    grad_sync_ = std::make_unique<GradSync>(*topo_.dp_comm, ps.grads().f32(), std::move(ranges),
+                                            bucket_bytes);
+  }
   const int64_t T = cfg_.model().seq_len();
   inputs_.resize(micro_ * T);
   targets_.resize(micro_ * T);
@@ -65,34 +85,113 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   }
 }
 
+double Trainer::grad_sum_squares(const float* grads, int64_t begin, int64_t end) const {
+  // Global-norm contributions over arena elements [begin, end): a TP-sharded parameter counts on
+  // every TP rank (each holds a different slice), a replicated one on TP rank 0 only.
+  ParamStore& ps = model_->params();
+  double sq = 0.0;
+  for (int id = 0; id < ps.size(); ++id) {
+    const ParamInfo& info = ps.info(id);
+    if (!info.sharded() && topo_.tp_rank != 0) continue;
+    const int64_t lo = std::max(info.offset, begin), hi = std::min(info.offset + info.numel(), end);
+    if (hi > lo) sq += kernels::sum_squares(grads + (lo - begin), hi - lo);
+  }
+  return sq;
+}
+
 StepResult Trainer::step() {
   const double t0 = omp_get_wtime();
   const int64_t global_batch = cfg_.train().global_batch();
   ParamStore& ps = model_->params();
+  const auto& dbg = cfg_.debug();
+  if (dbg.kill_at_step() > 0 && dbg.kill_at_step() == step_ + 1 &&
+      dbg.kill_rank() == topo_.world_rank) {
+    std::fprintf(stderr, "keel-train: debug.kill_rank=%d: killing this rank at step %lld\n",
+                 topo_.world_rank, static_cast<long long>(step_ + 1));
+    std::fflush(stderr);
+    std::raise(SIGKILL);
+  }
+  if (opts_.watchdog) opts_.watchdog->set_step(step_ + 1);
   StepResult r;
   r.lr = learning_rate(cfg_.optim(), step_, cfg_.train().steps());
   ps.zero_grads();
   // Global sample stream: this step's samples are [first, first + global_batch); DP rank d takes
   // its contiguous slice, so the data a step sees does not depend on dp.
   const uint64_t first = sampler_.state().next_sample;
-  const uint64_t rank_first = first + static_cast<uint64_t>(topo_.dp_rank) * (global_batch / topo_.dp);
-  double ce = 0.0, z = 0.0;
+  const uint64_t per_rank = static_cast<uint64_t>(global_batch / topo_.dp);
+  const uint64_t rank_first = first + static_cast<uint64_t>(topo_.dp_rank) * per_rank;
+  // Each rank's loss is the mean over its micro-batches; summing gradients over DP ranks then
+  // gives the global-batch mean.
+  const float loss_weight = 1.0f / static_cast<float>(accum_ * topo_.dp);
+  double stats[2] = {0.0, 0.0};  // ce, z summed over micro-batches
   for (int64_t m = 0; m < accum_; ++m) {
     sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
     const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_);
-    model_->backward(1.0f / static_cast<float>(accum_));
-    ce += st.ce;
-    z += st.z_loss;
+    const bool last = m + 1 == accum_;
+    if (last && grad_sync_) {
+      grad_sync_->begin();
+      model_->set_grad_ready_hook([this](int id) { grad_sync_->ready(id); });
+    }
+    const double tb = omp_get_wtime();
+    model_->backward(loss_weight);
+    r.backward_s = omp_get_wtime() - tb;
+    model_->set_grad_ready_hook({});
+    stats[0] += st.ce;
+    stats[1] += st.z_loss;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
   }
   sampler_.skip(global_batch);
-  r.loss = ce / static_cast<double>(accum_);
-  r.z_loss = z / static_cast<double>(accum_);
+  float* grads = ps.grads().f32();
+  {
+    ProfileScope p(&model_->profiler(), "dp.grad_sync");
+    // Gains shared by all heads: each TP rank's gradient covers its own heads. Summing over TP
+    // commutes with the DP sum, so it runs after the overlapped DP sync or before ZeRO's
+    // reduce-scatter.
+    auto reduce_tp_partials = [&] {
+      for (int id : tp_partial_ids_) {
+        topo_.tp_comm->all_reduce(ps.grad(id), ps.info(id).numel(), ReduceOp::kSum);
+      }
+    };
+    if (grad_sync_) {
+      grad_sync_->finish();
+      r.comm_exposed_s = grad_sync_->exposed_seconds();
+      r.comm_window_s = grad_sync_->window_seconds();
+      reduce_tp_partials();
+    } else if (zero_) {
+      reduce_tp_partials();
+      topo_.dp_comm->reduce_scatter(grads, shard_grads_.f32(), shard_n_);
+    } else {
+      reduce_tp_partials();
+    }
+  }
+  // Loss statistics: identical on every rank (every rank decides alike).
+  if (topo_.world_comm) {
+    topo_.world_comm->all_reduce(stats, 2, ReduceOp::kSum);
+    stats[0] /= topo_.world_size;  // TP ranks of one replica hold the same values
+    stats[1] /= topo_.world_size;
+    topo_.world_comm->all_reduce(&r.max_attn_logit, 1, ReduceOp::kMax);
+  }
+  r.loss = stats[0] / static_cast<double>(accum_);
+  r.z_loss = stats[1] / static_cast<double>(accum_);
   {
     ProfileScope p(&model_->profiler(), "optimizer");
-    r.grad_norm = std::sqrt(kernels::sum_squares(ps.grads().f32(), ps.total_elems()));
+    double sq;
+    if (zero_) {
+      sq = grad_sum_squares(shard_grads_.f32(), shard_off_, shard_off_ + shard_n_);
+      topo_.world_comm->all_reduce(&sq, 1, ReduceOp::kSum);
+    } else {
+      sq = grad_sum_squares(grads, 0, ps.total_elems());
+      topo_.tp_comm->all_reduce(&sq, 1, ReduceOp::kSum);
+    }
+    r.grad_norm = std::sqrt(sq);
     const float scale = clip_scale(r.grad_norm, cfg_.optim().grad_clip());
-    opt_->step(ps.params().f32(), ps.grads().f32(), r.lr, scale);
+    float* params = ps.params().f32();
+    if (zero_) {
+      opt_->step(params + shard_off_, shard_grads_.f32(), r.lr, scale);
+      topo_.dp_comm->all_gather(params + shard_off_, params, shard_n_);
+    } else {
+      opt_->step(params, grads, r.lr, scale);
+    }
   }
   r.step = ++step_;
   r.seconds = omp_get_wtime() - t0;
@@ -112,7 +211,10 @@ double Trainer::evaluate() {
     ce += model_->forward(inputs_.data(), targets_.data(), b).ce * static_cast<double>(b);
     count += b;
   }
-  last_val_ = ce / static_cast<double>(count);
+  double sums[2] = {ce, static_cast<double>(count)};
+  if (topo_.world_comm) topo_.world_comm->all_reduce(sums, 2, ReduceOp::kSum);
+  last_val_ = sums[0] / sums[1];
+  evaluated_ = true;
   return last_val_;
 }
 

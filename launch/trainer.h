@@ -16,6 +16,8 @@
 #include "framework/metrics.h"
 #include "framework/optim/optimizer.h"
 #include "layers/gpt.h"
+#include "parallel/grad_sync.h"
+#include "parallel/watchdog.h"
 
 namespace keel {
 
@@ -27,12 +29,16 @@ struct StepResult {
   float lr = 0.0f;
   float max_attn_logit = 0.0f;
   double seconds = 0.0;    // wall time of the step
+  double comm_exposed_s = 0.0;  // DP gradient sync time not hidden behind backward
+  double comm_window_s = 0.0;   // from the first bucket's launch to the sync's end
+  double backward_s = 0.0;      // time of the last micro-batch's backward (overlap window)
 };
 
 struct TrainerOptions {
   std::string run_dir;      // empty: write no files (benchmarks, tests)
   bool progress = true;     // print progress lines (rank 0)
   bool interactive = false; // progress redraws one terminal line instead of one line per log step
+  Watchdog* watchdog = nullptr;  // told the current step, for its messages
 };
 
 class Trainer {
@@ -51,11 +57,17 @@ class Trainer {
   int64_t tokens_per_step() const { return cfg_.train().global_batch() * cfg_.model().seq_len(); }
   int64_t micro_batch() const { return micro_; }
   int64_t accum_steps() const { return accum_; }
+  const Topology& topology() const { return topo_; }
+  // ZeRO-1: this rank's slice [shard_offset, shard_offset + shard_n) of the parameter arena.
+  int64_t shard_offset() const { return shard_off_; }
+  int64_t shard_n() const { return shard_n_; }
   const StepResult& last() const { return last_; }
   double last_val_loss() const { return last_val_; }
+  bool evaluated() const { return evaluated_; }
 
  private:
   void log_step(const StepResult& r, std::optional<double> val_loss);
+  double grad_sum_squares(const float* grads, int64_t begin, int64_t end) const;
 
   config::KeelConfig cfg_;
   const Topology& topo_;
@@ -64,12 +76,18 @@ class Trainer {
   Sampler sampler_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)
+  bool zero_ = false;                    // ZeRO-1 (dp > 1, zero_stage 1)
+  int64_t shard_off_ = 0, shard_n_ = 0;
+  Tensor shard_grads_;                   // [shard_n] reduce-scattered gradients (ZeRO-1)
+  std::vector<int> tp_partial_ids_;      // gradients to all-reduce over TP each step
   int64_t micro_ = 0, accum_ = 0;
   int64_t step_ = 0;
   std::vector<int32_t> inputs_, targets_;
   std::unique_ptr<JsonlWriter> metrics_;
   StepResult last_;
   double last_val_ = 0.0;
+  bool evaluated_ = false;
   double run_t0_ = 0.0;
   double window_seconds_ = 0.0;
   int64_t window_tokens_ = 0;

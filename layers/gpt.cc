@@ -108,13 +108,18 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
   wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
   for (int64_t l = 0; l < d.L; ++l) {
+    const int first = ps_.size();
     blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
+    block_params_.emplace_back(first, ps_.size());
   }
+  const int head_first = ps_.size();
   ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
   if (!d.tied) {
     lm_head_ = ps_.add({"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
   }
-  ps_.allocate(topo.tp_rank, topo.tp);
+  head_params_ = {head_first, ps_.size()};
+  // The arena is padded to a multiple of dp so ZeRO-1 can split it evenly.
+  ps_.allocate(topo.tp_rank, topo.tp, topo.dp);
 
   for (auto& b : blocks_) b->allocate(ctx_);
   ln_f_->allocate(ctx_);
@@ -211,13 +216,20 @@ void GPT::backward(float loss_weight) {
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);
+  notify(head_params_.first, head_params_.second);
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const float* x = l == 0 ? x0_.f32() : blocks_[l - 1]->out();
     blocks_[l]->backward(x, dres_.f32(), B);
+    notify(block_params_[l].first, block_params_[l].second);
   }
-  ProfileScope p(&profiler_, "embedding");
-  kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl, C);
-  kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+  {
+    ProfileScope p(&profiler_, "embedding");
+    kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl,
+                                C);
+    kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+  }
+  notify(wte_, wte_ + 1);
+  notify(wpe_, wpe_ + 1);
 }
 
 }  // namespace keel

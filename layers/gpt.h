@@ -5,6 +5,7 @@
 // micro-batches accumulate into one optimizer step.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -59,6 +60,10 @@ class GPT {
   // [B T, V_local] logits of the last forward (valid until backward overwrites them).
   const float* logits() const { return logits_.f32(); }
 
+  // Called during backward with each parameter id as soon as its gradient is complete for this
+  // backward (DP gradient sync starts its buckets from here). Empty: no calls.
+  void set_grad_ready_hook(std::function<void(int)> hook) { ready_hook_ = std::move(hook); }
+
  private:
   float* head_weight();
   float* head_grad();
@@ -76,6 +81,14 @@ class GPT {
   Tensor row_max_, lse_, tl_;    // [BT]
   Tensor dres_;                  // [BT, C] residual-stream gradient
   int64_t last_B_ = 0;
+  std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block
+  std::pair<int, int> head_params_;                // ln_f (+ lm_head when untied)
+  std::function<void(int)> ready_hook_;
+  void notify(int first, int last) {
+    if (ready_hook_) {
+      for (int id = first; id < last; ++id) ready_hook_(id);
+    }
+  }
 };
 
 }  // namespace keel

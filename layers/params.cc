@@ -1,6 +1,8 @@
 // ParamStore layout and layout-independent initialisation.
 #include "layers/params.h"
 
+#include <algorithm>
+
 #include "framework/error.h"
 #include "framework/philox.h"
 
@@ -22,7 +24,7 @@ int ParamStore::find(const std::string& name) const {
   return -1;
 }
 
-void ParamStore::allocate(int tp_rank, int tp_size) {
+void ParamStore::allocate(int tp_rank, int tp_size, int pad_multiple) {
   KEEL_ASSERT(!allocated_);
   int64_t offset = 0;
   for (auto& info : infos_) {
@@ -38,7 +40,8 @@ void ParamStore::allocate(int tp_rank, int tp_size) {
     info.offset = offset;
     offset += (info.numel() + 15) / 16 * 16;  // keep every tensor 64-byte aligned
   }
-  total_ = offset;
+  const int64_t quantum = 16 * static_cast<int64_t>(std::max(1, pad_multiple));
+  total_ = (offset + quantum - 1) / quantum * quantum;
   params_ = Tensor::zeros({total_});
   grads_ = Tensor::zeros({total_});
   allocated_ = true;

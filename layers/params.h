@@ -39,8 +39,9 @@ class ParamStore {
  public:
   // Registers a parameter; returns its id. Only before allocate().
   int add(ParamSpec spec);
-  // Lays out the arenas for this TP rank (64-byte aligned per tensor) and zeros them.
-  void allocate(int tp_rank, int tp_size);
+  // Lays out the arenas for this TP rank (64-byte aligned per tensor) and zeros them; the total
+  // is padded to a multiple of 16 x pad_multiple elements (pad_multiple = dp, for ZeRO-1).
+  void allocate(int tp_rank, int tp_size, int pad_multiple = 1);
   // Draws every parameter from Philox(seed, name, logical index).
   void init(uint64_t seed);
 

@@ -111,8 +111,10 @@ void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   KEEL_CHECK(n <= kMaxCount, kInternal, "all_gather of ", n, " elements per rank is too large");
   count(n * size_ * static_cast<int64_t>(sizeof(float)));
   Guard g(watchdog_, "all_gather", name_);
-  check(MPI_Allgather(send, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT,
-                      comm_),
+  // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
+  const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
+  check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n),
+                      MPI_FLOAT, comm_),
         "MPI_Allgather", name_);
 }
 

@@ -44,6 +44,9 @@ model {
 }
 parallel {
   tp: 1
+  zero_stage: 0
+  bucket_mb: 25
+  timeout_s: 300
 }
 train {
   steps: 400
@@ -87,6 +90,8 @@ spike {
 debug {
   inject_spike_at_step: 0
   inject_nan_at_step: 0
+  kill_rank: 0
+  kill_at_step: 0
 }
 )text";
 
@@ -422,8 +427,21 @@ void validate(KeelConfig& cfg) {
   check_enums(cfg);
   check_finite(cfg);
   validate_model(*cfg.mutable_model());
-  KEEL_CHECK(cfg.parallel().tp() >= 1, kConfig, "parallel.tp=", cfg.parallel().tp(),
-             " must be >= 1");
+  const auto& par = cfg.parallel();
+  KEEL_CHECK(par.tp() >= 1, kConfig, "parallel.tp=", par.tp(), " must be >= 1");
+  KEEL_CHECK(par.zero_stage() == 0 || par.zero_stage() == 1, kConfig,
+             "parallel.zero_stage=", par.zero_stage(), " must be 0 or 1");
+  KEEL_CHECK(par.bucket_mb() > 0, kConfig, "parallel.bucket_mb=", par.bucket_mb(),
+             " must be > 0");
+  KEEL_CHECK(par.timeout_s() >= 0, kConfig, "parallel.timeout_s=", par.timeout_s(),
+             " must be >= 0 (0 disables the watchdog)");
+  const int64_t tp = par.tp(), heads = cfg.model().n_heads(), d_ff = cfg.model().d_ff();
+  KEEL_CHECK(tp <= heads, kLayout, "parallel.tp=", tp, " exceeds model.n_heads=", heads,
+             " (TP splits whole heads)");
+  KEEL_CHECK(heads % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.n_heads=",
+             heads);
+  KEEL_CHECK(d_ff % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d_ff);
+  KEEL_CHECK(cfg.debug().kill_at_step() >= 0, kConfig, "debug.kill_at_step must be >= 0");
   validate_train(cfg.train());
   validate_optim(cfg.optim());
   KEEL_CHECK(cfg.loss().z_loss() >= 0, kConfig, "loss.z_loss=", cfg.loss().z_loss(),
