@@ -7,6 +7,7 @@
 // the attention term counts the full T x T products (keel skips the masked half, so the true
 // work is lower and the reported fraction is the conventional, comparable one).
 #include <cblas.h>
+#include <mpi.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "framework/kernels/gemm.h"
 #include "launch/trainer.h"
 #include "parallel/mpi_env.h"
+#include "parallel/topology.h"
 
 namespace {
 
@@ -65,16 +67,19 @@ double measure_sgemm_peak() {
 
 void usage() {
   std::printf(
-      "usage: keel-bench [--config S|M|all] [--steps N] [--warmup N] [--threads N] [--profile]\n"
-      "                  [--set path=value]...\n"
+      "usage: [mpirun -np N] keel-bench [--config S|M|all] [--steps N] [--warmup N]\n"
+      "                  [--threads N] [--tp T] [--profile] [--set path=value]...\n"
+      "Under mpirun the same global batch is split over dp = N / T ranks (tokens/s is the whole\n"
+      "job's); --threads is per rank. Distributed runs also print the bytes each collective\n"
+      "group moved per step and the share of DP all-reduce time not hidden behind backward.\n"
       "Prints per-config tokens/s, GFLOP/s and the fraction of the measured sgemm peak, and\n"
       "ends with one 'config=... tokens_per_s=... gflops=... peak_gflops=... peak_fraction=...'\n"
       "line per config.\n");
 }
 
-int run(int argc, char** argv) {
+int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   std::string which = "all";
-  int steps = 5, warmup = 2, threads = 2;
+  int steps = 5, warmup = 2, threads = 2, tp = 1;
   bool profile = false;
   std::vector<std::string> sets;
   for (int i = 1; i < argc; ++i) {
@@ -98,6 +103,7 @@ int run(int argc, char** argv) {
     else if (a == "--steps") steps = int_value();
     else if (a == "--warmup") warmup = int_value();
     else if (a == "--threads") threads = int_value();
+    else if (a == "--tp") tp = int_value();
     else if (a == "--profile") profile = true;
     else if (a == "--set") sets.push_back(value());
     else if (a == "-h" || a == "--help") {
@@ -108,9 +114,18 @@ int run(int argc, char** argv) {
   KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
   KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
   keel::kernels::set_num_threads(threads);
-  const double peak = measure_sgemm_peak();
-  std::printf("keel-bench: %d threads, sgemm peak %.1f GFLOP/s (2048^3, best of 4)\n", threads,
-              peak);
+  const bool root = mpi.world_rank() == 0;
+  // The peak is measured on rank 0 alone (others wait), with this rank's thread count.
+  double peak = 0.0;
+  if (root) peak = measure_sgemm_peak();
+  MPI_Bcast(&peak, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  if (root) {
+    std::printf("keel-bench: %d rank(s) x %d threads, sgemm peak %.1f GFLOP/s per rank "
+                "(2048^3, best of 4)\n",
+                mpi.world_size(), threads, peak);
+  }
+  // The job's peak: every rank's cores count.
+  const double job_peak = peak * mpi.world_size();
   std::vector<std::string> summaries;
   bool matched = false;
   for (const Named& named : kConfigs) {
@@ -122,12 +137,14 @@ int run(int argc, char** argv) {
     cfg.mutable_train()->set_eval_every(0);
     cfg.mutable_train()->set_steps(steps + warmup);
     cfg.mutable_optim()->set_warmup_steps(1);
+    cfg.mutable_optim()->set_lr(6e-4);  // keeps the few timed steps' losses sane
     cfg.mutable_model()->set_d_ff(0);
     cfg.mutable_model()->set_max_positions(0);
+    cfg.mutable_parallel()->set_tp(tp);
     for (const auto& s : sets) keel::apply_set(s, cfg);
     keel::validate(cfg);
-    std::unique_ptr<keel::Communicator> tp, dp;
-    keel::Topology topo = keel::Topology::single(tp, dp);
+    keel::Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
+    const keel::Topology& topo = dist.topology();
     keel::TrainerOptions opts;
     opts.progress = false;
     keel::Trainer trainer(cfg, topo, opts);
@@ -135,17 +152,42 @@ int run(int argc, char** argv) {
     keel::Profiler& prof = trainer.model().profiler();
     prof.reset();
     prof.set_enabled(profile);
-    double total = 0.0;
-    for (int i = 0; i < steps; ++i) total += trainer.step().seconds;
+    topo.tp_comm->reset_counters();
+    topo.dp_comm->reset_counters();
+    double total = 0.0, exposed = 0.0, window = 0.0, backward = 0.0;
+    for (int i = 0; i < steps; ++i) {
+      const keel::StepResult r = trainer.step();
+      total += r.seconds;
+      exposed += r.comm_exposed_s;
+      window += r.comm_window_s;
+      backward += r.backward_s;
+    }
+    // The slowest rank sets the pace.
+    MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     const double sec = total / steps;
     const double tps = static_cast<double>(trainer.tokens_per_step()) / sec;
     const double gflops = tps * flops_per_token(cfg) / 1e9;
+    const double tp_bytes = static_cast<double>(topo.tp_comm->bytes_moved()) / steps;
+    const double dp_bytes = static_cast<double>(topo.dp_comm->bytes_moved()) / steps;
+    if (!root) continue;
     std::printf(
         "config %s: %lld params, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f GFLOP/s "
-        "(%.1f%% of sgemm peak), loss %.4f\n",
+        "(%.1f%% of the job's sgemm peak), loss %.4f\n",
         named.name, static_cast<long long>(trainer.model().params().total_elems()),
-        static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops, 100 * gflops / peak,
-        trainer.last().loss);
+        static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops,
+        100 * gflops / job_peak, trainer.last().loss);
+    if (mpi.world_size() > 1) {
+      std::printf("  layout dp %d x tp %d: per step TP moved %.0f bytes, DP moved %.0f bytes "
+                  "(rank 0's payload; gradient arena %lld bytes)\n",
+                  topo.dp, topo.tp, tp_bytes, dp_bytes,
+                  static_cast<long long>(trainer.model().params().total_elems() * 4));
+      if (topo.dp > 1 && window > 0) {
+        std::printf("  DP overlap: all-reduce window %.1f ms/step, exposed (not hidden behind "
+                    "backward) %.1f ms/step = %.1f%% of the window; last backward %.1f ms\n",
+                    1e3 * window / steps, 1e3 * exposed / steps, 100 * exposed / window,
+                    1e3 * backward / steps);
+      }
+    }
     if (profile) {
       double sum = 0.0;
       for (const auto& e : prof.entries()) sum += e.second;
@@ -160,15 +202,19 @@ int run(int argc, char** argv) {
       std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
                   1e3 * sum / steps, 1e3 * sec);
     }
-    char line[256];
+    char line[320];
     std::snprintf(line, sizeof(line),
-                  "config=%s tokens_per_s=%.1f gflops=%.2f peak_gflops=%.2f peak_fraction=%.4f",
-                  named.name, tps, gflops, peak, gflops / peak);
+                  "config=%s tokens_per_s=%.1f gflops=%.2f peak_gflops=%.2f peak_fraction=%.4f "
+                  "ranks=%d tp=%d dp=%d tp_bytes_per_step=%.0f dp_bytes_per_step=%.0f",
+                  named.name, tps, gflops, job_peak, gflops / job_peak, mpi.world_size(), topo.tp,
+                  topo.dp, tp_bytes, dp_bytes);
     summaries.push_back(line);
     std::fflush(stdout);
   }
   KEEL_CHECK(matched, kUsage, "--config ", which, ": no such benchmark config (S, M or all)");
-  for (const auto& s : summaries) std::printf("%s\n", s.c_str());
+  if (root) {
+    for (const auto& s : summaries) std::printf("%s\n", s.c_str());
+  }
   return 0;
 }
 
@@ -177,7 +223,7 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     keel::MpiEnv mpi(&argc, &argv);
-    return run(argc, argv);
+    return run(argc, argv, mpi);
   } catch (const keel::Error& e) {
     std::fprintf(stderr, "keel-bench: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
     return keel::exit_code_for(e.kind());

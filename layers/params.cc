@@ -80,3 +80,35 @@ void ParamStore::init(uint64_t seed) {
 }
 
 }  // namespace keel
+
+#include "parallel/communicator.h"
+
+namespace keel {
+
+std::vector<float> gather_logical(const ParamStore& ps, int id, const float* local,
+                                  Communicator& tp) {
+  const ParamInfo& info = ps.info(id);
+  const int64_t n = info.numel();
+  if (!info.sharded()) return std::vector<float>(local, local + n);
+  const int d = info.spec.shard_dim;
+  std::vector<float> all(static_cast<size_t>(n) * tp.size());
+  tp.all_gather(local, all.data(), n);
+  // all = [rank][outer][local_d][inner]  ->  logical [outer][rank * local_d + i][inner]
+  int64_t outer = 1, inner = 1;
+  for (int k = 0; k < d; ++k) outer *= info.local[k];
+  for (size_t k = d + 1; k < info.local.size(); ++k) inner *= info.local[k];
+  const int64_t ld = info.local[d];
+  std::vector<float> out(all.size());
+  for (int r = 0; r < tp.size(); ++r) {
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t i = 0; i < ld; ++i) {
+        const float* src = all.data() + ((r * outer + o) * ld + i) * inner;
+        float* dst = out.data() + (o * ld * tp.size() + r * ld + i) * inner;
+        std::copy(src, src + inner, dst);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace keel

@@ -67,3 +67,12 @@ class ParamStore {
 };
 
 }  // namespace keel
+
+namespace keel {
+class Communicator;
+// The logical tensor of parameter `id` assembled from every TP rank's slice `local` (gradients or
+// values) with an all-gather over `tp`; replicated tensors are returned as they are. Used by
+// tests (shard = slice) and, later, checkpoint export.
+std::vector<float> gather_logical(const ParamStore& ps, int id, const float* local,
+                                  Communicator& tp);
+}  // namespace keel
