@@ -5,13 +5,20 @@ namespace keel {
 
 const char* error_kind_name(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kUsage: return "usage error";
-    case ErrorKind::kConfig: return "config error";
-    case ErrorKind::kData: return "data error";
-    case ErrorKind::kLayout: return "layout error";
-    case ErrorKind::kIo: return "io error";
-    case ErrorKind::kComm: return "communication error";
-    case ErrorKind::kInternal: return "internal error";
+    case ErrorKind::kUsage:
+      return "usage error";
+    case ErrorKind::kConfig:
+      return "config error";
+    case ErrorKind::kData:
+      return "data error";
+    case ErrorKind::kLayout:
+      return "layout error";
+    case ErrorKind::kIo:
+      return "io error";
+    case ErrorKind::kComm:
+      return "communication error";
+    case ErrorKind::kInternal:
+      return "internal error";
   }
   return "error";
 }

@@ -51,14 +51,15 @@ std::string concat(Args&&... args) {
 
 }  // namespace keel
 
-#define KEEL_FAIL(kind, ...) \
-  throw ::keel::Error(::keel::ErrorKind::kind, ::keel::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
+#define KEEL_FAIL(kind, ...)                                                                  \
+  throw ::keel::Error(::keel::ErrorKind::kind, ::keel::detail::concat(__VA_ARGS__), __FILE__, \
+                      __LINE__)
 
-#define KEEL_CHECK(cond, kind, ...)  \
-  do {                               \
-    if (!(cond)) {                   \
-      KEEL_FAIL(kind, __VA_ARGS__);  \
-    }                                \
+#define KEEL_CHECK(cond, kind, ...) \
+  do {                              \
+    if (!(cond)) {                  \
+      KEEL_FAIL(kind, __VA_ARGS__); \
+    }                               \
   } while (0)
 
 // Internal invariant: a failure here is a bug in keel, not in the user's input.

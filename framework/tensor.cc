@@ -12,20 +12,28 @@ namespace keel {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kBF16: return 2;
-    case DType::kF64: return 8;
-    case DType::kI32: return 4;
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kF64:
+      return 8;
+    case DType::kI32:
+      return 4;
   }
   return 0;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF64: return "f64";
-    case DType::kI32: return "i32";
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF64:
+      return "f64";
+    case DType::kI32:
+      return "i32";
   }
   return "?";
 }

@@ -35,8 +35,8 @@ TrainArgs parse_train_args(int argc, char** argv) {
     } else if (arg.rfind("-", 0) == 0) {
       KEEL_FAIL(kUsage, "unknown option ", arg, " (see --help)");
     } else {
-      KEEL_CHECK(a.config_path.empty(), kUsage, "more than one config file given: ",
-                 a.config_path, " and ", arg);
+      KEEL_CHECK(a.config_path.empty(), kUsage, "more than one config file given: ", a.config_path,
+                 " and ", arg);
       a.config_path = arg;
     }
   }

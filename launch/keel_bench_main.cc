@@ -57,8 +57,8 @@ double measure_sgemm_peak() {
   double best = 0.0;
   for (int rep = 0; rep < 5; ++rep) {
     const double t0 = omp_get_wtime();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
-                n, 0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
     const double dt = omp_get_wtime() - t0;
     if (rep > 0) best = std::max(best, 2.0 * n * n * n / dt / 1e9);
   }
@@ -99,17 +99,25 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         KEEL_FAIL(kUsage, a, ": not an integer: ", v);
       }
     };
-    if (a == "--config") which = value();
-    else if (a == "--steps") steps = int_value();
-    else if (a == "--warmup") warmup = int_value();
-    else if (a == "--threads") threads = int_value();
-    else if (a == "--tp") tp = int_value();
-    else if (a == "--profile") profile = true;
-    else if (a == "--set") sets.push_back(value());
+    if (a == "--config")
+      which = value();
+    else if (a == "--steps")
+      steps = int_value();
+    else if (a == "--warmup")
+      warmup = int_value();
+    else if (a == "--threads")
+      threads = int_value();
+    else if (a == "--tp")
+      tp = int_value();
+    else if (a == "--profile")
+      profile = true;
+    else if (a == "--set")
+      sets.push_back(value());
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
-    } else KEEL_FAIL(kUsage, "unknown option ", a, " (see --help)");
+    } else
+      KEEL_FAIL(kUsage, "unknown option ", a, " (see --help)");
   }
   KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
   KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
@@ -120,9 +128,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   if (root) peak = measure_sgemm_peak();
   MPI_Bcast(&peak, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   if (root) {
-    std::printf("keel-bench: %d rank(s) x %d threads, sgemm peak %.1f GFLOP/s per rank "
-                "(2048^3, best of 4)\n",
-                mpi.world_size(), threads, peak);
+    std::printf(
+        "keel-bench: %d rank(s) x %d threads, sgemm peak %.1f GFLOP/s per rank "
+        "(2048^3, best of 4)\n",
+        mpi.world_size(), threads, peak);
   }
   // The job's peak: every rank's cores count.
   const double job_peak = peak * mpi.world_size();
@@ -177,15 +186,17 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops,
         100 * gflops / job_peak, trainer.last().loss);
     if (mpi.world_size() > 1) {
-      std::printf("  layout dp %d x tp %d: per step TP moved %.0f bytes, DP moved %.0f bytes "
-                  "(rank 0's payload; gradient arena %lld bytes)\n",
-                  topo.dp, topo.tp, tp_bytes, dp_bytes,
-                  static_cast<long long>(trainer.model().params().total_elems() * 4));
+      std::printf(
+          "  layout dp %d x tp %d: per step TP moved %.0f bytes, DP moved %.0f bytes "
+          "(rank 0's payload; gradient arena %lld bytes)\n",
+          topo.dp, topo.tp, tp_bytes, dp_bytes,
+          static_cast<long long>(trainer.model().params().total_elems() * 4));
       if (topo.dp > 1 && window > 0) {
-        std::printf("  DP overlap: all-reduce window %.1f ms/step, exposed (not hidden behind "
-                    "backward) %.1f ms/step = %.1f%% of the window; last backward %.1f ms\n",
-                    1e3 * window / steps, 1e3 * exposed / steps, 100 * exposed / window,
-                    1e3 * backward / steps);
+        std::printf(
+            "  DP overlap: all-reduce window %.1f ms/step, exposed (not hidden behind "
+            "backward) %.1f ms/step = %.1f%% of the window; last backward %.1f ms\n",
+            1e3 * window / steps, 1e3 * exposed / steps, 100 * exposed / window,
+            1e3 * backward / steps);
       }
     }
     if (profile) {

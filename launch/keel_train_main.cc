@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -40,30 +40,31 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
   const Topology& topo = dist.topology();
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = cfg.train().threads() > 0 ? cfg.train().threads()
-                                                : std::max(1, hw / mpi.local_size());
+  const int threads =
+      cfg.train().threads() > 0 ? cfg.train().threads() : std::max(1, hw / mpi.local_size());
   kernels::set_num_threads(threads);
 
   TrainerOptions opts;
   opts.run_dir = args.run_dir;
   // mpirun hands ranks a pseudo-terminal: redraw in place only when run directly in a terminal.
-  const bool launched = std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMI_RANK") ||
-                        std::getenv("SLURM_PROCID");
+  const bool launched =
+      std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMI_RANK") || std::getenv("SLURM_PROCID");
   opts.interactive = isatty(STDOUT_FILENO) != 0 && !launched;
   opts.watchdog = &dist.watchdog();
   Trainer trainer(cfg, topo, opts);
   const ModelDims& d = trainer.model().dims();
   if (mpi.world_rank() == 0) {
-    std::printf("keel-train: %d ranks = dp %d x tp %d | %d threads per rank | optimizer state "
-                "%.1f MiB per rank%s\n",
-                topo.world_size, topo.dp, topo.tp, threads,
-                static_cast<double>(trainer.optimizer().state_bytes()) / (1024.0 * 1024.0),
-                cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "");
+    std::printf(
+        "keel-train: %d ranks = dp %d x tp %d | %d threads per rank | optimizer state "
+        "%.1f MiB per rank%s\n",
+        topo.world_size, topo.dp, topo.tp, threads,
+        static_cast<double>(trainer.optimizer().state_bytes()) / (1024.0 * 1024.0),
+        cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "");
     std::printf(
         "keel-train: %lld parameters (d_model %lld, %lld layers, %lld heads, qk_norm %s/%s, "
         "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step\n",
-        static_cast<long long>(count_logical_params(trainer.model())),
-        static_cast<long long>(d.C), static_cast<long long>(d.L), static_cast<long long>(d.H),
+        static_cast<long long>(count_logical_params(trainer.model())), static_cast<long long>(d.C),
+        static_cast<long long>(d.L), static_cast<long long>(d.H),
         config::QkNorm_Name(d.qk_norm).c_str(), config::QkNormScope_Name(d.qk_scope).c_str(),
         cfg.loss().z_loss(), trainer.dataset().train().describe().c_str(),
         static_cast<long long>(trainer.dataset().train().size()),
@@ -73,7 +74,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   trainer.run();
   if (mpi.world_rank() == 0) {
     const StepResult& r = trainer.last();
-    std::printf("keel-train: done: %lld steps, final loss %.4f nats/token", 
+    std::printf("keel-train: done: %lld steps, final loss %.4f nats/token",
                 static_cast<long long>(r.step), r.loss);
     if (trainer.evaluated()) std::printf(", val loss %.4f", trainer.last_val_loss());
     if (auto floor = trainer.dataset().entropy_rate_nats_per_token()) {

@@ -4,8 +4,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -68,7 +68,8 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     shard_grads_ = Tensor::zeros({shard_n_});
   } else if (topo_.dp > 1) {
     std::vector<ArenaRange> ranges;
-    for (int id = 0; id < ps.size(); ++id) ranges.push_back({ps.info(id).offset, ps.info(id).numel()});
+    for (int id = 0; id < ps.size(); ++id)
+      ranges.push_back({ps.info(id).offset, ps.info(id).numel()});
     const auto bucket_bytes = static_cast<int64_t>(cfg_.parallel().bucket_mb() * 1024.0 * 1024.0);
     grad_sync_ = std::make_unique<GradSync>(*topo_.dp_comm, ps.grads().f32(), std::move(ranges),
                                             bucket_bytes);
@@ -220,7 +221,8 @@ double Trainer::evaluate() {
 
 void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
   const int64_t tokens = r.step * tokens_per_step();
-  const double tps = window_seconds_ > 0 ? static_cast<double>(window_tokens_) / window_seconds_ : 0;
+  const double tps =
+      window_seconds_ > 0 ? static_cast<double>(window_tokens_) / window_seconds_ : 0;
   if (metrics_) {
     JsonObject o;
     o.add("step", r.step)
@@ -291,7 +293,8 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
   std::vector<double> p(d.V);
   for (int64_t i = 0; i < n_chars; ++i) {
     const int64_t start = std::max<int64_t>(0, len - T);
-    std::vector<int32_t> window(ctx.begin() + start, ctx.begin() + std::min<int64_t>(len, start + T));
+    std::vector<int32_t> window(ctx.begin() + start,
+                                ctx.begin() + std::min<int64_t>(len, start + T));
     window.resize(T, 0);
     model_->forward(window.data(), nullptr, 1);
     const float* row = model_->logits() + (len - start - 1) * d.Vl;
@@ -308,8 +311,10 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
         break;
       }
     }
-    if (len == static_cast<int64_t>(ctx.size())) ctx.push_back(tok);
-    else ctx[len] = tok;
+    if (len == static_cast<int64_t>(ctx.size()))
+      ctx.push_back(tok);
+    else
+      ctx[len] = tok;
     ++len;
     out += static_cast<char>(tok);
   }

@@ -28,16 +28,16 @@ struct StepResult {
   double grad_norm = 0.0;  // global gradient norm before clipping
   float lr = 0.0f;
   float max_attn_logit = 0.0f;
-  double seconds = 0.0;    // wall time of the step
+  double seconds = 0.0;         // wall time of the step
   double comm_exposed_s = 0.0;  // DP gradient sync time not hidden behind backward
   double comm_window_s = 0.0;   // from the first bucket's launch to the sync's end
   double backward_s = 0.0;      // time of the last micro-batch's backward (overlap window)
 };
 
 struct TrainerOptions {
-  std::string run_dir;      // empty: write no files (benchmarks, tests)
-  bool progress = true;     // print progress lines (rank 0)
-  bool interactive = false; // progress redraws one terminal line instead of one line per log step
+  std::string run_dir;       // empty: write no files (benchmarks, tests)
+  bool progress = true;      // print progress lines (rank 0)
+  bool interactive = false;  // progress redraws one terminal line instead of one line per log step
   Watchdog* watchdog = nullptr;  // told the current step, for its messages
 };
 
@@ -45,9 +45,9 @@ class Trainer {
  public:
   Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOptions opts);
 
-  StepResult step();                 // one optimizer step
-  void run();                        // train.steps steps with logging and evaluation
-  double evaluate();                 // mean validation cross-entropy (eval_batches batches)
+  StepResult step();  // one optimizer step
+  void run();         // train.steps steps with logging and evaluation
+  double evaluate();  // mean validation cross-entropy (eval_batches batches)
   std::string sample(int64_t n_chars, uint64_t seed, float temperature = 0.8f);
 
   GPT& model() { return *model_; }
@@ -79,8 +79,8 @@ class Trainer {
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)
   bool zero_ = false;                    // ZeRO-1 (dp > 1, zero_stage 1)
   int64_t shard_off_ = 0, shard_n_ = 0;
-  Tensor shard_grads_;                   // [shard_n] reduce-scattered gradients (ZeRO-1)
-  std::vector<int> tp_partial_ids_;      // gradients to all-reduce over TP each step
+  Tensor shard_grads_;               // [shard_n] reduce-scattered gradients (ZeRO-1)
+  std::vector<int> tp_partial_ids_;  // gradients to all-reduce over TP each step
   int64_t micro_ = 0, accum_ = 0;
   int64_t step_ = 0;
   std::vector<int32_t> inputs_, targets_;

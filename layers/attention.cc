@@ -16,9 +16,12 @@ constexpr float kL2Eps = 1e-6f;
 
 kernels::NormOp qk_op(config::QkNorm q) {
   switch (q) {
-    case config::RMS: return kernels::NormOp::kRms;
-    case config::LAYER: return kernels::NormOp::kLayer;
-    default: return kernels::NormOp::kL2;
+    case config::RMS:
+      return kernels::NormOp::kRms;
+    case config::LAYER:
+      return kernels::NormOp::kLayer;
+    default:
+      return kernels::NormOp::kL2;
   }
 }
 }  // namespace
@@ -27,8 +30,8 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
     : ps_(ps), ctx_(ctx) {
   const ModelDims& d = ctx.dims;
   const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
-  qkv_w_ = ps.add({prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal,
-                   d.init_std, true});
+  qkv_w_ =
+      ps.add({prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal, d.init_std, true});
   qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
   if (d.qk_norm == config::RMS || d.qk_norm == config::LAYER) {
     // HEAD_SHARED: one [D] gain for all heads (replicated under TP); HEAD and PROJECTION: [H, D]
@@ -53,8 +56,8 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
     qk_scale_ = ps.add({prefix + ".qk_scale", per_head ? Shape{d.H} : Shape{1}, per_head ? 0 : -1,
                         ParamInit::kConstant, g0, false, !per_head});
   }
-  proj_w_ = ps.add({prefix + ".proj.weight", {d.C, d.H * d.D}, 1, ParamInit::kNormal, resid_std,
-                    true});
+  proj_w_ =
+      ps.add({prefix + ".proj.weight", {d.C, d.H * d.D}, 1, ParamInit::kNormal, resid_std, true});
   proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
 }
 
@@ -139,11 +142,11 @@ float Attention::forward(const float* x, float* y, int64_t B) {
                                        w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
                                        eps);
       kernels::norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), qk_.f32() + HD,
-                                       qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
-                                       k_mean_.f32(), k_rstd_.f32(), eps);
+                                       qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
+                                       k_rstd_.f32(), eps);
     } else {
-      kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
-                            q_mean_.f32(), q_rstd_.f32(), eps);
+      kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_), q_mean_.f32(),
+                            q_rstd_.f32(), eps);
       kernels::norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
                             k_mean_.f32(), k_rstd_.f32(), eps);
     }
@@ -198,8 +201,8 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    kernels::attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), probs_.f32(), q,
-                                k, qkv_.f32() + 2 * HD, scales_.f32(), sc.attn_ws.f32());
+    kernels::attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), probs_.f32(), q, k,
+                                qkv_.f32() + 2 * HD, scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
       float* g = ps_.grad(qk_scale_);
       for (int64_t h = 0; h < d.Hl; ++h) g[d.qk_scope == config::HEAD ? h : 0] += dscale[h];
@@ -233,9 +236,8 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     } else {
       kernels::norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
                              qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
-                             sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
-                             k_rstd_.f32());
+      kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_), sc.dqk.f32() + HD,
+                             qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
   {

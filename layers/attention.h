@@ -30,13 +30,13 @@ class Attention {
   int qkv_w_, qkv_b_, proj_w_, proj_b_;
   int q_norm_w_ = -1, q_norm_b_ = -1, k_norm_w_ = -1, k_norm_b_ = -1, qk_scale_ = -1;
   // activations
-  Tensor qkv_;      // [BT, 3 Hl D] projection output (q, k raw; v)
-  Tensor qk_;       // [BT, 2 Hl D] QK-normalised q, k (unused for NONE)
+  Tensor qkv_;                                // [BT, 3 Hl D] projection output (q, k raw; v)
+  Tensor qk_;                                 // [BT, 2 Hl D] QK-normalised q, k (unused for NONE)
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
   Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
-  Tensor probs_;    // [B, Hl, T, T]
-  Tensor att_;      // [BT, Hl D]
-  Tensor scales_;   // [Hl]
+  Tensor probs_;              // [B, Hl, T, T]
+  Tensor att_;                // [BT, Hl D]
+  Tensor scales_;             // [Hl]
 };
 
 }  // namespace keel

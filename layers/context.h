@@ -31,14 +31,14 @@ struct ModelDims {
 
 // Backward temporaries shared by all blocks (one block runs backward at a time).
 struct Scratch {
-  Tensor dn;     // [BT, C]     gradient w.r.t. a norm output
-  Tensor datt;   // [BT, Hl D]  gradient w.r.t. the attention output
-  Tensor dqkv;   // [BT, 3 Hl D]
-  Tensor dqk;    // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
-  Tensor dh;     // [BT, Fl]
+  Tensor dn;       // [BT, C]     gradient w.r.t. a norm output
+  Tensor datt;     // [BT, Hl D]  gradient w.r.t. the attention output
+  Tensor dqkv;     // [BT, 3 Hl D]
+  Tensor dqk;      // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
+  Tensor dh;       // [BT, Fl]
   Tensor attn_ws;  // attention backward workspace, sized for attn_threads OpenMP threads
   int attn_threads = 1;
-  Tensor dscale;   // [Hl] per-head gradient of the attention scale
+  Tensor dscale;  // [Hl] per-head gradient of the attention scale
 };
 
 struct LayerContext {

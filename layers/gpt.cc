@@ -1,11 +1,11 @@
 // GPT model assembly, embedding, LM head and the cross-entropy + z-loss.
 #include "layers/gpt.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
-#include <omp.h>
 
 #include "framework/error.h"
 #include "framework/kernels/attention.h"
@@ -140,8 +140,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dh = Tensor::zeros({BT, d.Fl});
   kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
   scratch_.attn_threads = omp_get_max_threads();
-  scratch_.attn_ws =
-      Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
+  scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
   scratch_.dscale = Tensor::zeros({d.Hl});
 }
 
@@ -224,8 +223,7 @@ void GPT::backward(float loss_weight) {
   }
   {
     ProfileScope p(&profiler_, "embedding");
-    kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl,
-                                C);
+    kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl, C);
     kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
   }
   notify(wte_, wte_ + 1);

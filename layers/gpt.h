@@ -76,10 +76,10 @@ class GPT {
   int wte_, wpe_, lm_head_ = -1;
   std::vector<std::unique_ptr<Block>> blocks_;
   std::unique_ptr<Norm> ln_f_;
-  Tensor tokens_, targets_;      // [BT] int32 copies of the last batch
-  Tensor x0_, xf_, logits_;      // [BT, C], [BT, C], [BT, Vl]
-  Tensor row_max_, lse_, tl_;    // [BT]
-  Tensor dres_;                  // [BT, C] residual-stream gradient
+  Tensor tokens_, targets_;    // [BT] int32 copies of the last batch
+  Tensor x0_, xf_, logits_;    // [BT, C], [BT, C], [BT, Vl]
+  Tensor row_max_, lse_, tl_;  // [BT]
+  Tensor dres_;                // [BT, C] residual-stream gradient
   int64_t last_B_ = 0;
   std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block
   std::pair<int, int> head_params_;                // ln_f (+ lm_head when untied)

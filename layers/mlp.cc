@@ -62,8 +62,8 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad(fc_b_), dh, x,
-                             ps_.param(fc_w_), BT, d.C, d.Fl);
+    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad(fc_b_), dh, x, ps_.param(fc_w_),
+                             BT, d.C, d.Fl);
   }
   {
     ProfileScope p(prof, "tp.all_reduce");

@@ -32,8 +32,8 @@ void ParamStore::allocate(int tp_rank, int tp_size, int pad_multiple) {
     const int d = info.spec.shard_dim;
     if (d >= 0 && tp_size > 1) {
       const int64_t full = info.spec.logical.at(d);
-      KEEL_CHECK(full % tp_size == 0, kLayout, "parameter ", info.spec.name, " dimension ", d,
-                 " (", full, ") is not divisible by parallel.tp=", tp_size);
+      KEEL_CHECK(full % tp_size == 0, kLayout, "parameter ", info.spec.name, " dimension ", d, " (",
+                 full, ") is not divisible by parallel.tp=", tp_size);
       info.local[d] = full / tp_size;
       info.shard_begin = tp_rank * info.local[d];
     }

@@ -16,11 +16,11 @@ enum class ParamInit { kNormal, kConstant };
 
 struct ParamSpec {
   std::string name;
-  Shape logical;          // shape of the whole tensor, whatever the layout
-  int shard_dim = -1;     // dimension split over TP ranks; -1: replicated
+  Shape logical;       // shape of the whole tensor, whatever the layout
+  int shard_dim = -1;  // dimension split over TP ranks; -1: replicated
   ParamInit init = ParamInit::kNormal;
-  float value = 0.0f;     // std for kNormal, the constant for kConstant
-  bool decay = false;     // AdamW weight decay applies
+  float value = 0.0f;  // std for kNormal, the constant for kConstant
+  bool decay = false;  // AdamW weight decay applies
   // Replicated across TP ranks but each rank's gradient covers only its heads (a gain shared by
   // all heads): the gradient is all-reduced over TP once per step.
   bool tp_partial_grad = false;
@@ -28,9 +28,9 @@ struct ParamSpec {
 
 struct ParamInfo {
   ParamSpec spec;
-  Shape local;            // this rank's slice
+  Shape local;              // this rank's slice
   int64_t shard_begin = 0;  // first index along shard_dim held here
-  int64_t offset = 0;     // element offset in the arenas
+  int64_t offset = 0;       // element offset in the arenas
   int64_t numel() const { return shape_numel(local); }
   bool sharded() const { return local != spec.logical; }
 };

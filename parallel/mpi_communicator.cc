@@ -87,8 +87,8 @@ void MpiCommunicator::all_reduce(float* data, int64_t n, ReduceOp op) {
   Guard g(watchdog_, "all_reduce", name_);
   for (int64_t off = 0; off < n; off += kMaxCount) {
     const int c = static_cast<int>(std::min(kMaxCount, n - off));
-    check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_FLOAT, mpi_op(op), comm_),
-          "MPI_Allreduce", name_);
+    check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_FLOAT, mpi_op(op), comm_), "MPI_Allreduce",
+          name_);
   }
 }
 
@@ -113,8 +113,8 @@ void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   Guard g(watchdog_, "all_gather", name_);
   // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
   const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
-  check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n),
-                      MPI_FLOAT, comm_),
+  check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT,
+                      comm_),
         "MPI_Allgather", name_);
 }
 

@@ -31,9 +31,9 @@ MpiEnv::MpiEnv(int* argc, char*** argv) {
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), "MPI_Comm_size");
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank");
   MPI_Comm local;
-  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL,
-                                &local),
-            "MPI_Comm_split_type");
+  check_mpi(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL, &local),
+      "MPI_Comm_split_type");
   MPI_Comm_size(local, &local_size_);
   MPI_Comm_rank(local, &local_rank_);
   MPI_Comm_free(&local);

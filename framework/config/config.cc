@@ -431,15 +431,14 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(par.tp() >= 1, kConfig, "parallel.tp=", par.tp(), " must be >= 1");
   KEEL_CHECK(par.zero_stage() == 0 || par.zero_stage() == 1, kConfig,
              "parallel.zero_stage=", par.zero_stage(), " must be 0 or 1");
-  KEEL_CHECK(par.bucket_mb() > 0, kConfig, "parallel.bucket_mb=", par.bucket_mb(),
-             " must be > 0");
+  KEEL_CHECK(par.bucket_mb() > 0, kConfig, "parallel.bucket_mb=", par.bucket_mb(), " must be > 0");
   KEEL_CHECK(par.timeout_s() >= 0, kConfig, "parallel.timeout_s=", par.timeout_s(),
              " must be >= 0 (0 disables the watchdog)");
   const int64_t tp = par.tp(), heads = cfg.model().n_heads(), d_ff = cfg.model().d_ff();
   KEEL_CHECK(tp <= heads, kLayout, "parallel.tp=", tp, " exceeds model.n_heads=", heads,
              " (TP splits whole heads)");
-  KEEL_CHECK(heads % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.n_heads=",
-             heads);
+  KEEL_CHECK(heads % tp == 0, kLayout, "parallel.tp=", tp,
+             " does not divide model.n_heads=", heads);
   KEEL_CHECK(d_ff % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d_ff);
   KEEL_CHECK(cfg.debug().kill_at_step() >= 0, kConfig, "debug.kill_at_step must be >= 0");
   validate_train(cfg.train());

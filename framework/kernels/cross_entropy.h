@@ -27,7 +27,6 @@ void xent_target_logit(const T* logits, const int32_t* targets, int64_t N, int64
 // dlogits may alias logits (=).
 template <typename T>
 void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t N,
-                   int64_t V_local, int64_t v_valid_local, int64_t v_begin, T grad_scale,
-                   T z_coef);
+                   int64_t V_local, int64_t v_valid_local, int64_t v_begin, T grad_scale, T z_coef);
 
 }  // namespace keel::kernels

@@ -53,8 +53,8 @@ void norm_partial_stats(const NormShape& s, const T* inp, T* stats);
 // From all-reduced stats: mean, rstd (=), then out (=) as norm_forward.
 template <typename T>
 void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const T* stats,
-                             T* out, const T* inp, const T* weight, const T* bias, T* mean,
-                             T* rstd, T eps);
+                             T* out, const T* inp, const T* weight, const T* bias, T* mean, T* rstd,
+                             T eps);
 
 // part[r, 0] = sum_c dn, part[r, 1] = sum_c dn * xhat over this rank's part (=), dn = dy * w.
 template <typename T>

@@ -1,13 +1,14 @@
 // CPU causal attention. One OpenMP task per (batch, head); inside it, row blocks of kBlock
 // queries see only keys [0, block end), so the GEMMs skip the masked upper triangle (about half
 // the FLOPs of full T x T products). GEMMs inside the parallel region run single-threaded.
+#include "framework/kernels/attention.h"
+
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include <omp.h>
-
-#include "framework/kernels/attention.h"
 #include "framework/kernels/fast_math.h"
 #include "framework/kernels/gemm.h"
 
@@ -34,8 +35,8 @@ void attention_forward(const AttentionShape& s, T* out, T* probs, const T* q, co
     for (int64_t r0 = 0; r0 < TT; r0 += kBlock) {
       const int64_t r1 = std::min(TT, r0 + kBlock);
       // S[r0:r1, 0:r1] = sc * Q[r0:r1] K[0:r1]^T
-      gemm<T>(false, true, r1 - r0, r1, D, sc, qb + r0 * s.ldq, s.ldq, kb, s.ldk, T(0),
-              P + r0 * TT, TT);
+      gemm<T>(false, true, r1 - r0, r1, D, sc, qb + r0 * s.ldq, s.ldq, kb, s.ldk, T(0), P + r0 * TT,
+              TT);
       for (int64_t t = r0; t < r1; ++t) {
         T* row = P + t * TT;
         T mx = -std::numeric_limits<T>::infinity();
@@ -53,8 +54,8 @@ void attention_forward(const AttentionShape& s, T* out, T* probs, const T* q, co
         std::fill(row + t + 1, row + TT, T(0));
       }
       // O[r0:r1] = P[r0:r1, 0:r1] V[0:r1]
-      gemm<T>(false, false, r1 - r0, D, r1, T(1), P + r0 * TT, TT, vb, s.ldv, T(0),
-              ob + r0 * s.ldo, s.ldo);
+      gemm<T>(false, false, r1 - r0, D, r1, T(1), P + r0 * TT, TT, vb, s.ldv, T(0), ob + r0 * s.ldo,
+              s.ldo);
     }
   }
   if (max_abs_logit) *max_abs_logit = max_logit;
@@ -109,17 +110,17 @@ void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale,
         }
       }
       // dQ[r0:r1] = sc * dS[r0:r1, 0:r1] K[0:r1]
-      gemm<T>(false, false, r1 - r0, D, r1, sc, dS + r0 * TT, TT, kb, s.ldk, T(0),
-              dqb + r0 * s.ldq, s.ldq);
+      gemm<T>(false, false, r1 - r0, D, r1, sc, dS + r0 * TT, TT, kb, s.ldk, T(0), dqb + r0 * s.ldq,
+              s.ldq);
     }
     // Column blocks: keys [c0, c1) are seen by queries [c0, T) only.
     for (int64_t c0 = 0; c0 < TT; c0 += kBlock) {
       const int64_t c1 = std::min(TT, c0 + kBlock);
       // dV[c0:c1] = P[c0:T, c0:c1]^T dO[c0:T];  dK[c0:c1] = sc * dS[c0:T, c0:c1]^T Q[c0:T]
-      gemm<T>(true, false, c1 - c0, D, TT - c0, T(1), P + c0 * TT + c0, TT, dob + c0 * s.ldo,
-              s.ldo, T(0), dvb + c0 * s.ldv, s.ldv);
-      gemm<T>(true, false, c1 - c0, D, TT - c0, sc, dS + c0 * TT + c0, TT, qb + c0 * s.ldq,
-              s.ldq, T(0), dkb + c0 * s.ldk, s.ldk);
+      gemm<T>(true, false, c1 - c0, D, TT - c0, T(1), P + c0 * TT + c0, TT, dob + c0 * s.ldo, s.ldo,
+              T(0), dvb + c0 * s.ldv, s.ldv);
+      gemm<T>(true, false, c1 - c0, D, TT - c0, sc, dS + c0 * TT + c0, TT, qb + c0 * s.ldq, s.ldq,
+              T(0), dkb + c0 * s.ldk, s.ldk);
     }
     partials[bh] = static_cast<T>(dscale_acc);
   }
@@ -128,10 +129,10 @@ void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale,
   }
 }
 
-#define KEEL_INSTANTIATE(T)                                                                      \
-  template void attention_forward<T>(const AttentionShape&, T*, T*, const T*, const T*,          \
-                                     const T*, const T*, T*);                                    \
-  template void attention_backward<T>(const AttentionShape&, T*, T*, T*, T*, const T*, const T*, \
+#define KEEL_INSTANTIATE(T)                                                                       \
+  template void attention_forward<T>(const AttentionShape&, T*, T*, const T*, const T*, const T*, \
+                                     const T*, T*);                                               \
+  template void attention_backward<T>(const AttentionShape&, T*, T*, T*, T*, const T*, const T*,  \
                                       const T*, const T*, const T*, const T*, T*);
 KEEL_INSTANTIATE(float)
 KEEL_INSTANTIATE(double)

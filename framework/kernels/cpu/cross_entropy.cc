@@ -2,11 +2,12 @@
 // and parallel over OpenMP; each row's sum-exp is a SIMD reduction in T (float: relative error
 // ~1e-7 x sqrt(V), far inside the parity test's 1e-5).
 #include "framework/kernels/cross_entropy.h"
-#include "framework/kernels/fast_math.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "framework/kernels/fast_math.h"
 
 namespace keel::kernels {
 
@@ -63,11 +64,11 @@ void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* tar
   }
 }
 
-#define KEEL_INSTANTIATE(T)                                                                       \
-  template void xent_row_max<T>(const T*, int64_t, int64_t, int64_t, T*);                         \
-  template void xent_row_sumexp<T>(const T*, const T*, int64_t, int64_t, int64_t, T*);            \
-  template void xent_target_logit<T>(const T*, const int32_t*, int64_t, int64_t, int64_t, T*);    \
-  template void xent_backward<T>(T*, const T*, const T*, const int32_t*, int64_t, int64_t,        \
+#define KEEL_INSTANTIATE(T)                                                                    \
+  template void xent_row_max<T>(const T*, int64_t, int64_t, int64_t, T*);                      \
+  template void xent_row_sumexp<T>(const T*, const T*, int64_t, int64_t, int64_t, T*);         \
+  template void xent_target_logit<T>(const T*, const int32_t*, int64_t, int64_t, int64_t, T*); \
+  template void xent_backward<T>(T*, const T*, const T*, const int32_t*, int64_t, int64_t,     \
                                  int64_t, int64_t, T, T);
 KEEL_INSTANTIATE(float)
 KEEL_INSTANTIATE(double)

@@ -60,12 +60,12 @@ void position_backward(T* dwpe, const T* dout, int64_t B, int64_t T_, int64_t C)
   }
 }
 
-#define KEEL_INSTANTIATE(T)                                                                 \
-  template void embedding_forward<T>(T*, const int32_t*, int64_t, const T*, int64_t,        \
-                                     int64_t, int64_t);                                     \
-  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t,       \
-                                      int64_t, int64_t);                                    \
-  template void position_forward<T>(T*, const T*, int64_t, int64_t, int64_t);              \
+#define KEEL_INSTANTIATE(T)                                                                    \
+  template void embedding_forward<T>(T*, const int32_t*, int64_t, const T*, int64_t, int64_t,  \
+                                     int64_t);                                                 \
+  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t, \
+                                      int64_t);                                                \
+  template void position_forward<T>(T*, const T*, int64_t, int64_t, int64_t);                  \
   template void position_backward<T>(T*, const T*, int64_t, int64_t, int64_t);
 KEEL_INSTANTIATE(float)
 KEEL_INSTANTIATE(double)

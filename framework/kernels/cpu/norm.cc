@@ -155,8 +155,8 @@ void norm_partial_stats(const NormShape& s, const T* inp, T* stats) {
 
 template <typename T>
 void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const T* stats,
-                             T* out, const T* inp, const T* weight, const T* bias, T* mean,
-                             T* rstd, T eps) {
+                             T* out, const T* inp, const T* weight, const T* bias, T* mean, T* rstd,
+                             T eps) {
   const int64_t rows = s.N * s.G;
   const double inv_n = 1.0 / static_cast<double>(Cg_total);
 #pragma omp parallel for schedule(static)
@@ -235,18 +235,18 @@ void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total
   norm_param_grads(op, s, dweight, dbias, dout, inp, mean, rstd);
 }
 
-#define KEEL_INSTANTIATE(T)                                                                     \
-  template void norm_forward<T>(NormOp, const NormShape&, T*, const T*, const T*, const T*, T*, \
-                                T*, T);                                                         \
-  template void norm_backward<T>(NormOp, const NormShape&, T*, bool, T*, T*, const T*,          \
-                                 const T*, const T*, const T*, const T*);                       \
-  template void norm_partial_stats<T>(const NormShape&, const T*, T*);                          \
-  template void norm_forward_from_stats<T>(NormOp, const NormShape&, int64_t, const T*, T*,     \
-                                           const T*, const T*, const T*, T*, T*, T);            \
-  template void norm_backward_partials<T>(const NormShape&, const T*, const T*, const T*,       \
-                                          const T*, const T*, T*);                              \
-  template void norm_backward_from_partials<T>(NormOp, const NormShape&, int64_t, const T*, T*, \
-                                               bool, T*, T*, const T*, const T*, const T*,      \
+#define KEEL_INSTANTIATE(T)                                                                      \
+  template void norm_forward<T>(NormOp, const NormShape&, T*, const T*, const T*, const T*, T*,  \
+                                T*, T);                                                          \
+  template void norm_backward<T>(NormOp, const NormShape&, T*, bool, T*, T*, const T*, const T*, \
+                                 const T*, const T*, const T*);                                  \
+  template void norm_partial_stats<T>(const NormShape&, const T*, T*);                           \
+  template void norm_forward_from_stats<T>(NormOp, const NormShape&, int64_t, const T*, T*,      \
+                                           const T*, const T*, const T*, T*, T*, T);             \
+  template void norm_backward_partials<T>(const NormShape&, const T*, const T*, const T*,        \
+                                          const T*, const T*, T*);                               \
+  template void norm_backward_from_partials<T>(NormOp, const NormShape&, int64_t, const T*, T*,  \
+                                               bool, T*, T*, const T*, const T*, const T*,       \
                                                const T*, const T*);
 KEEL_INSTANTIATE(float)
 KEEL_INSTANTIATE(double)

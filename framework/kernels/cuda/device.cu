@@ -29,8 +29,8 @@ int device_count() {
 
 const char* last_error() { return cudaGetErrorString(cudaGetLastError()); }
 
-bool gelu_roundtrip(const float* host_in, const float* host_dout, float* host_out,
-                    float* host_dinp, int64_t n) {
+bool gelu_roundtrip(const float* host_in, const float* host_dout, float* host_out, float* host_dinp,
+                    int64_t n) {
   float *in = nullptr, *dout = nullptr, *out = nullptr, *dinp = nullptr;
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
   bool ok = cudaMalloc(&in, bytes) == cudaSuccess && cudaMalloc(&dout, bytes) == cudaSuccess &&
