@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
 #include <csignal>
+#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -107,10 +109,13 @@ StepResult Trainer::step() {
   const auto& dbg = cfg_.debug();
   if (dbg.kill_at_step() > 0 && dbg.kill_at_step() == step_ + 1 &&
       dbg.kill_rank() == topo_.world_rank) {
-    std::fprintf(stderr, "keel-train: debug.kill_rank=%d: killing this rank at step %lld\n",
-                 topo_.world_rank, static_cast<long long>(step_ + 1));
+    const bool stall = dbg.fault() == config::STALL;
+    std::fprintf(stderr, "keel-train: debug.kill_rank=%d: %s this rank at step %lld\n",
+                 topo_.world_rank, stall ? "stalling" : "killing",
+                 static_cast<long long>(step_ + 1));
     std::fflush(stderr);
-    std::raise(SIGKILL);
+    if (!stall) std::raise(SIGKILL);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
   if (opts_.watchdog) opts_.watchdog->set_step(step_ + 1);
   StepResult r;

@@ -92,6 +92,7 @@ debug {
   inject_nan_at_step: 0
   kill_rank: 0
   kill_at_step: 0
+  fault: KILL
 }
 )text";
 
