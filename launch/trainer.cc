@@ -286,6 +286,7 @@ void Trainer::run() {
 
 std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
   const ModelDims& d = model_->dims();
+  KEEL_CHECK(topo_.tp == 1, kUsage, "sampling reads whole logit rows: it needs parallel.tp=1");
   const int64_t T = d.T;
   std::vector<int32_t> ctx(T, 0);
   std::string out;
