@@ -94,11 +94,13 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
 
 int main(int argc, char** argv) {
   int rank = 0, world = 1;
+  // MPI outlives the try block, so the error path below can still synchronise the ranks.
+  std::unique_ptr<keel::MpiEnv> mpi;
   try {
-    keel::MpiEnv mpi(&argc, &argv);
-    rank = mpi.world_rank();
-    world = mpi.world_size();
-    return run(argc, argv, mpi);
+    mpi = std::make_unique<keel::MpiEnv>(&argc, &argv);
+    rank = mpi->world_rank();
+    world = mpi->world_size();
+    return run(argc, argv, *mpi);
   } catch (const keel::Error& e) {
     const int code = keel::exit_code_for(e.kind());
     // Usage, config, data and layout errors are found identically by every rank; rank 0 speaks.
@@ -106,7 +108,9 @@ int main(int argc, char** argv) {
     if (code == 2 || world == 1) {
       if (rank == 0) {
         std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
+        std::fflush(stderr);
       }
+      if (world > 1) keel::MpiEnv::barrier_for(10.0);
       return code;
     }
     std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank, keel::error_kind_name(e.kind()),

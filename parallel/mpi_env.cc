@@ -3,6 +3,9 @@
 
 #include <mpi.h>
 
+#include <chrono>
+#include <thread>
+
 #include <cstdlib>
 #include <string>
 
@@ -43,6 +46,18 @@ MpiEnv::~MpiEnv() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Finalize();
+}
+
+bool MpiEnv::barrier_for(double seconds) {
+  MPI_Request req;
+  if (MPI_Ibarrier(MPI_COMM_WORLD, &req) != MPI_SUCCESS) return false;
+  const double deadline = MPI_Wtime() + seconds;
+  int done = 0;
+  while (!done && MPI_Wtime() < deadline) {
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return done != 0;
 }
 
 void MpiEnv::abort(int code) {

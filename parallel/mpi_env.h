@@ -16,6 +16,10 @@ class MpiEnv {
   int world_rank() const { return world_rank_; }
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
+  // Waits (non-blocking barrier, polled) until every rank arrives or `seconds` pass; true when
+  // all arrived. Lets rank 0 finish printing an error every rank found before any rank exits
+  // (the launcher kills the job at the first non-zero exit).
+  static bool barrier_for(double seconds);
   // Ends every rank of the job at once (for a fatal error seen by only some ranks).
   [[noreturn]] static void abort(int code);
 

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "framework/error.h"
 
@@ -118,7 +119,10 @@ class FirstErrorCollector : public pb::io::ErrorCollector {
   std::string located(const std::string& source, const std::string& text) const {
     std::ostringstream os;
     os << source;
-    if (line_ >= 0) os << ":" << line_ + 1 << ":" << token_column(text) + 1;
+    if (line_ >= 0) {
+      const auto [line, column] = token_position(text);
+      os << ":" << line + 1 << ":" << column + 1;
+    }
     os << ": " << message_;
     return os.str();
   }
@@ -132,35 +136,46 @@ class FirstErrorCollector : public pb::io::ErrorCollector {
     message_ = message;
   }
 
-  // The column where a "quoted" token of the message starts, if it ends on line_ at or before
-  // column_ (e.g. the misspelt field name) and none starts at column_; else the parser's column.
-  int token_column(const std::string& text) const {
-    size_t begin = 0;
-    for (int l = 0; l < line_ && begin != std::string::npos; ++l) {
-      begin = text.find('\n', begin);
-      if (begin != std::string::npos) ++begin;
+  // Where a "quoted" token of the message starts (e.g. the misspelt field name or the bad enum
+  // value), as 0-based (line, column). The parser reports an error at the token after the
+  // offending one, which may sit on a later line ("  qk_norm: RSM\n}" is reported at the "}"), so
+  // this looks back from the parser's position over blank and comment-only lines to the nearest
+  // line with text, and takes the rightmost quoted token there. Falls back to the parser's
+  // position when the token already starts there ("found X") or is not found.
+  std::pair<int, int> token_position(const std::string& text) const {
+    std::vector<std::string> lines;
+    for (size_t begin = 0; begin <= text.size();) {
+      const size_t end = std::min(text.find('\n', begin), text.size());
+      lines.push_back(text.substr(begin, end - begin));
+      begin = end + 1;
     }
-    if (begin == std::string::npos) return column_;
-    const std::string line = text.substr(begin, text.find('\n', begin) - begin);
-    // The tokenizer counts a tab as up to 8 columns, so columns are byte offsets only without.
-    if (static_cast<size_t>(column_) > line.size() || line.find('\t') != std::string::npos) {
-      return column_;
-    }
-    int best = -1;
+    const std::pair<int, int> parser_position = {line_, column_};
+    if (line_ >= static_cast<int>(lines.size())) return parser_position;
+    std::vector<std::string> tokens;
     for (size_t q = message_.find('"'); q != std::string::npos;) {
       const size_t end = message_.find('"', q + 1);
       if (end == std::string::npos) break;
-      const std::string token = message_.substr(q + 1, end - q - 1);
-      if (!token.empty() && line.compare(column_, token.size(), token) == 0) {
-        return column_;  // the parser already points at the token ("found X")
-      }
-      if (!token.empty() && static_cast<size_t>(column_) >= token.size()) {
-        const size_t at = line.rfind(token, column_ - token.size());
-        if (at != std::string::npos) best = std::max(best, static_cast<int>(at));
-      }
+      if (end > q + 1) tokens.push_back(message_.substr(q + 1, end - q - 1));
       q = message_.find('"', end + 1);
     }
-    return best >= 0 ? best : column_;
+    for (int l = line_; l >= 0; --l) {
+      // The tokenizer counts a tab as up to 8 columns, so columns are byte offsets only without.
+      if (lines[l].find('\t') != std::string::npos) return parser_position;
+      if (l == line_ && static_cast<size_t>(column_) > lines[l].size()) return parser_position;
+      const std::string before = l == line_ ? lines[l].substr(0, column_) : lines[l];
+      int best = -1;
+      for (const std::string& token : tokens) {
+        if (l == line_ && lines[l].compare(column_, token.size(), token) == 0) {
+          return parser_position;  // the parser already points at the token ("found X")
+        }
+        const size_t at = before.rfind(token);
+        if (at != std::string::npos) best = std::max(best, static_cast<int>(at));
+      }
+      if (best >= 0) return {l, best};
+      const size_t first = before.find_first_not_of(' ');
+      if (first != std::string::npos && before[first] != '#') return parser_position;
+    }
+    return parser_position;
   }
 
   bool has_error_ = false;

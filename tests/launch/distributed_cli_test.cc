@@ -17,12 +17,13 @@ struct JobResult {
 };
 
 JobResult run_job(int ranks, const std::string& args) {
-  const std::string cmd = std::string("timeout 180 ") + KEEL_MPIEXEC + " -n " +
-                          std::to_string(ranks) + " --oversubscribe --bind-to none " +
-                          KEEL_TRAIN_BIN +
-                          " --run-dir /tmp/keel_distributed_cli_test --set train.threads=1"
-                          " --set train.sample_chars=0 --set train.eval_every=0 " +
-                          args + " 2>&1";
+  const std::string cmd =
+      std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 180 ") +
+      KEEL_MPIEXEC + " -n " + std::to_string(ranks) + " --oversubscribe --bind-to none " +
+      KEEL_TRAIN_BIN +
+      " --run-dir /tmp/keel_distributed_cli_test --set train.threads=1"
+      " --set train.sample_chars=0 --set train.eval_every=0 " +
+      args + " 2>&1";
   JobResult r;
   const auto t0 = std::chrono::steady_clock::now();
   FILE* p = popen(cmd.c_str(), "r");
@@ -54,8 +55,9 @@ TEST(DistributedCli, RanksNotDivisibleByTp) {
 }
 
 TEST(DistributedCli, TpNotDividingHeads) {
-  const JobResult r = run_job(2, std::string(kTiny) + " --set model.d_model=48 --set model.n_heads=3 "
-                                            "--set parallel.tp=2");
+  const JobResult r = run_job(2, std::string(kTiny) +
+                                     " --set model.d_model=48 --set model.n_heads=3 "
+                                     "--set parallel.tp=2");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_EQ(count(r.output, "parallel.tp=2 does not divide model.n_heads=3"), 1) << r.output;
 }
@@ -67,8 +69,9 @@ TEST(DistributedCli, TpLargerThanHeads) {
 }
 
 TEST(DistributedCli, TpNotDividingDff) {
-  const JobResult r = run_job(4, std::string(kTiny) + " --set model.n_heads=4 --set model.d_ff=66 "
-                                            "--set parallel.tp=4");
+  const JobResult r = run_job(4, std::string(kTiny) +
+                                     " --set model.n_heads=4 --set model.d_ff=66 "
+                                     "--set parallel.tp=4");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_EQ(count(r.output, "parallel.tp=4 does not divide model.d_ff=66"), 1) << r.output;
 }
@@ -83,8 +86,8 @@ TEST(DistributedCli, TwoRanksTrain) {
 TEST(DistributedCli, KilledRankEndsTheJobWithinTheTimeout) {
   const double timeout_s = 5.0;
   const JobResult r = run_job(2, std::string(kTiny) +
-                           " --set train.steps=50 --set debug.kill_rank=1"
-                           " --set debug.kill_at_step=3 --set parallel.timeout_s=5");
+                                     " --set train.steps=50 --set debug.kill_rank=1"
+                                     " --set debug.kill_at_step=3 --set parallel.timeout_s=5");
   EXPECT_NE(r.code, 0) << r.output;
   // The launcher or the watchdog ends the job: well inside the timeout plus start-up.
   EXPECT_LT(r.seconds, timeout_s + 40.0) << r.output;

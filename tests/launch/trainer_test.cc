@@ -1,0 +1,285 @@
+// Tests for launch/trainer: bit-identical runs from the same config and seed (and different ones
+// from another seed), gradient accumulation equal to one large batch, metrics.jsonl's fields and
+// round-trip float precision, evaluate() leaving the training state untouched, and z-loss
+// accounting. All on a tiny model in one process (Topology::single).
+#include "launch/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "framework/error.h"
+#include "parallel/communicator.h"
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+using testing::read_file;
+using testing::TempDir;
+
+// A tiny byte-level job: 2 layers, d_model 32, 16-token windows, batches of 8.
+config::KeelConfig tiny_config(std::vector<std::string> sets = {}) {
+  std::vector<std::string> all = {"model.seq_len=16",         "model.d_model=32",
+                                  "model.n_layers=2",         "model.n_heads=2",
+                                  "train.global_batch=8",     "train.steps=6",
+                                  "train.eval_batches=1",     "train.sample_chars=0",
+                                  "data.builtin_bytes=60000", "optim.warmup_steps=2"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  return load_config("", all);
+}
+
+// A Trainer with its own single-process topology (the Trainer keeps a reference to it).
+class TrainerRun {
+ public:
+  explicit TrainerRun(const config::KeelConfig& cfg, std::string run_dir = "")
+      : topo_(Topology::single(tp_, dp_)) {
+    TrainerOptions opts;
+    opts.run_dir = std::move(run_dir);
+    opts.progress = false;
+    trainer_ = std::make_unique<Trainer>(cfg, topo_, opts);
+  }
+  Trainer& operator*() { return *trainer_; }
+  Trainer* operator->() { return trainer_.get(); }
+
+  std::vector<float> params() {
+    ParamStore& ps = trainer_->model().params();
+    const float* p = ps.params().f32();
+    return std::vector<float>(p, p + ps.total_elems());
+  }
+
+ private:
+  std::unique_ptr<Communicator> tp_, dp_;
+  Topology topo_;
+  std::unique_ptr<Trainer> trainer_;
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(TrainerTest, SameConfigAndSeedIsBitIdentical) {
+  const config::KeelConfig cfg = tiny_config();
+  TrainerRun a(cfg), b(cfg);
+  // Interleaved, so state shared between trainers (or left over in a global) would show.
+  for (int s = 1; s <= 5; ++s) {
+    const StepResult ra = a->step();
+    const StepResult rb = b->step();
+    EXPECT_EQ(ra.step, s);
+    EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
+    EXPECT_EQ(ra.z_loss, rb.z_loss) << "step " << s;
+    EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << s;
+    EXPECT_EQ(ra.lr, rb.lr) << "step " << s;
+    EXPECT_EQ(ra.max_attn_logit, rb.max_attn_logit) << "step " << s;
+    EXPECT_TRUE(std::isfinite(ra.loss) && std::isfinite(ra.grad_norm)) << "step " << s;
+  }
+  EXPECT_TRUE(same_bits(a.params(), b.params())) << "parameters differ after 5 steps";
+  EXPECT_EQ(a->evaluate(), b->evaluate());
+}
+
+TEST(TrainerTest, DifferentSeedGivesDifferentLosses) {
+  TrainerRun a(tiny_config()), b(tiny_config({"train.seed=4321"}));
+  int differ = 0;
+  for (int s = 1; s <= 5; ++s) differ += a->step().loss != b->step().loss;
+  EXPECT_EQ(differ, 5) << "train.seed should change init and data order, so every step's loss";
+  EXPECT_FALSE(same_bits(a.params(), b.params()));
+}
+
+TEST(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
+  TrainerRun whole(tiny_config({"train.micro_batch=8"}));
+  TrainerRun accum(tiny_config({"train.micro_batch=2"}));
+  ASSERT_EQ(whole->accum_steps(), 1);
+  ASSERT_EQ(accum->accum_steps(), 4);
+  ASSERT_EQ(accum->micro_batch(), 2);
+  for (int s = 1; s <= 3; ++s) {
+    const StepResult rw = whole->step();
+    const StepResult ra = accum->step();
+    EXPECT_NEAR(ra.loss, rw.loss, 1e-6 * std::abs(rw.loss)) << "step " << s;
+    EXPECT_NEAR(ra.z_loss, rw.z_loss, 1e-6 * std::abs(rw.z_loss)) << "step " << s;
+    EXPECT_NEAR(ra.grad_norm, rw.grad_norm, 1e-5 * rw.grad_norm) << "step " << s;
+    EXPECT_NEAR(ra.max_attn_logit, rw.max_attn_logit, 1e-5 * rw.max_attn_logit) << "step " << s;
+    if (s == 1) {
+      EXPECT_EQ(ra.max_attn_logit, rw.max_attn_logit) << "same parameters, same windows";
+    }
+    std::printf("step %d: loss %.17g vs %.17g (rel %.2e), grad_norm rel %.2e\n", s, rw.loss,
+                ra.loss, std::abs(ra.loss - rw.loss) / rw.loss,
+                std::abs(ra.grad_norm - rw.grad_norm) / rw.grad_norm);
+  }
+  const std::vector<float> pw = whole.params(), pa = accum.params();
+  ASSERT_EQ(pw.size(), pa.size());
+  double max_diff = 0.0;
+  for (size_t i = 0; i < pw.size(); ++i) {
+    max_diff = std::max(max_diff, static_cast<double>(std::abs(pw[i] - pa[i])));
+  }
+  std::printf("max |parameter difference| after 3 steps: %.3g\n", max_diff);
+  EXPECT_LT(max_diff, 1e-5) << "parameters after 3 steps, micro_batch 8 vs 2 x 4";
+  TrainerRun fresh(tiny_config({"train.micro_batch=8"}));
+  EXPECT_FALSE(same_bits(pw, fresh.params())) << "the steps did not move the parameters";
+}
+
+TEST(TrainerTest, MicroBatchMustDivideTheBatch) {
+  try {
+    TrainerRun r(tiny_config({"train.micro_batch=3"}));
+    ADD_FAILURE() << "micro_batch 3 of a batch of 8 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kConfig);
+    EXPECT_NE(std::string(e.what()).find("train.micro_batch=3"), std::string::npos) << e.what();
+  }
+}
+
+// Splits one line {"k": v, ...} of flat numbers into (key, value text) pairs, in order.
+std::vector<std::pair<std::string, std::string>> parse_flat_json(const std::string& line) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  size_t i = 0;
+  auto skip_ws = [&] {
+    while (i < line.size() && line[i] == ' ') ++i;
+  };
+  EXPECT_EQ(line.front(), '{') << line;
+  EXPECT_EQ(line.back(), '}') << line;
+  i = 1;
+  while (i < line.size()) {
+    skip_ws();
+    if (line[i] == '}') break;
+    EXPECT_EQ(line[i], '"') << line;
+    const size_t key_end = line.find('"', i + 1);
+    std::string key = line.substr(i + 1, key_end - i - 1);
+    i = key_end + 1;
+    skip_ws();
+    EXPECT_EQ(line[i], ':') << line;
+    ++i;
+    skip_ws();
+    const size_t value_end = line.find_first_of(",}", i);
+    std::string value = line.substr(i, value_end - i);
+    while (!value.empty() && value.back() == ' ') value.pop_back();
+    fields.emplace_back(std::move(key), std::move(value));
+    i = value_end;
+    if (line[i] == ',') ++i;
+  }
+  return fields;
+}
+
+// A number in full: strtod must consume all of it.
+double parse_number(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  EXPECT_TRUE(!text.empty() && *end == '\0') << "not a number: '" << text << "'";
+  return v;
+}
+
+TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
+  // 6 steps, logged every 2 and evaluated every 3: lines for steps 2, 3 (eval), 4, 6 (eval, last).
+  const config::KeelConfig cfg = tiny_config({"train.log_every=2", "train.eval_every=3"});
+  TempDir dir("keel_trainer_test");
+  const std::string run_dir = dir.file("run");
+  {
+    TrainerRun logged(cfg, run_dir);
+    logged->run();
+    EXPECT_EQ(logged->steps_done(), 6);
+  }
+  // The same run by hand, to know what each line must hold bit for bit.
+  TrainerRun manual(cfg);
+  std::map<int64_t, StepResult> results;
+  std::map<int64_t, double> val;
+  for (int s = 1; s <= 6; ++s) {
+    results[s] = manual->step();
+    if (s % 3 == 0) val[s] = manual->evaluate();
+  }
+
+  std::istringstream lines(read_file(run_dir + "/metrics.jsonl"));
+  const std::set<std::string> base = {"step", "loss",   "z_loss",       "grad_norm",
+                                      "lr",   "tokens", "tokens_per_s", "max_attn_logit"};
+  std::vector<int64_t> steps;
+  std::string line;
+  while (std::getline(lines, line)) {
+    SCOPED_TRACE(line);
+    const auto fields = parse_flat_json(line);
+    std::map<std::string, std::string> f(fields.begin(), fields.end());
+    EXPECT_EQ(f.size(), fields.size()) << "a field given twice";
+    ASSERT_TRUE(f.count("step"));
+    const int64_t step = std::stoll(f["step"]);
+    steps.push_back(step);
+    std::set<std::string> want = base;
+    if (val.count(step)) want.insert("val_loss");
+    std::set<std::string> got;
+    for (const auto& [k, v] : f) got.insert(k);
+    EXPECT_EQ(got, want);
+    ASSERT_TRUE(results.count(step));
+    const StepResult& r = results[step];
+    // Doubles and floats read back to exactly the value the trainer computed.
+    EXPECT_EQ(parse_number(f["loss"]), r.loss);
+    EXPECT_EQ(parse_number(f["z_loss"]), r.z_loss);
+    EXPECT_EQ(parse_number(f["grad_norm"]), r.grad_norm);
+    EXPECT_EQ(static_cast<float>(parse_number(f["lr"])), r.lr);
+    EXPECT_EQ(static_cast<float>(parse_number(f["max_attn_logit"])), r.max_attn_logit);
+    EXPECT_EQ(std::stoll(f["tokens"]), step * manual->tokens_per_step());
+    EXPECT_EQ(f["tokens"], std::to_string(step * 8 * 16));
+    const double tps = parse_number(f["tokens_per_s"]);
+    EXPECT_TRUE(std::isfinite(tps) && tps > 0) << f["tokens_per_s"];
+    if (val.count(step)) {
+      EXPECT_EQ(parse_number(f["val_loss"]), val[step]);
+      EXPECT_TRUE(std::isfinite(val[step]) && val[step] > 0);
+    }
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 3, 4, 6}));
+
+  // config.pbtxt reproduces the config exactly when merged over the defaults.
+  config::KeelConfig back = default_config();
+  merge_config_text(read_file(run_dir + "/config.pbtxt"), "config.pbtxt", back);
+  EXPECT_EQ(back.SerializeAsString(), cfg.SerializeAsString());
+}
+
+TEST(TrainerTest, EvaluateIsDeterministicAndLeavesTrainingStateAlone) {
+  const config::KeelConfig cfg = tiny_config();
+  TrainerRun with_eval(cfg), without(cfg);
+  for (int s = 0; s < 2; ++s) {
+    with_eval->step();
+    without->step();
+  }
+  const std::vector<float> before = with_eval.params();
+  const double v1 = with_eval->evaluate();
+  const double v2 = with_eval->evaluate();
+  EXPECT_EQ(v1, v2);
+  EXPECT_TRUE(std::isfinite(v1) && v1 > 0);
+  EXPECT_EQ(with_eval->last_val_loss(), v1);
+  EXPECT_TRUE(same_bits(before, with_eval.params())) << "evaluate() changed the parameters";
+  EXPECT_EQ(with_eval->steps_done(), 2);
+
+  const StepResult a = with_eval->step();
+  const StepResult b = without->step();
+  EXPECT_EQ(a.loss, b.loss) << "evaluate() changed the next step's data or state";
+  EXPECT_EQ(a.grad_norm, b.grad_norm);
+  EXPECT_EQ(a.z_loss, b.z_loss);
+  EXPECT_TRUE(same_bits(with_eval.params(), without.params()));
+  EXPECT_EQ(with_eval->evaluate(), without->evaluate());
+  EXPECT_NE(with_eval->evaluate(), v1) << "a training step should change the validation loss";
+}
+
+TEST(TrainerTest, ZLossAccounting) {
+  TrainerRun off(tiny_config({"loss.z_loss=0"}));
+  TrainerRun on(tiny_config({"loss.z_loss=1e-4"}));
+  const StepResult r_off = off->step();
+  const StepResult r_on = on->step();
+  EXPECT_EQ(r_off.z_loss, 0.0);
+  // Same init and data: the first step's cross-entropy does not include the z-loss term.
+  EXPECT_EQ(r_on.loss, r_off.loss);
+  // At init the logits are small, so logsumexp ~ ln(vocab) and z_loss ~ 1e-4 ln(256)^2 = 3.1e-3.
+  const double expected = 1e-4 * std::log(256.0) * std::log(256.0);
+  EXPECT_GT(r_on.z_loss, 0.5 * expected);
+  EXPECT_LT(r_on.z_loss, 2.0 * expected);
+  for (int s = 2; s <= 3; ++s) EXPECT_EQ(off->step().z_loss, 0.0) << "step " << s;
+}
+
+}  // namespace
+}  // namespace keel
