@@ -7,6 +7,7 @@
 #include "framework/error.h"
 #include "framework/kernels/attention.h"
 #include "framework/kernels/gemm.h"
+#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -170,7 +171,7 @@ float Attention::forward(const float* x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    ctx_.topo->tp_comm->all_reduce(y, BT * d.C, ReduceOp::kSum);
+    tp_region::reduce_from_tp_forward(*ctx_.topo->tp_comm, y, BT * d.C);
   }
   return max_logit;
 }
@@ -248,7 +249,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   {
     // Column-parallel input: each rank's dx covers its heads only.
     ProfileScope p(prof, "tp.all_reduce");
-    ctx_.topo->tp_comm->all_reduce(dx, BT * d.C, ReduceOp::kSum);
+    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dx, BT * d.C);
   }
 }
 

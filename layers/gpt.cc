@@ -13,6 +13,7 @@
 #include "framework/kernels/elementwise.h"
 #include "framework/kernels/embedding.h"
 #include "framework/kernels/gemm.h"
+#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -158,7 +159,8 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   {
     ProfileScope p(&profiler_, "embedding");
     kernels::embedding_forward(x0_.f32(), tokens, BT, ps_.param(wte_), d.v_begin, d.Vl, C);
-    tp.all_reduce(x0_.f32(), BT * C, ReduceOp::kSum);
+    // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
+    tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C);
     kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
   }
   LossStats stats;
@@ -211,7 +213,8 @@ void GPT::backward(float loss_weight) {
     ProfileScope p(&profiler_, "matmul.lm_head");
     kernels::linear_backward<float>(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
                                     head_weight(), BT, C, d.Vl);
-    ctx_.topo->tp_comm->all_reduce(dxf, BT * C, ReduceOp::kSum);
+    // The LM head is column-parallel over vocab: its input gradient is a partial sum.
+    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dxf, BT * C);
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);

@@ -5,6 +5,7 @@
 
 #include "framework/kernels/elementwise.h"
 #include "framework/kernels/gemm.h"
+#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -42,7 +43,7 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    ctx_.topo->tp_comm->all_reduce(y, BT * d.C, ReduceOp::kSum);
+    tp_region::reduce_from_tp_forward(*ctx_.topo->tp_comm, y, BT * d.C);
   }
 }
 
@@ -67,7 +68,7 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    ctx_.topo->tp_comm->all_reduce(dx, BT * d.C, ReduceOp::kSum);
+    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dx, BT * d.C);
   }
 }
 

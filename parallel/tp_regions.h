@@ -1,0 +1,30 @@
+// Megatron's tensor-parallel region operations (mappings.py), as explicit forward/backward
+// conjugate pairs for keel's hand-written backward passes:
+//   copy_to_tp:     forward identity,   backward all-reduce  (entering a column-parallel region:
+//                   the input is replicated, each rank's input gradient is partial)
+//   reduce_from_tp: forward all-reduce, backward identity    (leaving a row-parallel region:
+//                   each rank's output is a partial sum, the output gradient is replicated)
+// Every TP collective of the model goes through these (plus the vocab-parallel loss's row
+// statistics), so the communication formula in README.md is read off their call sites.
+#pragma once
+
+#include <cstdint>
+
+#include "parallel/communicator.h"
+
+namespace keel::tp_region {
+
+// copy_to_tp: nothing to do forward.
+inline void copy_to_tp_forward(Communicator&, float*, int64_t) {}
+// copy_to_tp backward: sum the partial input gradients of all TP ranks.
+inline void copy_to_tp_backward(Communicator& tp, float* grad, int64_t n) {
+  tp.all_reduce(grad, n, ReduceOp::kSum);
+}
+// reduce_from_tp forward: sum the partial outputs of all TP ranks.
+inline void reduce_from_tp_forward(Communicator& tp, float* out, int64_t n) {
+  tp.all_reduce(out, n, ReduceOp::kSum);
+}
+// reduce_from_tp: nothing to do backward.
+inline void reduce_from_tp_backward(Communicator&, float*, int64_t) {}
+
+}  // namespace keel::tp_region
