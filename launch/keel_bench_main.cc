@@ -180,7 +180,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     const double dp_bytes = static_cast<double>(topo.dp_comm->bytes_moved()) / steps;
     if (!root) continue;
     std::printf(
-        "config %s: %lld params, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f GFLOP/s "
+        "config %s: %lld parameters on this rank, %lld tokens/step, %.3f s/step, %.0f tokens/s, "
+        "%.1f GFLOP/s "
         "(%.1f%% of the job's sgemm peak), loss %.4f\n",
         named.name, static_cast<long long>(trainer.model().params().total_elems()),
         static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops,
