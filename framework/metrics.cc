@@ -79,7 +79,7 @@ void JsonlWriter::write(const JsonObject& obj) {
   const std::string line = obj.str() + "\n";
   KEEL_CHECK(std::fwrite(line.data(), 1, line.size(), f_) == line.size(), kIo, path_,
              ": write failed");
-  std::fflush(f_);
+  KEEL_CHECK(std::fflush(f_) == 0, kIo, path_, ": write failed: ", std::strerror(errno));
 }
 
 }  // namespace keel

@@ -121,6 +121,9 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   }
   KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
   KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
+  bool known = which == "all";
+  for (const Named& named : kConfigs) known = known || which == named.name;
+  KEEL_CHECK(known, kUsage, "--config ", which, ": no such benchmark config (S, M or all)");
   keel::kernels::set_num_threads(threads);
   const bool root = mpi.world_rank() == 0;
   // The peak is measured on rank 0 alone (others wait), with this rank's thread count.
@@ -239,5 +242,8 @@ int main(int argc, char** argv) {
   } catch (const keel::Error& e) {
     std::fprintf(stderr, "keel-bench: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
     return keel::exit_code_for(e.kind());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "keel-bench: internal error: %s\n", e.what());
+    return 1;
   }
 }

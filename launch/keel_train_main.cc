@@ -110,7 +110,15 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
         std::fflush(stderr);
       }
-      if (world > 1) keel::MpiEnv::barrier_for(10.0);
+      if (world > 1 && !keel::MpiEnv::barrier_for(10.0)) {
+        // Not every rank found this error (e.g. a file missing on one node): name this rank
+        // and end the whole job rather than leave the others blocked in a collective.
+        if (rank != 0) {
+          std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank,
+                       keel::error_kind_name(e.kind()), e.what());
+        }
+        keel::MpiEnv::abort(code);
+      }
       return code;
     }
     std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank, keel::error_kind_name(e.kind()),

@@ -22,7 +22,7 @@ done
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "keel: missing packages; run as root:" >&2
-  echo "  apt-get install -y ${missing[*]}" >&2
+  echo "  apt-get update && apt-get install -y ${missing[*]}" >&2
   exit 2
 fi
 echo "keel: installing ${missing[*]}"

@@ -4,13 +4,13 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <csignal>
-#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "framework/config/config.h"
 #include "framework/error.h"
@@ -41,6 +41,18 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
       data_(Dataset::open(cfg)),
       sampler_(data_, cfg) {
   const auto& t = cfg_.train();
+  if (topo_.world_comm) {
+    // Every rank opened the data itself: a node with other files would silently train on
+    // another stream. Compare sizes (min and max over the world).
+    double sizes[4] = {
+        static_cast<double>(data_.train().size()), static_cast<double>(data_.val().size()),
+        -static_cast<double>(data_.train().size()), -static_cast<double>(data_.val().size())};
+    topo_.world_comm->all_reduce(sizes, 4, ReduceOp::kMax);
+    KEEL_CHECK(sizes[0] == -sizes[2] && sizes[1] == -sizes[3], kData, "rank ", topo_.world_rank,
+               ": data.path holds ", data_.train().size(),
+               " training tokens here, but other ranks see between ", -sizes[2], " and ", sizes[0],
+               " (every rank must read the same data)");
+  }
   const int64_t per_rank = t.global_batch() / topo_.dp;
   KEEL_CHECK(t.global_batch() % topo_.dp == 0, kConfig, "train.global_batch=", t.global_batch(),
              " is not divisible by the data-parallel size ", topo_.dp);
@@ -83,7 +95,10 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     std::error_code ec;
     std::filesystem::create_directories(opts_.run_dir, ec);
     KEEL_CHECK(!ec, kIo, opts_.run_dir, ": cannot create run directory: ", ec.message());
-    std::ofstream(opts_.run_dir + "/config.pbtxt") << to_text(cfg_);
+    std::ofstream cfg_out(opts_.run_dir + "/config.pbtxt");
+    cfg_out << to_text(cfg_);
+    cfg_out.flush();
+    KEEL_CHECK(cfg_out.good(), kIo, opts_.run_dir, "/config.pbtxt: write failed");
     metrics_ = std::make_unique<JsonlWriter>(opts_.run_dir + "/metrics.jsonl");
   }
 }
@@ -288,12 +303,12 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
   const ModelDims& d = model_->dims();
   KEEL_CHECK(topo_.tp == 1, kUsage, "sampling reads whole logit rows: it needs parallel.tp=1");
   const int64_t T = d.T;
-  std::vector<int32_t> ctx(T, 0);
   std::string out;
   // Prompt: the start of a validation window (or of the training data), so the model continues
   // text in its own domain.
   const TokenStream& src = data_.has_val() ? data_.val() : data_.train();
   int64_t len = std::min<int64_t>(16, src.size());
+  std::vector<int32_t> ctx(len);  // the whole text so far; len == ctx.size() throughout
   src.copy(0, len, ctx.data());
   for (int64_t i = 0; i < len; ++i) out += static_cast<char>(ctx[i]);
   std::vector<double> p(d.V);
@@ -317,10 +332,7 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
         break;
       }
     }
-    if (len == static_cast<int64_t>(ctx.size()))
-      ctx.push_back(tok);
-    else
-      ctx[len] = tok;
+    ctx.push_back(tok);
     ++len;
     out += static_cast<char>(tok);
   }

@@ -54,7 +54,9 @@ class Trainer {
   const Dataset& dataset() const { return data_; }
   AdamW& optimizer() { return *opt_; }
   int64_t steps_done() const { return step_; }
-  int64_t tokens_per_step() const { return cfg_.train().global_batch() * cfg_.model().seq_len(); }
+  int64_t tokens_per_step() const {
+    return static_cast<int64_t>(cfg_.train().global_batch()) * cfg_.model().seq_len();
+  }
   int64_t micro_batch() const { return micro_; }
   int64_t accum_steps() const { return accum_; }
   const Topology& topology() const { return topo_; }

@@ -105,17 +105,32 @@ void MpiCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
 
 void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   if (size_ == 1) {
-    std::copy(send, send + n, recv);
+    if (send != recv) std::copy(send, send + n, recv);
     return;
   }
-  KEEL_CHECK(n <= kMaxCount, kInternal, "all_gather of ", n, " elements per rank is too large");
   count(n * size_ * static_cast<int64_t>(sizeof(float)));
   Guard g(watchdog_, "all_gather", name_);
-  // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
-  const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
-  check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT,
-                      comm_),
-        "MPI_Allgather", name_);
+  if (n <= kMaxCount) {
+    // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
+    const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
+    check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n),
+                        MPI_FLOAT, comm_),
+          "MPI_Allgather", name_);
+    return;
+  }
+  // Per-rank blocks beyond MPI's int counts: gather column chunks through a staging buffer.
+  std::vector<float> mine, staged;
+  for (int64_t c = 0; c < n; c += kMaxCount) {
+    const int64_t k = std::min(kMaxCount, n - c);
+    mine.assign(send + c, send + c + k);
+    staged.resize(static_cast<size_t>(k) * size_);
+    check(MPI_Allgather(mine.data(), static_cast<int>(k), MPI_FLOAT, staged.data(),
+                        static_cast<int>(k), MPI_FLOAT, comm_),
+          "MPI_Allgather", name_);
+    for (int r = 0; r < size_; ++r) {
+      std::copy(staged.begin() + r * k, staged.begin() + (r + 1) * k, recv + r * n + c);
+    }
+  }
 }
 
 void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) {
@@ -123,11 +138,25 @@ void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) 
     std::copy(send, send + n, recv);
     return;
   }
-  KEEL_CHECK(n <= kMaxCount, kInternal, "reduce_scatter of ", n, " elements per rank is too large");
   count(n * size_ * static_cast<int64_t>(sizeof(float)));
   Guard g(watchdog_, "reduce_scatter", name_);
-  check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_),
-        "MPI_Reduce_scatter_block", name_);
+  if (n <= kMaxCount) {
+    check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_),
+          "MPI_Reduce_scatter_block", name_);
+    return;
+  }
+  // Per-rank blocks beyond MPI's int counts: reduce column chunks through a staging buffer.
+  std::vector<float> staged;
+  for (int64_t c = 0; c < n; c += kMaxCount) {
+    const int64_t k = std::min(kMaxCount, n - c);
+    staged.resize(static_cast<size_t>(k) * size_);
+    for (int r = 0; r < size_; ++r) {
+      std::copy(send + r * n + c, send + r * n + c + k, staged.begin() + r * k);
+    }
+    check(MPI_Reduce_scatter_block(staged.data(), recv + c, static_cast<int>(k), MPI_FLOAT, MPI_SUM,
+                                   comm_),
+          "MPI_Reduce_scatter_block", name_);
+  }
 }
 
 void MpiCommunicator::broadcast(float* data, int64_t n, int root) {

@@ -4,10 +4,9 @@
 #include <mpi.h>
 
 #include <chrono>
-#include <thread>
-
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "framework/error.h"
 

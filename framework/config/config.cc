@@ -276,6 +276,8 @@ void validate_model(config::Model& m) {
   KEEL_CHECK(m.d_model() % m.n_heads() == 0, kConfig, "model.n_heads=", m.n_heads(),
              " does not divide model.d_model=", m.d_model());
   KEEL_CHECK(m.d_ff() >= 0, kConfig, "model.d_ff=", m.d_ff(), " must be >= 0 (0: 4 x d_model)");
+  KEEL_CHECK(m.qk_norm() != config::L2 || m.seq_len() >= 2, kConfig, "model.seq_len=", m.seq_len(),
+             " must be >= 2 with model.qk_norm=L2 (its scale starts at log2(seq_len^2 - seq_len))");
   if (m.d_ff() == 0) {
     const int64_t d_ff = 4 * static_cast<int64_t>(m.d_model());
     KEEL_CHECK(d_ff <= std::numeric_limits<int32_t>::max(), kConfig, "model.d_model=", m.d_model(),
@@ -346,6 +348,9 @@ void validate_data(config::Data& d, const config::Train& t) {
                "' is set but data.format=BUILTIN holds out data.val_fraction instead");
     KEEL_CHECK(d.builtin_bytes() > 0, kConfig, "data.builtin_bytes=", d.builtin_bytes(),
                " must be > 0");
+    KEEL_CHECK(d.builtin_bytes() <= (int64_t{1} << 32), kConfig,
+               "data.builtin_bytes=", d.builtin_bytes(),
+               " exceeds the built-in corpus's 4 GiB limit");
   } else {
     KEEL_CHECK(!d.path().empty(), kConfig, "data.path is empty but data.format=", format,
                " needs a file");

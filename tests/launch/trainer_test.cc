@@ -283,3 +283,22 @@ TEST(TrainerTest, ZLossAccounting) {
 
 }  // namespace
 }  // namespace keel
+
+namespace keel {
+namespace {
+
+// The sampled text continues a 16-byte prompt; a context shorter than the prompt must slide
+// (a regression test: the context buffer was once sized by seq_len and overrun).
+TEST(TrainerTest, SampleWorksWithAContextShorterThanThePrompt) {
+  for (const char* seq : {"model.seq_len=4", "model.seq_len=16", "model.seq_len=32"}) {
+    TrainerRun run(tiny_config({seq}));
+    run->step();
+    const std::string a = run->sample(40, 7), b = run->sample(40, 7);
+    EXPECT_EQ(a.size(), 16u + 40u) << seq;
+    EXPECT_EQ(a, b) << "sampling is deterministic for a seed (" << seq << ")";
+    EXPECT_NE(run->sample(40, 8), a) << seq;
+  }
+}
+
+}  // namespace
+}  // namespace keel
