@@ -216,49 +216,46 @@ std::string read_file(const std::string& path) {
   return os.str();
 }
 
-// Checks every enum field of every section: defined and not the *_UNSPECIFIED zero.
-void check_enums(const KeelConfig& cfg) {
-  const pb::Reflection* top = cfg.GetReflection();
+// Calls fn(name, message, reflection, field) for every scalar field of every section
+// ("model.qk_norm", ...).
+template <typename Fn>
+void for_each_field(const KeelConfig& cfg, Fn&& fn) {
   const pb::Descriptor* d = cfg.GetDescriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const pb::FieldDescriptor* section = d->field(i);
-    const pb::Message& msg = top->GetMessage(cfg, section);
-    const pb::Reflection* r = msg.GetReflection();
+    const pb::Message& msg = cfg.GetReflection()->GetMessage(cfg, section);
     for (int j = 0; j < section->message_type()->field_count(); ++j) {
       const pb::FieldDescriptor* f = section->message_type()->field(j);
-      if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_ENUM) continue;
-      const int value = r->GetEnumValue(msg, f);
-      const std::string name = section->name() + "." + f->name();
-      KEEL_CHECK(value != 0, kConfig, name, " is unspecified (choose one of ",
-                 enum_choices(f->enum_type()), ")");
-      KEEL_CHECK(f->enum_type()->FindValueByNumber(value) != nullptr, kConfig, name, "=", value,
-                 " is not a valid value (choose one of ", enum_choices(f->enum_type()), ")");
+      fn(section->name() + "." + f->name(), msg, *msg.GetReflection(), f);
     }
   }
 }
 
-// Checks every float and double field of every section is finite (no nan or inf).
-void check_finite(const KeelConfig& cfg) {
-  const pb::Reflection* top = cfg.GetReflection();
-  const pb::Descriptor* d = cfg.GetDescriptor();
-  for (int i = 0; i < d->field_count(); ++i) {
-    const pb::FieldDescriptor* section = d->field(i);
-    const pb::Message& msg = top->GetMessage(cfg, section);
-    const pb::Reflection* r = msg.GetReflection();
-    for (int j = 0; j < section->message_type()->field_count(); ++j) {
-      const pb::FieldDescriptor* f = section->message_type()->field(j);
-      double value = 0;
-      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT) {
-        value = r->GetFloat(msg, f);
-      } else if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_DOUBLE) {
-        value = r->GetDouble(msg, f);
-      } else {
-        continue;
+// Every enum is defined and not its *_UNSPECIFIED zero; every float and double is finite.
+void check_enums_and_floats(const KeelConfig& cfg) {
+  for_each_field(cfg, [](const std::string& name, const pb::Message& msg, const pb::Reflection& r,
+                         const pb::FieldDescriptor* f) {
+    switch (f->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_ENUM: {
+        const int value = r.GetEnumValue(msg, f);
+        KEEL_CHECK(value != 0, kConfig, name, " is unspecified (choose one of ",
+                   enum_choices(f->enum_type()), ")");
+        KEEL_CHECK(f->enum_type()->FindValueByNumber(value) != nullptr, kConfig, name, "=", value,
+                   " is not a valid value (choose one of ", enum_choices(f->enum_type()), ")");
+        break;
       }
-      KEEL_CHECK(std::isfinite(value), kConfig, section->name(), ".", f->name(), "=", value,
-                 " is not a finite number");
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
+        const double value = f->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT
+                                 ? r.GetFloat(msg, f)
+                                 : r.GetDouble(msg, f);
+        KEEL_CHECK(std::isfinite(value), kConfig, name, "=", value, " is not a finite number");
+        break;
+      }
+      default:
+        break;
     }
-  }
+  });
 }
 
 // A path that names llm.c shards: *.bin, or a glob pattern.
@@ -445,8 +442,7 @@ void apply_set(const std::string& assignment, KeelConfig& cfg) {
 }
 
 void validate(KeelConfig& cfg) {
-  check_enums(cfg);
-  check_finite(cfg);
+  check_enums_and_floats(cfg);
   validate_model(*cfg.mutable_model());
   const auto& par = cfg.parallel();
   KEEL_CHECK(par.tp() >= 1, kConfig, "parallel.tp=", par.tp(), " must be >= 1");

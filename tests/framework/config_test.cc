@@ -12,45 +12,14 @@
 #include <vector>
 
 #include "framework/error.h"
+#include "tests/test_util.h"
 
 namespace keel {
 namespace {
 
 using config::KeelConfig;
-
-// A temporary directory removed when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "keel_config_test_XXXXXX");
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string file = path_ + "/" + name;
-    std::ofstream(file) << text;
-    return file;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-// Runs `fn`, expects a keel::Error of `kind`, and returns its message.
-template <typename Fn>
-std::string error_of(ErrorKind kind, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;
-    return message;
-  }
-  ADD_FAILURE() << "no keel::Error thrown";
-  return "";
-}
+using testing::error_of;
+using testing::TempDir;
 
 void expect_contains(const std::string& message, const std::vector<std::string>& parts) {
   for (const std::string& part : parts) {

@@ -24,22 +24,13 @@
 #include "framework/data/sampler.h"
 #include "framework/data/token_stream.h"
 #include "framework/error.h"
+#include "tests/test_util.h"
 
 namespace keel {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "keel_data_test_XXXXXX");
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using testing::error_of;
+using testing::TempDir;
 
 struct ShardSpec {
   int32_t magic = kShardMagic;
@@ -68,20 +59,6 @@ std::vector<uint16_t> iota_tokens(int n, int first) {
   std::vector<uint16_t> t(n);
   for (int i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(first + i);
   return t;
-}
-
-template <typename Fn>
-std::string error_of(ErrorKind kind, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;
-    return message;
-  }
-  ADD_FAILURE() << "no keel::Error thrown";
-  return "";
 }
 
 #define EXPECT_HAS(message, part) \

@@ -13,27 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace keel::testing {
-
-// A temporary directory removed (with its contents) when it goes out of scope.
-class TempDir {
- public:
-  explicit TempDir(const std::string& prefix = "keel_launch_test") {
-    std::string tmpl = std::filesystem::temp_directory_path() / (prefix + "_XXXXXX");
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
