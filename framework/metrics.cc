@@ -1,6 +1,9 @@
 // JSON-lines metrics output.
 #include "framework/metrics.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -68,18 +71,27 @@ std::string JsonObject::str() const {
 }
 
 JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
-  f_ = std::fopen(path.c_str(), "w");
-  KEEL_CHECK(f_ != nullptr, kIo, path, ": cannot open for writing: ", std::strerror(errno));
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  KEEL_CHECK(fd_ >= 0, kIo, path, ": cannot open for writing: ", std::strerror(errno));
 }
 JsonlWriter::~JsonlWriter() {
-  if (f_) std::fclose(f_);
+  if (fd_ >= 0) ::close(fd_);
 }
 void JsonlWriter::write(const JsonObject& obj) {
-  if (!f_) return;
+  if (fd_ < 0) return;
   const std::string line = obj.str() + "\n";
-  KEEL_CHECK(std::fwrite(line.data(), 1, line.size(), f_) == line.size(), kIo, path_,
-             ": write failed");
-  KEEL_CHECK(std::fflush(f_) == 0, kIo, path_, ": write failed: ", std::strerror(errno));
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int err = w < 0 ? errno : ENOSPC;
+      // Cut the partial line off, so readers never see half an object.
+      if (::ftruncate(fd_, size_) == 0) ::lseek(fd_, size_, SEEK_SET);
+      KEEL_FAIL(kIo, path_, ": write failed: ", std::strerror(err));
+    }
+    done += static_cast<size_t>(w);
+  }
+  size_ += static_cast<int64_t>(line.size());
 }
 
 }  // namespace keel

@@ -1,6 +1,7 @@
-// JSON-lines writer for metrics.jsonl and alerts.jsonl: one object per line, flushed per line,
-// floats with round-trip precision (%.9g for float-origin values, %.17g for doubles) so runs can
-// be compared bit for bit.
+// JSON-lines writer for metrics.jsonl and alerts.jsonl: one object per line, written whole with
+// write(2) (a failed write is rolled back, so the file always ends with a complete line), floats
+// with round-trip precision (%.9g for float-origin values, %.17g for doubles) so runs can be
+// compared bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -30,11 +31,14 @@ class JsonlWriter {
   ~JsonlWriter();
   JsonlWriter(const JsonlWriter&) = delete;
   JsonlWriter& operator=(const JsonlWriter&) = delete;
+  // Appends obj as one line. On failure (disk full, file-size limit) the partial line is cut
+  // off again and kIo names the file and the OS reason.
   void write(const JsonObject& obj);
-  bool is_open() const { return f_ != nullptr; }
+  bool is_open() const { return fd_ >= 0; }
 
  private:
-  std::FILE* f_ = nullptr;
+  int fd_ = -1;
+  int64_t size_ = 0;  // bytes of complete lines in the file
   std::string path_;
 };
 

@@ -10,6 +10,7 @@ packages=(
   libopenblas-openmp-dev     # OpenMP OpenBLAS: BLAS shares keel's OpenMP thread pool
   libopenmpi-dev openmpi-bin
   libgtest-dev
+  libxxhash-dev              # XXH3: data fingerprints, checkpoint checksums
 )
 
 missing=()

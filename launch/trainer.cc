@@ -9,11 +9,13 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <thread>
+#include <vector>
 
 #include "framework/config/config.h"
+#include "framework/data/fingerprint.h"
 #include "framework/error.h"
+#include "framework/file_io.h"
 #include "framework/kernels/elementwise.h"
 #include "framework/philox.h"
 
@@ -41,18 +43,9 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
       data_(Dataset::open(cfg)),
       sampler_(data_, cfg) {
   const auto& t = cfg_.train();
-  if (topo_.world_comm) {
-    // Every rank opened the data itself: a node with other files would silently train on
-    // another stream. Compare sizes (min and max over the world).
-    double sizes[4] = {
-        static_cast<double>(data_.train().size()), static_cast<double>(data_.val().size()),
-        -static_cast<double>(data_.train().size()), -static_cast<double>(data_.val().size())};
-    topo_.world_comm->all_reduce(sizes, 4, ReduceOp::kMax);
-    KEEL_CHECK(sizes[0] == -sizes[2] && sizes[1] == -sizes[3], kData, "rank ", topo_.world_rank,
-               ": data.path holds ", data_.train().size(),
-               " training tokens here, but other ranks see between ", -sizes[2], " and ", sizes[0],
-               " (every rank must read the same data)");
-  }
+  train_fp_ = fingerprint(data_.train());
+  val_fp_ = data_.has_val() ? fingerprint(data_.val()) : 0;
+  if (topo_.world_comm) check_same_data_on_every_rank();
   const int64_t per_rank = t.global_batch() / topo_.dp;
   KEEL_CHECK(t.global_batch() % topo_.dp == 0, kConfig, "train.global_batch=", t.global_batch(),
              " is not divisible by the data-parallel size ", topo_.dp);
@@ -95,11 +88,45 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     std::error_code ec;
     std::filesystem::create_directories(opts_.run_dir, ec);
     KEEL_CHECK(!ec, kIo, opts_.run_dir, ": cannot create run directory: ", ec.message());
-    std::ofstream cfg_out(opts_.run_dir + "/config.pbtxt");
-    cfg_out << to_text(cfg_);
-    cfg_out.flush();
-    KEEL_CHECK(cfg_out.good(), kIo, opts_.run_dir, "/config.pbtxt: write failed");
+    write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
     metrics_ = std::make_unique<JsonlWriter>(opts_.run_dir + "/metrics.jsonl");
+  }
+}
+
+void Trainer::check_same_data_on_every_rank() const {
+  // Every rank opened the data itself: a node with other files would silently train on another
+  // stream. Each rank contributes (size, fingerprint) of both splits, as 16-bit pieces (exact in
+  // a float), and every rank compares the gathered table with rank 0's row, so all of them reach
+  // the same verdict and rank 0 names the first rank that differs.
+  constexpr int kWords = 4, kPieces = 4;
+  const uint64_t mine[kWords] = {static_cast<uint64_t>(data_.train().size()), train_fp_,
+                                 static_cast<uint64_t>(data_.val().size()), val_fp_};
+  std::vector<float> send(kWords * kPieces);
+  for (int w = 0; w < kWords; ++w) {
+    for (int p = 0; p < kPieces; ++p) send[w * kPieces + p] = (mine[w] >> (16 * p)) & 0xffff;
+  }
+  const int world = topo_.world_size;
+  std::vector<float> table(send.size() * world);
+  topo_.world_comm->all_gather(send.data(), table.data(), static_cast<int64_t>(send.size()));
+  auto word = [&](int rank, int w) {
+    uint64_t v = 0;
+    for (int p = 0; p < kPieces; ++p) {
+      v |= static_cast<uint64_t>(table[(rank * kWords + w) * kPieces + p]) << (16 * p);
+    }
+    return v;
+  };
+  const bool separate_val = !cfg_.data().val_path().empty();
+  for (int r = 1; r < world; ++r) {
+    for (int split = 0; split < 2; ++split) {
+      const int w = 2 * split;
+      if (word(r, w) == word(0, w) && word(r, w + 1) == word(0, w + 1)) continue;
+      const char* field = split == 1 && separate_val ? "data.val_path" : "data.path";
+      const char* what = split == 0 ? "training" : "validation";
+      KEEL_FAIL(kData, field, ": rank ", r, " reads different ", what, " tokens from rank 0 (",
+                word(r, w), " tokens, ", fingerprint_hex(word(r, w + 1)), " on rank ", r, "; ",
+                word(0, w), " tokens, ", fingerprint_hex(word(0, w + 1)),
+                " on rank 0): every rank must read the same data");
+    }
   }
 }
 

@@ -63,11 +63,17 @@ class Trainer {
   // ZeRO-1: this rank's slice [shard_offset, shard_offset + shard_n) of the parameter arena.
   int64_t shard_offset() const { return shard_off_; }
   int64_t shard_n() const { return shard_n_; }
+  const Tensor& shard_grads() const { return shard_grads_; }
   const StepResult& last() const { return last_; }
+  // XXH3 fingerprints of the training and validation token streams (Note [data fingerprint]);
+  // every rank's are checked equal at start-up. The validation one is 0 without a split.
+  uint64_t train_fingerprint() const { return train_fp_; }
+  uint64_t val_fingerprint() const { return val_fp_; }
   double last_val_loss() const { return last_val_; }
   bool evaluated() const { return evaluated_; }
 
  private:
+  void check_same_data_on_every_rank() const;  // throws kData naming the first rank that differs
   void log_step(const StepResult& r, std::optional<double> val_loss);
   double grad_sum_squares(const float* grads, int64_t begin, int64_t end) const;
 
@@ -76,6 +82,7 @@ class Trainer {
   TrainerOptions opts_;
   Dataset data_;
   Sampler sampler_;
+  uint64_t train_fp_ = 0, val_fp_ = 0;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)

@@ -1,0 +1,15 @@
+// Whole-file writes that never leave a half-written file behind: the bytes go to a temporary file
+// beside the target, are fsynced, and are renamed over it (rename is atomic within a file
+// system). Used for config.pbtxt now and for checkpoint manifests next.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace keel {
+
+// Replaces `path` with `bytes` atomically. On failure `path` keeps its old content (or stays
+// absent), the temporary file is removed, and kIo names the path and the OS reason.
+void write_file_atomic(const std::string& path, std::string_view bytes);
+
+}  // namespace keel
