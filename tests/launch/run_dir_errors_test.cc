@@ -1,0 +1,140 @@
+// Write failures in the run directory, through the real keel-train: a run directory that cannot be
+// created, a metrics file on a full disk (/dev/full), and a disk that fills up mid-run (a tiny
+// tmpfs mounted over the run directory in a private mount namespace: a short write, then ENOSPC).
+// Each ends the run with exit 1 and one line naming the file and the OS reason, and leaves no
+// half-written file: config.pbtxt is whole or absent, and metrics.jsonl ends with a complete line.
+// (A file-size limit cannot stand in for the full disk: it also limits MPI's shared-memory files.)
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+using testing::command_line;
+using testing::CommandResult;
+using testing::read_file;
+using testing::run_command;
+using testing::shell_quote;
+using testing::TempDir;
+using testing::write_file;
+
+const std::vector<std::string> kTiny = {
+    "--set", "model.d_model=32",         "--set", "model.n_layers=1",
+    "--set", "model.n_heads=2",          "--set", "model.seq_len=16",
+    "--set", "train.global_batch=4",     "--set", "train.eval_every=0",
+    "--set", "train.sample_chars=0",     "--set", "train.log_every=1",
+    "--set", "data.builtin_bytes=20000", "--set", "train.threads=1"};
+
+class RunDirErrors : public ::testing::Test {
+ protected:
+  // keel-train on the tiny job for `steps` steps into `run_dir`, under `prefix` (a shell snippet
+  // run before it in the same shell) and `wrapper` (a command the shell runs under).
+  CommandResult train(const std::string& run_dir, int steps, const std::string& prefix = "",
+                      const std::string& wrapper = "") {
+    std::vector<std::string> args = kTiny;
+    args.insert(args.end(),
+                {"--set", "train.steps=" + std::to_string(steps), "--run-dir", run_dir});
+    return run_command(
+        wrapper + "bash -c " + shell_quote(prefix + command_line(KEEL_TRAIN_BIN, args)), dir_);
+  }
+
+  // The one keel-train line on stderr (and that there is exactly one).
+  static std::string one_line(const CommandResult& r) {
+    size_t n = 0;
+    for (size_t at = r.err.find("keel-train: "); at != std::string::npos;
+         at = r.err.find("keel-train: ", at + 1)) {
+      ++n;
+    }
+    EXPECT_EQ(n, 1u) << r.err;
+    for (const char* marker : {"terminate called", "what():", "Aborted", "core dumped"}) {
+      EXPECT_EQ(r.err.find(marker), std::string::npos) << r.err;
+    }
+    const size_t at = r.err.find("keel-train: ");
+    return at == std::string::npos ? "" : r.err.substr(at, r.err.find('\n', at) - at);
+  }
+
+  TempDir dir_{"keel_run_dir_errors"};
+};
+
+TEST_F(RunDirErrors, ARunDirectoryUnderAFileCannotBeCreated) {
+  write_file(dir_.file("plain_file"), "x");
+  const std::string run_dir = dir_.file("plain_file/run");
+  const CommandResult r = train(run_dir, 2);
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(one_line(r),
+            "keel-train: io error: " + run_dir + ": cannot create run directory: Not a directory");
+}
+
+TEST_F(RunDirErrors, MetricsOnAFullDiskNameTheFile) {
+  const std::string run_dir = dir_.file("run");
+  std::filesystem::create_directories(run_dir);
+  std::filesystem::create_symlink("/dev/full", run_dir + "/metrics.jsonl");
+  const CommandResult r = train(run_dir, 3);
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(one_line(r), "keel-train: io error: " + run_dir +
+                             "/metrics.jsonl: write failed: No space left on device");
+}
+
+// Runs keel-train with the run directory on an 8 KiB tmpfs (two pages) in a private mount
+// namespace; `fill` bytes of another file are written there first. What the run left is copied
+// to `out` before the namespace goes away. Skips where mounting is not allowed.
+#define TRAIN_ON_TINY_DISK(result, steps, fill, out)                                              \
+  const std::string run_dir = dir_.file("run");                                                   \
+  std::filesystem::create_directories(run_dir);                                                   \
+  std::filesystem::create_directories(out);                                                       \
+  if (run_command("unshare -m sh -c " +                                                           \
+                      shell_quote("mount -t tmpfs -o size=8k tmpfs " + shell_quote(run_dir)),     \
+                  dir_)                                                                           \
+          .exit_code != 0) {                                                                      \
+    GTEST_SKIP() << "cannot mount a tmpfs in a private mount namespace here";                     \
+  }                                                                                               \
+  const CommandResult result = train(                                                             \
+      run_dir, steps,                                                                             \
+      "mount -t tmpfs -o size=8k tmpfs " + shell_quote(run_dir) + " || exit 99; " + "head -c " +  \
+          std::to_string(fill) + " /dev/zero > " + shell_quote(run_dir) +                         \
+          "/filler; trap 'cp -a " + shell_quote(run_dir) + "/. " + shell_quote(out) + "' EXIT; ", \
+      "unshare -m ")
+
+TEST_F(RunDirErrors, AFullDiskMidRunLeavesWholeLinesInMetrics) {
+  const std::string out = dir_.file("left");
+  // config.pbtxt takes one page; metrics.jsonl fills the other after about 18 lines.
+  TRAIN_ON_TINY_DISK(r, 60, 0, out);
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(one_line(r), "keel-train: io error: " + run_dir +
+                             "/metrics.jsonl: write failed: No space left on device");
+  const std::string metrics = read_file(out + "/metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_EQ(metrics.back(), '\n');
+  std::istringstream lines(metrics);
+  int n = 0;
+  for (std::string line; std::getline(lines, line); ++n) {
+    EXPECT_EQ(line.rfind("{\"step\": " + std::to_string(n + 1) + ", ", 0), 0u) << line;
+    EXPECT_EQ(line.back(), '}') << line;
+  }
+  EXPECT_GE(n, 5);
+  EXPECT_LT(n, 60);
+  EXPECT_EQ(read_file(out + "/config.pbtxt").find("model {"), 0u);
+}
+
+TEST_F(RunDirErrors, AConfigThatCannotBeWrittenLeavesNoFile) {
+  const std::string out = dir_.file("left");
+  TRAIN_ON_TINY_DISK(r, 2, 8192, out);  // the disk is full before the run starts
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(one_line(r), "keel-train: io error: " + run_dir +
+                             "/config.pbtxt: write failed: No space left on device");
+  // Neither a 0-byte config.pbtxt nor its temporary file is left behind: only the filler.
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(out)) {
+    names.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(names, std::vector<std::string>{"filler"});
+}
+
+}  // namespace
+}  // namespace keel
