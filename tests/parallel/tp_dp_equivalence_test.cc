@@ -3,15 +3,23 @@
 // (Topology::single, run on every rank as the reference; it is deterministic). Checked per case:
 //   - loss, z-loss and gradient norm of every step to 1e-6 / 1e-6 / 1e-5 relative;
 //   - every gradient after step 1, assembled to its logical shape over TP, to 1e-5 relative in
-//     norm (||a - b|| <= 1e-5 ||b|| + 1e-9) — except under ZeRO-1, where a rank's gradient arena
-//     holds only its own DP replica's sum; padded vocabulary rows get exactly zero gradient;
-//   - every parameter after three AdamW steps to 1e-5 relative in norm;
+//     norm (||a - b|| <= 1e-5 ||b|| + 1e-9); padded vocabulary rows get exactly zero gradient.
+//     Under ZeRO-1 a rank's gradient arena holds only its own DP replica's sum, so instead each
+//     rank's reduce-scattered shard (arena elements [shard_offset, shard_offset + shard_n): its TP
+//     slice of every parameter, cut again by DP) is compared, parameter by parameter, with the
+//     same elements of the single-process gradient: after step 1 to the same 1e-5, after steps 2
+//     and 3 (which start from parameters that already differ by up to the parameter tolerance)
+//     to 1e-4; padded vocabulary rows and the arena's alignment padding in the shard are exactly
+//     zero;
+//   - every parameter after three AdamW steps to 1e-5 relative in norm (with the conditioning of
+//     Note [AdamW conditioning] in parallel_test_util.h);
 //   - loss and gradient norm bit-identical on every rank, replicated parameters bit-identical on
 //     every rank and whole parameter arenas bit-identical across DP replicas;
 //   - ZeRO-1's optimizer state per rank is 1/dp of plain DP's.
-// The case list covers every QK-norm mode and scope under TP=2 and TP=4, two or more modes under
-// DP, TP x DP and ZeRO-1, tied and untied embeddings, gradient accumulation and a binding clip.
-// Each case runs only where tp x dp equals the world size (mpiexec -n 1, 2, 4).
+// Every QK-norm mode and scope runs under TP=2, TP=4, TP2xDP2, TP2xDP2 with ZeRO-1 and DP2 with
+// ZeRO-1, with gradient accumulation and untied embeddings mixed in; DP=2 and DP=4 (plain and
+// ZeRO-1) and a binding clip add a few more. Each case runs only where tp x dp equals the world
+// size (mpiexec -n 1, 2, 4). Rank 0 prints the worst relative and absolute differences per case.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -19,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,7 +53,8 @@ using testing::world_size;
 constexpr double kLossRtol = 1e-6;
 constexpr double kGradRtol = 1e-5;
 constexpr double kParamRtol = 1e-5;
-constexpr double kAtol = 1e-9;  // floor for (near-)zero tensors, in norm
+constexpr double kLaterGradRtol = 1e-4;  // gradients of steps 2 and 3 (ZeRO-1 shards)
+constexpr double kAtol = 1e-9;           // floor for (near-)zero tensors, in norm
 constexpr double kBindingClip = 0.05;
 
 struct Case {
@@ -66,58 +76,104 @@ struct Case {
   }
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }  // for gtest's listings
+
 std::vector<Case> cases() {
   std::vector<Case> out;
   const QkMode rms_shared{config::RMS, config::HEAD_SHARED};
+  const std::vector<QkMode> modes = testing::all_qk_modes();
   // One process through Distributed: the MPI path with groups of one.
   out.push_back({1, 1, rms_shared, 0, 4});
-  // Every QK-norm mode and scope under TP = 2 and TP = 4; accumulation and untied heads mixed in.
-  const std::vector<QkMode> modes = testing::all_qk_modes();
-  for (int tp : {2, 4}) {
+  // Every QK-norm mode and scope under each sweep layout {tp, dp, zero_stage}; accumulation over
+  // two micro-batches and untied embeddings are mixed in, shifted per layout so that each mode
+  // meets both.
+  const int sweep[][3] = {{2, 1, 0}, {4, 1, 0}, {2, 2, 0}, {2, 2, 1}, {1, 2, 1}};
+  for (size_t l = 0; l < std::size(sweep); ++l) {
+    const auto [tp, dp, zero_stage] = sweep[l];
     for (size_t i = 0; i < modes.size(); ++i) {
-      Case c{tp, 1, modes[i]};
-      c.micro_batch = i % 2 == 1 ? 4 : 0;  // accumulation over two micro-batches
-      c.tied = i % 3 != 2;
+      Case c{tp, dp, modes[i], zero_stage};
+      c.micro_batch = (i + l) % 2 == 1 ? testing::kGlobalBatch / dp / 2 : 0;
+      c.tied = (i + l) % 3 != 2;
       out.push_back(c);
     }
-    out.push_back({tp, 1, {config::RMS, config::PROJECTION}, 0, 0, true, kBindingClip});
   }
-  // Data parallelism, plain and ZeRO-1.
+  // A binding clip under each kind of layout.
+  out.push_back({2, 1, {config::RMS, config::PROJECTION}, 0, 0, true, kBindingClip});
+  out.push_back({4, 1, {config::RMS, config::PROJECTION}, 0, 0, true, kBindingClip});
+  out.push_back({1, 2, rms_shared, 0, 0, true, kBindingClip});
+  out.push_back({1, 2, {config::RMS, config::HEAD}, 1, 0, true, kBindingClip});
+  out.push_back({2, 2, {config::L2, config::PROJECTION}, 1, 0, false, kBindingClip});
+  // Plain data parallelism, and DP = 4 with and without ZeRO-1.
   out.push_back({1, 2, rms_shared, 0, 2});
   out.push_back({1, 2, {config::LAYER, config::PROJECTION}, 0, 0, false});
-  out.push_back({1, 2, rms_shared, 0, 0, true, kBindingClip});
-  out.push_back({1, 2, rms_shared, 1, 0});
-  out.push_back({1, 2, {config::L2, config::HEAD_SHARED}, 1, 2, false});
   out.push_back({1, 4, rms_shared, 0, 0});
   out.push_back({1, 4, {config::L2, config::HEAD}, 0, 1, false});
   out.push_back({1, 4, {config::LAYER, config::HEAD_SHARED}, 1, 1, true, kBindingClip});
-  // TP x DP, plain and ZeRO-1 (ZeRO with gains whose gradients are TP partial sums).
-  out.push_back({2, 2, rms_shared, 0, 0});
-  out.push_back({2, 2, {config::LAYER, config::HEAD}, 0, 2, false});
-  out.push_back({2, 2, rms_shared, 1, 0});
-  out.push_back({2, 2, {config::LAYER, config::HEAD_SHARED}, 1, 2});
-  out.push_back({2, 2, {config::L2, config::PROJECTION}, 1, 0, false, kBindingClip});
-  out.push_back({2, 2, {config::NONE, config::HEAD_SHARED}, 1, 2});
   return out;
 }
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
 
 struct Diff {
-  double err = 0.0;  // ||a - b||
-  double ref = 0.0;  // ||b||
+  double err = 0.0;      // ||a - b||
+  double ref = 0.0;      // ||b||
+  double max_abs = 0.0;  // max |a_i - b_i|
   bool within(double rtol) const { return err <= rtol * ref + kAtol; }
+  double used(double rtol) const { return err / (rtol * ref + kAtol); }  // <= 1: within
   double relative() const { return err / std::max(ref, 1e-30); }
 };
 
 Diff diff(const float* a, const float* b, int64_t n) {
-  double e = 0.0, r = 0.0;
+  double e = 0.0, r = 0.0, m = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const double d = static_cast<double>(a[i]) - b[i];
     e += d * d;
     r += static_cast<double>(b[i]) * b[i];
+    m = std::max(m, std::abs(d));
   }
-  return {std::sqrt(e), std::sqrt(r)};
+  return {std::sqrt(e), std::sqrt(r), m};
+}
+
+// The worst relative difference over tensors (naming the tensor), the largest absolute
+// difference of any element and the largest fraction of its tolerance any tensor used (the
+// relative difference of a near-zero tensor can exceed rtol within the absolute floor).
+struct Worst {
+  double rel = 0.0, abs = 0.0, used = 0.0;
+  std::string name = "-";
+  void add(const Diff& d, const std::string& tensor, double rtol) {
+    if (d.ref > 0 && d.relative() > rel) {
+      rel = d.relative();
+      name = tensor;
+    }
+    abs = std::max(abs, d.max_abs);
+    used = std::max(used, d.used(rtol));
+  }
+  void add(const Worst& w) {
+    if (w.rel > rel) {
+      rel = w.rel;
+      name = w.name;
+    }
+    abs = std::max(abs, w.abs);
+    used = std::max(used, w.used);
+  }
+};
+
+// The worst over every rank of the world, on every rank (collective).
+Worst worst_over_world(const Worst& w) {
+  struct {
+    double v;
+    int rank;
+  } in{w.rel, mpi_env().world_rank()}, out{};
+  MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD);
+  Worst r;
+  r.rel = out.v;
+  MPI_Allreduce(&w.abs, &r.abs, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Allreduce(&w.used, &r.used, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  char name[128] = {};
+  w.name.copy(name, sizeof(name) - 1);
+  MPI_Bcast(name, sizeof(name), MPI_CHAR, out.rank, MPI_COMM_WORLD);
+  r.name = name;
+  return r;
 }
 
 // Logical elements of parameter `id` that exist in the unpadded (single-process) model: the first
@@ -152,10 +208,10 @@ constexpr float kShiftInvariantGradMax = 1e-7f;  // vs gradients of order 1e-3 a
 enum class Which { kGrads, kParams };
 
 // Compares every parameter's (or gradient's) logical tensor with the reference; collective over
-// TP (every rank calls it). Returns the worst relative difference and names it.
-double compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, config::QkNorm qk,
-                       Which which, double rtol, std::string* worst_name) {
-  double worst = 0.0;
+// TP (every rank calls it).
+Worst compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, config::QkNorm qk,
+                      Which which, double rtol) {
+  Worst worst;
   for (int id = 0; id < got.size(); ++id) {
     const ParamInfo& info = got.info(id);
     const float* local = which == Which::kGrads ? got.grad(id) : got.param(id);
@@ -188,10 +244,7 @@ double compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, c
                                 << info.spec.name << ": ||got - ref|| = " << d.err
                                 << ", ||ref|| = " << d.ref << " (relative " << d.relative()
                                 << ", tolerance " << rtol << ")";
-    if (d.relative() > worst && d.ref > 0) {
-      worst = d.relative();
-      *worst_name = info.spec.name;
-    }
+    worst.add(d, info.spec.name, rtol);
     if (which == Which::kGrads) {
       // Padded vocabulary rows are never looked up and their logits are masked out of the loss.
       int64_t nonzero = 0;
@@ -199,6 +252,73 @@ double compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, c
       EXPECT_EQ(nonzero, 0) << info.spec.name << ": padded vocabulary rows have gradient";
     }
   }
+  return worst;
+}
+
+// ZeRO-1: this rank's reduce-scattered gradient shard, arena elements [shard_offset,
+// shard_offset + shard_n), against the same elements of the single-process gradient. The arena
+// holds this TP rank's slice of every parameter, so arena element k of parameter `id` is local
+// element j = k - offset of its TP slice, whose logical index the registry gives; the reference
+// (one process, unsharded) holds that logical element. Each parameter's part of the shard is
+// compared in norm; elements that belong to no parameter (alignment and DP padding) and padded
+// vocabulary rows must be exactly zero. Not collective.
+Worst compare_shard(Trainer& par, ParamStore& ref, config::QkNorm qk, double rtol, int step) {
+  Worst worst;
+  ParamStore& ps = par.model().params();
+  const Tensor& shard_t = par.shard_grads();
+  const int64_t begin = par.shard_offset(), shard_n = par.shard_n();
+  EXPECT_EQ(shard_t.numel(), shard_n);
+  if (shard_t.numel() != shard_n) return worst;
+  const float* shard = shard_t.f32();
+  std::vector<char> in_param(static_cast<size_t>(shard_n), 0);
+  int64_t compared = 0;
+  for (int id = 0; id < ps.size(); ++id) {
+    const ParamInfo& info = ps.info(id);
+    const int64_t lo = std::max(info.offset, begin);
+    const int64_t hi = std::min(info.offset + info.numel(), begin + shard_n);
+    if (hi <= lo) continue;
+    std::fill(in_param.begin() + (lo - begin), in_param.begin() + (hi - begin), 1);
+    const int rid = ref.find(info.spec.name);
+    EXPECT_GE(rid, 0) << info.spec.name << " is missing from the single-process model";
+    if (rid < 0) continue;
+    const int64_t n = unpadded_elems(ps, id);
+    EXPECT_EQ(shape_numel(ref.info(rid).spec.logical), n) << info.spec.name;
+    if (shape_numel(ref.info(rid).spec.logical) != n) continue;
+    const float* r = ref.grad(rid);
+    const auto [skip_lo, skip_hi] = shift_invariant(info, qk);
+    std::vector<float> a, b;
+    int64_t padded_nonzero = 0;
+    float key_bias_max = 0.0f;
+    for (int64_t k = lo; k < hi; ++k) {
+      const float g = shard[k - begin];
+      const int64_t li = ps.logical_index(id, k - info.offset);
+      if (li >= n) {
+        padded_nonzero += g != 0.0f;
+      } else if (li >= skip_lo && li < skip_hi) {
+        key_bias_max = std::max({key_bias_max, std::abs(g), std::abs(r[li])});
+      } else {
+        a.push_back(g);
+        b.push_back(r[li]);
+      }
+    }
+    compared += static_cast<int64_t>(a.size());
+    EXPECT_EQ(padded_nonzero, 0) << "step " << step << ": " << info.spec.name
+                                 << ": padded vocabulary rows have gradient in the ZeRO shard";
+    EXPECT_LE(key_bias_max, kShiftInvariantGradMax)
+        << "step " << step << ": " << info.spec.name
+        << ": the gradient of a key bias must vanish (ZeRO shard)";
+    const Diff d = diff(a.data(), b.data(), static_cast<int64_t>(a.size()));
+    EXPECT_TRUE(d.within(rtol)) << "step " << step << ": ZeRO gradient shard of " << info.spec.name
+                                << " (arena [" << lo << ", " << hi
+                                << ")): ||got - ref|| = " << d.err << ", ||ref|| = " << d.ref
+                                << " (relative " << d.relative() << ", tolerance " << rtol << ")";
+    worst.add(d, info.spec.name, rtol);
+  }
+  EXPECT_GT(compared, 0) << "the ZeRO shard holds no parameter element";
+  int64_t padding_nonzero = 0;
+  for (int64_t i = 0; i < shard_n; ++i) padding_nonzero += !in_param[i] && shard[i] != 0.0f;
+  EXPECT_EQ(padding_nonzero, 0) << "step " << step
+                                << ": arena padding in the ZeRO shard has gradient";
   return worst;
 }
 
@@ -235,9 +355,13 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
   ParamStore& ps = par.model().params();
   ParamStore& rps = ref.model().params();
   const bool zero = c.zero_stage == 1 && c.dp > 1;
+  if (zero) {
+    EXPECT_EQ(par.shard_n() * c.dp, ps.total_elems());
+    EXPECT_EQ(par.shard_offset(), topo.dp_rank * par.shard_n());
+  }
 
-  double worst_loss = 0.0, worst_norm = 0.0, worst_grad = 0.0;
-  std::string worst_grad_name = "-", worst_param_name = "-";
+  double worst_loss = 0.0, worst_norm = 0.0;
+  Worst worst_grad, worst_shard, worst_shard_later;
   for (int s = 1; s <= 3; ++s) {
     const StepResult rr = ref.step();
     const StepResult rp = par.step();
@@ -249,7 +373,7 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
         << "step " << s << ": gradient norm " << rp.grad_norm << " vs single-process "
         << rr.grad_norm;
     EXPECT_NEAR(rp.max_attn_logit, rr.max_attn_logit, 1e-4 * std::abs(rr.max_attn_logit));
-    worst_loss = std::max(worst_loss, rel(rp.loss, rr.loss));
+    worst_loss = std::max({worst_loss, rel(rp.loss, rr.loss), rel(rp.z_loss, rr.z_loss)});
     worst_norm = std::max(worst_norm, rel(rp.grad_norm, rr.grad_norm));
     // Every rank decides alike: the values the spike guard and the clip see carry the same bits.
     EXPECT_TRUE(same_on_all_ranks(rp.loss)) << "step " << s << ": loss differs between ranks";
@@ -260,12 +384,16 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
       EXPECT_GT(rr.grad_norm, c.grad_clip) << "the clip must bind in this case";
     }
     if (s == 1 && !zero) {
-      worst_grad =
-          compare_logical(ps, rps, topo, c.qk.norm, Which::kGrads, kGradRtol, &worst_grad_name);
+      worst_grad = compare_logical(ps, rps, topo, c.qk.norm, Which::kGrads, kGradRtol);
+    }
+    if (zero) {
+      // Step 1 starts from identical parameters, so only summation order differs; later steps
+      // also carry the (<= kParamRtol) parameter differences the earlier updates left.
+      (s == 1 ? worst_shard : worst_shard_later)
+          .add(compare_shard(par, rps, c.qk.norm, s == 1 ? kGradRtol : kLaterGradRtol, s));
     }
   }
-  const double worst_param =
-      compare_logical(ps, rps, topo, c.qk.norm, Which::kParams, kParamRtol, &worst_param_name);
+  const Worst worst_param = compare_logical(ps, rps, topo, c.qk.norm, Which::kParams, kParamRtol);
 
   // Replicated parameters carry the same bits on every rank; whole arenas (sharded slices
   // included) the same bits on the DP replicas of one TP rank.
@@ -293,8 +421,6 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
     const int64_t plain_bytes = plain.optimizer().state_bytes();
     EXPECT_EQ(plain_bytes, 2 * ps.total_elems() * static_cast<int64_t>(sizeof(float)));
     EXPECT_EQ(zero_bytes * c.dp, plain_bytes);
-    EXPECT_EQ(par.shard_n() * c.dp, ps.total_elems());
-    EXPECT_EQ(par.shard_offset(), topo.dp_rank * par.shard_n());
     if (rank == 0) {
       std::printf(
           "[ %s ] optimizer state per rank: ZeRO-1 %lld bytes, plain DP %lld bytes (1/%d)\n",
@@ -302,12 +428,21 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
           c.dp);
     }
   }
+  // Collective: every rank takes part, rank 0 prints.
+  const Worst g = worst_over_world(zero ? worst_shard : worst_grad);
+  const Worst g_later = worst_over_world(worst_shard_later);
+  const Worst p = worst_over_world(worst_param);
   if (rank == 0) {
-    std::printf(
-        "[ %s ] worst relative error: loss %.2e, grad norm %.2e, gradient %.2e (%s), "
-        "parameter %.2e (%s)\n",
-        c.name().c_str(), worst_loss, worst_norm, worst_grad, worst_grad_name.c_str(), worst_param,
-        worst_param_name.c_str());
+    auto show = [](const char* what, const Worst& w) {
+      std::printf(", %s %.2e rel (%s) %.2e abs, %.0f%% of tolerance", what, w.rel, w.name.c_str(),
+                  w.abs, 100.0 * w.used);
+    };
+    std::printf("[ %s ] worst difference: loss %.2e rel, grad norm %.2e rel", c.name().c_str(),
+                worst_loss, worst_norm);
+    show(zero ? "gradient shard" : "gradient", g);
+    if (zero) show("steps 2-3", g_later);
+    show("parameter", p);
+    std::printf("\n");
   }
 }
 
