@@ -39,6 +39,7 @@ GradSync::GradSync(Communicator& dp, float* grads, std::vector<ArenaRange> param
 void GradSync::begin() {
   for (Bucket& b : buckets_) {
     b.pending = b.total;
+    b.during_backward = false;
     b.req.reset();
   }
   exposed_s_ = 0.0;
@@ -46,15 +47,16 @@ void GradSync::begin() {
   first_launch_ = 0.0;
 }
 
-void GradSync::launch(Bucket& b) {
+void GradSync::launch(Bucket& b, bool during_backward) {
   if (first_launch_ == 0.0) first_launch_ = omp_get_wtime();
+  b.during_backward = during_backward;
   b.req = dp_.iall_reduce(grads_ + b.offset, b.n);
 }
 
 void GradSync::ready(int param_id) {
   Bucket& b = buckets_.at(bucket_of_.at(param_id));
   KEEL_ASSERT(b.pending > 0);
-  if (--b.pending == 0) launch(b);
+  if (--b.pending == 0) launch(b, /*during_backward=*/true);
   for (Bucket& o : buckets_) {
     if (o.req) o.req->test();
   }
@@ -65,13 +67,19 @@ void GradSync::finish() {
   for (Bucket& b : buckets_) {
     if (!b.req) {
       b.pending = 0;
-      launch(b);
+      launch(b, /*during_backward=*/false);
     }
   }
   for (Bucket& b : buckets_) b.req->wait();
   const double t1 = omp_get_wtime();
   exposed_s_ = t1 - t0;
   window_s_ = t1 - first_launch_;
+}
+
+int GradSync::buckets_issued_during_backward() const {
+  int n = 0;
+  for (const Bucket& b : buckets_) n += b.during_backward ? 1 : 0;
+  return n;
 }
 
 }  // namespace keel

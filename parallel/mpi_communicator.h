@@ -3,6 +3,8 @@
 
 #include <mpi.h>
 
+#include <climits>
+#include <cstdint>
 #include <string>
 
 #include "parallel/communicator.h"
@@ -12,14 +14,24 @@ namespace keel {
 
 class MpiCommunicator final : public Communicator {
  public:
-  // Takes ownership of `comm` (freed on destruction). `name` labels watchdog messages.
-  MpiCommunicator(MPI_Comm comm, std::string name, Watchdog* watchdog);
+  // MPI counts are int: a collective over more elements than this is issued as several MPI calls
+  // of at most this many elements each (per rank's block for all-gather and reduce-scatter).
+  // Half of INT_MAX leaves headroom for implementations that add counts internally.
+  static constexpr int64_t kDefaultMaxCount = INT_MAX / 2;
+
+  // Takes ownership of `comm` (freed on destruction) and sets MPI_ERRORS_RETURN on it, so a failed
+  // call throws kComm naming the call, the group and the step instead of aborting inside MPI.
+  // `name` labels error and watchdog messages. `max_count` (1 .. INT_MAX) is the chunk size
+  // above; only tests pass a smaller one, to run the chunked paths on small buffers.
+  MpiCommunicator(MPI_Comm comm, std::string name, Watchdog* watchdog,
+                  int64_t max_count = kDefaultMaxCount);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  int64_t max_count() const { return max_count_; }
   void all_reduce(float* data, int64_t n, ReduceOp op) override;
   void all_reduce(double* data, int64_t n, ReduceOp op) override;
   void all_gather(const float* send, float* recv, int64_t n) override;
@@ -29,9 +41,13 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override;
 
  private:
+  template <typename T>
+  void all_reduce_chunked(T* data, int64_t n, ReduceOp op, MPI_Datatype type);
+
   MPI_Comm comm_;
   std::string name_;
   Watchdog* watchdog_;
+  int64_t max_count_;
   int rank_ = 0, size_ = 1;
 };
 

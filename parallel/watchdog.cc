@@ -1,24 +1,109 @@
-// Collective watchdog thread.
+// Collective watchdog thread and launcher-SIGTERM report.
+//
+// Note [launcher SIGTERM]: when a rank dies (killed, out of memory, a crash), the survivors sit
+// in a collective that cannot complete. Open MPI's mpirun notices the death within about a
+// second and ends every other rank with SIGTERM, then SIGKILL one second later
+// (odls_base_sigkill_timeout); srun does the same. That is far sooner than any useful
+// parallel.timeout_s, and MPI on shared memory returns no error to the waiting collective (not
+// even with MPI_ERRORS_RETURN), so without this handler the job's only words would be the
+// launcher's "process rank 1 exited on signal 9". The handler prints one line per surviving rank
+// naming the collective, group and step it was waiting in, then lets the signal end the process
+// as before (the previous disposition is restored and the signal re-raised), so the launcher sees
+// the exit it expects. It only reads atomics and calls write(2), sigaction and raise, which are
+// async-signal-safe.
 #include "parallel/watchdog.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 
 namespace keel {
 
 namespace {
+
 double now_s() {
   using namespace std::chrono;
   return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
+
+// A line built without allocation or locale (usable in a signal handler), written to stderr in
+// one write(2) so lines from different threads or ranks do not interleave.
+class Line {
+ public:
+  Line& add(const char* s) {
+    while (s && *s && n_ < kCap) buf_[n_++] = *s++;
+    return *this;
+  }
+  Line& add(long long v) {
+    char digits[24];
+    int k = 0;
+    unsigned long long u = v < 0 ? 0ull - static_cast<unsigned long long>(v) : v;
+    do {
+      digits[k++] = static_cast<char>('0' + u % 10);
+      u /= 10;
+    } while (u != 0);
+    if (v < 0) digits[k++] = '-';
+    while (k > 0 && n_ < kCap) buf_[n_++] = digits[--k];
+    return *this;
+  }
+  void write_stderr() {
+    buf_[n_++] = '\n';
+    ssize_t rc;
+    do {
+      rc = ::write(STDERR_FILENO, buf_, n_);
+    } while (rc < 0 && errno == EINTR);
+  }
+
+ private:
+  static constexpr size_t kCap = 511;  // one byte kept for the newline
+  char buf_[kCap + 1];
+  size_t n_ = 0;
+};
+
+// "at step S", or "during start-up" before the first step.
+Line& add_step(Line& line, long long step) {
+  if (step > 0) return line.add("at step ").add(step);
+  return line.add("during start-up");
+}
+
+// "keel-train: communication error: rank R: OP over the GROUP group at step S"
+Line& add_collective(Line& line, int rank, const char* op, const char* group, long long step) {
+  line.add("keel-train: communication error: rank ").add(static_cast<long long>(rank)).add(": ");
+  line.add(op).add(" over the ").add(group).add(" group ");
+  return add_step(line, step);
+}
+
+// The watchdog whose SIGTERM handler is installed (at most one at a time), and what it replaced.
+std::atomic<Watchdog*> g_sigterm_owner{nullptr};
+struct sigaction g_previous_sigterm;
+
 }  // namespace
 
 Watchdog::Watchdog(double timeout_s, int world_rank) : timeout_s_(timeout_s), rank_(world_rank) {
-  if (timeout_s_ > 0) thread_ = std::thread([this] { loop(); });
+  if (timeout_s_ <= 0) return;
+  thread_ = std::thread([this] { loop(); });
+  struct sigaction current;
+  Watchdog* none = nullptr;
+  if (sigaction(SIGTERM, nullptr, &current) == 0 && current.sa_handler != SIG_IGN &&
+      g_sigterm_owner.compare_exchange_strong(none, this)) {
+    g_previous_sigterm = current;
+    struct sigaction act = {};
+    act.sa_handler = &Watchdog::on_sigterm;
+    sigemptyset(&act.sa_mask);
+    handles_sigterm_ = sigaction(SIGTERM, &act, nullptr) == 0;
+    if (!handles_sigterm_) g_sigterm_owner.store(nullptr);
+  }
 }
 
 Watchdog::~Watchdog() {
+  if (handles_sigterm_) {
+    sigaction(SIGTERM, &g_previous_sigterm, nullptr);
+    g_sigterm_owner.store(nullptr);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -41,15 +126,42 @@ void Watchdog::loop() {
   while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
     const double t0 = started_.load();
     if (t0 > 0 && now_s() - t0 > timeout_s_) {
-      std::fprintf(stderr,
-                   "keel-train: communication error: rank %d: %s over the %s group at step %lld "
-                   "did not complete within parallel.timeout_s=%g s (a peer rank died or hangs); "
-                   "ending the job\n",
-                   rank_, op_.load(), group_.load(), step_.load(), timeout_s_);
-      std::fflush(stderr);
+      char timeout[32];
+      std::snprintf(timeout, sizeof(timeout), "%g", timeout_s_);
+      Line line;
+      add_collective(line, rank_, op_.load(), group_.load(), step_.load())
+          .add(" did not complete within parallel.timeout_s=")
+          .add(timeout)
+          .add(" s (a peer rank died or hangs); ending the job")
+          .write_stderr();
       std::_Exit(1);  // MPI_Abort may not be called from this thread; the launcher ends the rest
     }
   }
+}
+
+void Watchdog::on_sigterm(int sig) {
+  const int saved_errno = errno;
+  if (Watchdog* w = g_sigterm_owner.load()) {
+    Line line;
+    const long long step = w->step_.load();
+    const char* why = " (another rank failed or was killed, or the job was cancelled)";
+    if (w->started_.load() > 0) {
+      add_collective(line, w->rank_, w->op_.load(), w->group_.load(), step)
+          .add(" did not complete: the launcher ended this rank (SIGTERM) while it waited")
+          .add(why);
+    } else {
+      line.add("keel-train: rank ").add(static_cast<long long>(w->rank_));
+      add_step(line.add(": ended by the launcher (SIGTERM) "), step)
+          .add(", outside any collective")
+          .add(why);
+    }
+    line.write_stderr();
+  }
+  // End the process as the signal would have: restore what was there and re-raise (delivered
+  // when this handler returns, since SIGTERM is blocked while it runs).
+  sigaction(sig, &g_previous_sigterm, nullptr);
+  raise(sig);
+  errno = saved_errno;
 }
 
 }  // namespace keel

@@ -1,6 +1,8 @@
 // keel-train under mpiexec: layout errors end every rank with exit code 2 and one line from
-// rank 0, before any collective (no hang); a killed rank ends the job non-zero within the
-// watchdog timeout, naming the rank or step. Runs the real binaries.
+// rank 0, before any collective (no hang); an error found by one rank only names that rank and
+// ends the job; a killed rank ends the job within the watchdog timeout, with keel's own line
+// naming the surviving rank, the collective, its group and the step (Note [launcher SIGTERM] in
+// parallel/watchdog.cc); a stalled rank is ended by the watchdog. Runs the real binaries.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -8,32 +10,59 @@
 #include <cstdio>
 #include <string>
 
+#include "tests/launch/launch_test_util.h"
+
 namespace {
+
+using keel::testing::shell_quote;
+using keel::testing::TempDir;
 
 struct JobResult {
   int code = -1;
   std::string output;
   double seconds = 0.0;
+  // Seconds from the first output line containing the marker to the end of the job (-1: no
+  // such line).
+  double seconds_after_marker = -1.0;
 };
 
-JobResult run_job(int ranks, const std::string& args) {
+// keel-train's arguments shared by every job: one thread, no sampling, no evaluation.
+std::string common_args() {
+  return std::string(KEEL_TRAIN_BIN) +
+         " --run-dir /tmp/keel_distributed_cli_test --set train.threads=1"
+         " --set train.sample_chars=0 --set train.eval_every=0 ";
+}
+
+// Runs `mpiexec_args` (what follows mpiexec's global options) with stdout and stderr merged.
+JobResult run_mpiexec(const std::string& mpiexec_args, const std::string& marker = "") {
   const std::string cmd =
       std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 180 ") +
-      KEEL_MPIEXEC + " -n " + std::to_string(ranks) + " --oversubscribe --bind-to none " +
-      KEEL_TRAIN_BIN +
-      " --run-dir /tmp/keel_distributed_cli_test --set train.threads=1"
-      " --set train.sample_chars=0 --set train.eval_every=0 " +
-      args + " 2>&1";
+      KEEL_MPIEXEC + " --oversubscribe --bind-to none " + mpiexec_args + " 2>&1";
   JobResult r;
   const auto t0 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point marked;
+  bool seen = false;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   char buf[4096];
-  while (fgets(buf, sizeof(buf), p)) r.output += buf;
+  while (fgets(buf, sizeof(buf), p)) {
+    r.output += buf;
+    if (!seen && !marker.empty() && std::string(buf).find(marker) != std::string::npos) {
+      seen = true;
+      marked = std::chrono::steady_clock::now();
+    }
+  }
   const int status = pclose(p);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  r.seconds = std::chrono::duration<double>(t1 - t0).count();
+  if (seen) r.seconds_after_marker = std::chrono::duration<double>(t1 - marked).count();
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
+}
+
+// Every rank runs keel-train with the same arguments.
+JobResult run_job(int ranks, const std::string& args, const std::string& marker = "") {
+  return run_mpiexec("-n " + std::to_string(ranks) + " " + common_args() + args, marker);
 }
 
 int count(const std::string& s, const std::string& part) {
@@ -84,17 +113,54 @@ TEST(DistributedCli, TwoRanksTrain) {
 }
 
 TEST(DistributedCli, KilledRankEndsTheJobWithinTheTimeout) {
+  // Rank 1 dies (SIGKILL) at the start of step 3; rank 0 then waits in that step's first
+  // tensor-parallel all-reduce, which cannot complete. mpirun ends rank 0 (SIGTERM, ~1 s after the
+  // death) long before parallel.timeout_s; keel's line must still name rank 0, the collective,
+  // the group and the step ("did not complete" ends both the SIGTERM line and the watchdog's).
   const double timeout_s = 5.0;
-  const JobResult r = run_job(2, std::string(kTiny) +
-                                     " --set train.steps=50 --set debug.kill_rank=1"
-                                     " --set debug.kill_at_step=3 --set parallel.timeout_s=5");
+  const JobResult r = run_job(2,
+                              std::string(kTiny) +
+                                  " --set parallel.tp=2 --set train.steps=50"
+                                  " --set debug.kill_rank=1 --set debug.kill_at_step=3"
+                                  " --set parallel.timeout_s=5",
+                              "killing this rank at step 3");
   EXPECT_NE(r.code, 0) << r.output;
-  // The launcher or the watchdog ends the job: well inside the timeout plus start-up.
+  EXPECT_EQ(count(r.output, "keel-train: debug.kill_rank=1: killing this rank at step 3"), 1)
+      << r.output;
+  EXPECT_EQ(count(r.output,
+                  "keel-train: communication error: rank 0: all_reduce over the tensor-parallel "
+                  "group at step 3 did not complete"),
+            1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "communication error"), 1) << r.output;
+  // From the death to the end of the job: within the timeout.
+  EXPECT_GE(r.seconds_after_marker, 0.0) << r.output;
+  EXPECT_LT(r.seconds_after_marker, timeout_s) << r.output;
   EXPECT_LT(r.seconds, timeout_s + 40.0) << r.output;
-  EXPECT_NE(r.output.find("killing this rank at step 3"), std::string::npos) << r.output;
-  const bool names_rank = r.output.find("rank 1") != std::string::npos ||
-                          r.output.find("rank 0: all_reduce") != std::string::npos;
-  EXPECT_TRUE(names_rank) << r.output;
+}
+
+TEST(DistributedCli, ErrorOnOneRankOnlyNamesThatRankAndEndsTheJob) {
+  // MPMD launch: rank 0 reads a text file, rank 1 a path that does not exist. Rank 1's data error
+  // (exit code 2) is of a kind every rank normally finds alike, but here rank 0 went on into the
+  // start-up collectives; after 10 s without the others at its barrier, rank 1 names itself and
+  // the reason and aborts the whole job (keel_train_main.cc).
+  TempDir dir("keel_mpmd");
+  std::string text;
+  for (int i = 0; text.size() < 20000; ++i)
+    text += "the quick brown fox " + std::to_string(i) + ". ";
+  const std::string good = dir.write("train.txt", text);
+  const std::string missing = dir.file("missing_on_rank_1.txt");
+  const std::string args = common_args() + kTiny;
+  const JobResult r = run_mpiexec("-n 1 " + args + " --set data.path=" + shell_quote(good) +
+                                  " : -n 1 " + args + " --set data.path=" + shell_quote(missing));
+  EXPECT_EQ(r.code, 2) << r.output;  // MPI_Abort's code: the error's
+  EXPECT_LT(r.seconds, 10.0 + 40.0) << r.output;
+  EXPECT_EQ(count(r.output, "keel-train: rank 1: data error: " + missing + ": cannot open"), 1)
+      << r.output;
+  EXPECT_EQ(count(r.output, missing), 1) << r.output;
+  // Rank 0 found no error: it does not speak as if every rank had.
+  EXPECT_EQ(r.output.find("keel-train: data error:"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
 }
 
 TEST(DistributedCli, StalledRankEndsTheJobThroughTheWatchdog) {
