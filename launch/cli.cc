@@ -2,10 +2,16 @@
 #include "launch/cli.h"
 
 #include <cstring>
+#include <string>
 
 #include "framework/error.h"
 
 namespace keel {
+
+namespace {
+// An echoed argument, cut to 64 bytes (a pasted 10 MB argument makes a short message).
+std::string clip(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 64) + "..."; }
+}  // namespace
 
 const char* train_usage() {
   return "usage: keel-train [CONFIG.pbtxt] [--set path.to.field=value]... [--run-dir DIR]\n"
@@ -20,20 +26,29 @@ TrainArgs parse_train_args(int argc, char** argv) {
     const std::string arg = argv[i];
     auto value = [&](const char* flag) -> std::string {
       KEEL_CHECK(i + 1 < argc, kUsage, flag, " needs a value");
-      return argv[++i];
+      const std::string v = argv[++i];
+      // "--set --run-dir out": the next option is not this flag's value.
+      KEEL_CHECK(v.rfind("--", 0) != 0, kUsage, flag, " needs a value, got the option ", clip(v));
+      return v;
+    };
+    // A --set value must be an assignment, not a bare word taken by mistake.
+    auto assignment = [&](const std::string& v) {
+      KEEL_CHECK(v.find('=') != std::string::npos, kUsage, "--set ", clip(v),
+                 ": expected dotted.path=value (e.g. --set model.n_heads=8)");
+      return v;
     };
     if (arg == "-h" || arg == "--help") {
       a.help = true;
     } else if (arg == "--set") {
-      a.sets.push_back(value("--set"));
+      a.sets.push_back(assignment(value("--set")));
     } else if (arg.rfind("--set=", 0) == 0) {
-      a.sets.push_back(arg.substr(6));
+      a.sets.push_back(assignment(arg.substr(6)));
     } else if (arg == "--run-dir") {
       a.run_dir = value("--run-dir");
     } else if (arg.rfind("--run-dir=", 0) == 0) {
       a.run_dir = arg.substr(10);
     } else if (arg.rfind("-", 0) == 0) {
-      KEEL_FAIL(kUsage, "unknown option ", arg, " (see --help)");
+      KEEL_FAIL(kUsage, "unknown option ", clip(arg), " (see --help)");
     } else {
       KEEL_CHECK(a.config_path.empty(), kUsage, "more than one config file given: ", a.config_path,
                  " and ", arg);

@@ -14,7 +14,8 @@ struct TrainArgs {
   bool help = false;
 };
 
-// Throws kUsage for an unknown flag, a missing value or a second config path.
+// Throws kUsage for an unknown flag, a missing value (or another option where the value belongs:
+// "--set --run-dir out"), a --set value without '=', or a second config path.
 TrainArgs parse_train_args(int argc, char** argv);
 const char* train_usage();
 

@@ -1,24 +1,106 @@
 // keel-train: train a GPT from a config. Exit codes: 0 done; 2 bad usage, config, data or
 // layout; 3 halted by the spike guard; 1 any other failure (DESIGN.md).
+#include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "framework/config/config.h"
+#include "framework/data/dataset.h"
 #include "framework/error.h"
 #include "framework/kernels/gemm.h"
 #include "launch/cli.h"
 #include "launch/trainer.h"
+#include "layers/memory_estimate.h"
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
 
 namespace {
+
+// A closed stdout (keel-train | head) or a file-size limit must not kill a training job: with
+// these ignored, the write fails instead (printf's errors are ignored; the run's files report
+// theirs), and training goes on.
+void ignore_write_signals() {
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGXFSZ, SIG_IGN);
+}
+
+// OpenBLAS sizes its buffer pool when it is built, for MAX_THREADS concurrent callers; keel's
+// per-head attention calls sgemm from every OpenMP thread at once, and past that limit OpenBLAS
+// spins or aborts when no buffer is free. 0 when the library does not say.
+int blas_thread_limit() {
+  const char* config = openblas_get_config();
+  const char* at = config != nullptr ? std::strstr(config, "MAX_THREADS=") : nullptr;
+  return at != nullptr ? std::atoi(at + std::strlen("MAX_THREADS=")) : 0;
+}
+
+// OpenMP + BLAS threads per rank: train.threads, or the node's hardware threads shared by its
+// ranks. An explicit value above OpenBLAS's limit or above 4 x the hardware threads (which only
+// oversubscribes the cores) is refused; the automatic value is held to OpenBLAS's limit.
+int choose_threads(const keel::config::Train& t, int local_ranks) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int blas_max = blas_thread_limit();
+  if (t.threads() == 0) {
+    const int threads = std::max(1, hw / std::max(1, local_ranks));
+    return blas_max > 0 ? std::min(threads, blas_max) : threads;
+  }
+  KEEL_CHECK(blas_max <= 0 || t.threads() <= blas_max, kConfig, "train.threads=", t.threads(),
+             " exceeds OpenBLAS's limit of ", blas_max,
+             " threads (its buffers are sized for that many concurrent callers when it is built)");
+  KEEL_CHECK(t.threads() <= 4 * static_cast<int64_t>(hw), kConfig, "train.threads=", t.threads(),
+             " is more than 4 x this machine's ", hw,
+             " hardware threads (oversubscribing the cores only slows training; 0: automatic)");
+  return t.threads();
+}
+
+// The job's estimated memory per rank (layers/memory_estimate.h); refuses it when that exceeds
+// this node's physical memory divided among its ranks, before any of it is allocated.
+keel::MemoryEstimate check_memory(const keel::config::KeelConfig& cfg, const keel::Topology& topo,
+                                  int local_ranks, int threads) {
+  using namespace keel;
+  const int64_t per_rank = cfg.train().global_batch() / topo.dp;
+  // A micro-batch that does not fit the per-rank batch is the Trainer's error to report.
+  const int64_t micro = cfg.train().micro_batch() > 0
+                            ? std::min<int64_t>(cfg.train().micro_batch(), per_rank)
+                            : per_rank;
+  const MemoryEstimate need =
+      estimate_memory(cfg, topo.tp, topo.dp, std::max<int64_t>(1, micro), threads);
+  const double ram = physical_memory_bytes();
+  if (ram <= 0 || micro < 1) return need;
+  const double share = ram / std::max(1, local_ranks);
+  KEEL_CHECK(need.total() <= share, kConfig, "this job needs about ", need.describe(),
+             " per rank (micro-batch ", micro, " x model.seq_len=", cfg.model().seq_len(),
+             "), but this machine has ", format_bytes(ram), " of memory",
+             local_ranks > 1 ? " for its " + std::to_string(local_ranks) + " ranks (" +
+                                   format_bytes(share) + " each)"
+                             : std::string(),
+             ": use a smaller model, model.seq_len or train.micro_batch, or more ranks "
+             "(parallel.tp, parallel.zero_stage=1)");
+  return need;
+}
+
+// An error message as one printable line: control characters (a newline in a --set value, a
+// stray byte of a binary file) become '?', and anything past 2000 bytes is cut.
+std::string one_line(const char* message) {
+  std::string s = message;
+  for (char& c : s) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  }
+  constexpr size_t kMax = 2000;
+  if (s.size() > kMax) {
+    s = s.substr(0, kMax) + "... (" + std::to_string(s.size() - kMax) + " more bytes)";
+  }
+  return s;
+}
 
 int64_t count_logical_params(keel::GPT& model) {
   int64_t n = 0;
@@ -39,9 +121,15 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   // collective (no hang); rank 0 alone prints it.
   Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
   const Topology& topo = dist.topology();
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads =
-      cfg.train().threads() > 0 ? cfg.train().threads() : std::max(1, hw / mpi.local_size());
+  const auto& dbg = cfg.debug();
+  KEEL_CHECK(dbg.kill_at_step() == 0 || (dbg.kill_rank() >= 0 && dbg.kill_rank() < topo.world_size),
+             kConfig, "debug.kill_rank=", dbg.kill_rank(),
+             " is not a rank of this job (world size ", topo.world_size, ": ranks 0..",
+             topo.world_size - 1, ")");
+  const int threads = choose_threads(cfg.train(), mpi.local_size());
+  // Checks that need the layout or the data's size, before anything large is built.
+  const MemoryEstimate memory = check_memory(cfg, topo, mpi.local_size(), threads);
+  Dataset::check_eval_batches(cfg);
   kernels::set_num_threads(threads);
 
   TrainerOptions opts;
@@ -56,10 +144,11 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   if (mpi.world_rank() == 0) {
     std::printf(
         "keel-train: %d ranks = dp %d x tp %d | %d threads per rank | optimizer state "
-        "%.1f MiB per rank%s\n",
+        "%.1f MiB per rank%s | memory about %s per rank\n",
         topo.world_size, topo.dp, topo.tp, threads,
         static_cast<double>(trainer.optimizer().state_bytes()) / (1024.0 * 1024.0),
-        cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "");
+        cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "",
+        format_bytes(memory.total()).c_str());
     std::printf(
         "keel-train: %lld parameters (d_model %lld, %lld layers, %lld heads, qk_norm %s/%s, "
         "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step\n",
@@ -82,9 +171,11 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     }
     std::printf("\nkeel-train: outputs in %s/ (metrics.jsonl, config.pbtxt)\n",
                 args.run_dir.c_str());
+    std::fflush(stdout);  // the results are out before sampling starts
     if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {
       const std::string text = trainer.sample(cfg.train().sample_chars(), cfg.train().seed());
       std::printf("keel-train: sample from the trained model:\n%s\n", text.c_str());
+      std::fflush(stdout);
     }
   }
   return 0;
@@ -96,8 +187,10 @@ int main(int argc, char** argv) {
   int rank = 0, world = 1;
   // MPI outlives the try block, so the error path below can still synchronise the ranks.
   std::unique_ptr<keel::MpiEnv> mpi;
+  ignore_write_signals();
   try {
     mpi = std::make_unique<keel::MpiEnv>(&argc, &argv);
+    ignore_write_signals();  // again, in case MPI's initialisation installed its own handlers
     rank = mpi->world_rank();
     world = mpi->world_size();
     return run(argc, argv, *mpi);
@@ -107,7 +200,8 @@ int main(int argc, char** argv) {
     // Anything else may have struck one rank only: it names itself and ends the whole job.
     if (code == 2 || world == 1) {
       if (rank == 0) {
-        std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()), e.what());
+        std::fprintf(stderr, "keel-train: %s: %s\n", keel::error_kind_name(e.kind()),
+                     one_line(e.what()).c_str());
         std::fflush(stderr);
       }
       if (world > 1 && !keel::MpiEnv::barrier_for(10.0)) {
@@ -115,17 +209,18 @@ int main(int argc, char** argv) {
         // and end the whole job rather than leave the others blocked in a collective.
         if (rank != 0) {
           std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank,
-                       keel::error_kind_name(e.kind()), e.what());
+                       keel::error_kind_name(e.kind()), one_line(e.what()).c_str());
         }
         keel::MpiEnv::abort(code);
       }
       return code;
     }
     std::fprintf(stderr, "keel-train: rank %d: %s: %s\n", rank, keel::error_kind_name(e.kind()),
-                 e.what());
+                 one_line(e.what()).c_str());
     keel::MpiEnv::abort(code);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "keel-train: rank %d: internal error: %s\n", rank, e.what());
+    std::fprintf(stderr, "keel-train: rank %d: internal error: %s\n", rank,
+                 one_line(e.what()).c_str());
     if (world > 1) keel::MpiEnv::abort(1);
     return 1;
   }

@@ -4,18 +4,24 @@
 // falses), and --set walks the descriptors so every field is reachable by its dotted path.
 #include "framework/config/config.h"
 
+#include <fcntl.h>
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/text_format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -97,6 +103,61 @@ debug {
 }
 )text";
 
+// Echoed user input (a field name, a value, a token) is cut to this many bytes, so a 10 MB field
+// name makes a short one-line message.
+constexpr size_t kEchoMax = 64;
+
+// train.sample_chars at most: sampling runs one forward pass per byte, after training.
+constexpr int32_t kMaxSampleChars = 1000000;
+
+// A config file is text a person writes; anything larger is a mistake (and would be read whole).
+constexpr int64_t kMaxConfigBytes = int64_t{64} << 20;
+
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
+// `s`, or its first kEchoMax bytes (whole UTF-8 characters) and "..." when longer.
+std::string clip(const std::string& s) {
+  if (s.size() <= kEchoMax) return s;
+  size_t cut = kEchoMax;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return s.substr(0, cut) + "...";
+}
+
+// `message` with each run of characters between spaces or double quotes clip()ped.
+std::string clip_tokens(const std::string& message) {
+  std::string out;
+  size_t start = 0;
+  for (size_t i = 0; i <= message.size(); ++i) {
+    if (i == message.size() || message[i] == ' ' || message[i] == '"') {
+      out += clip(message.substr(start, i - start));
+      if (i < message.size()) out += message[i];
+      start = i + 1;
+    }
+  }
+  return out;
+}
+
+// Why a number as written is not plain decimal ("" when it is). Text format reads a leading 0 as
+// octal (train.steps: 010 is 8) and 0x as hexadecimal; a config means neither.
+std::string non_decimal(std::string_view number) {
+  if (!number.empty() && (number[0] == '-' || number[0] == '+')) number.remove_prefix(1);
+  if (number.size() < 2 || number[0] != '0') return "";
+  if (number[1] == 'x' || number[1] == 'X') return "is hexadecimal";
+  if (std::isdigit(static_cast<unsigned char>(number[1]))) {
+    return "has a leading zero (text format would read it as octal)";
+  }
+  return "";
+}
+
+const char* file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a plain file";
+}
+
 // Keeps the first error the text-format parser reports. The parser's positions are 0-based and
 // point just past the offending token; located() turns them into "<source>:<line>:<col>: <reason>"
 // with 1-based positions at the start of the token the reason quotes, when it can be found.
@@ -115,7 +176,11 @@ class FirstErrorCollector : public pb::io::ErrorCollector {
 #endif
 
   bool has_error() const { return has_error_; }
+  int line() const { return line_; }
+  int column() const { return column_; }
+  const std::string& message() const { return message_; }
 
+  // The echoed tokens of the message are clipped (a 10 MB misspelt field name is quoted whole).
   std::string located(const std::string& source, const std::string& text) const {
     std::ostringstream os;
     os << source;
@@ -123,7 +188,7 @@ class FirstErrorCollector : public pb::io::ErrorCollector {
       const auto [line, column] = token_position(text);
       os << ":" << line + 1 << ":" << column + 1;
     }
-    os << ": " << message_;
+    os << ": " << clip_tokens(message_);
     return os.str();
   }
 
@@ -205,15 +270,86 @@ std::string enum_choices(const pb::EnumDescriptor* e) {
 }
 
 std::string read_file(const std::string& path) {
-  std::error_code ec;
-  KEEL_CHECK(!std::filesystem::is_directory(path, ec), kConfig, path,
-             ": is a directory, not a config file");
-  std::ifstream in(path, std::ios::binary);
-  KEEL_CHECK(in.good(), kConfig, path, ": cannot open config file");
-  std::ostringstream os;
-  os << in.rdbuf();
-  KEEL_CHECK(!in.bad(), kConfig, path, ": cannot read config file");
-  return os.str();
+  // O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (it changes
+  // nothing for a regular file), so the check below refuses it rather than hanging.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  KEEL_CHECK(fd >= 0, kConfig, path, ": cannot open config file: ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  struct stat st {};
+  KEEL_CHECK(fstat(fd, &st) == 0, kConfig, path,
+             ": cannot stat config file: ", std::strerror(errno));
+  KEEL_CHECK(!S_ISDIR(st.st_mode), kConfig, path, ": is a directory, not a config file");
+  KEEL_CHECK(S_ISREG(st.st_mode), kConfig, path, ": is ", file_type_name(st.st_mode),
+             ", not a regular config file");
+  KEEL_CHECK(st.st_size <= kMaxConfigBytes, kConfig, path, ": is ", st.st_size,
+             " bytes; a config file is at most ", kMaxConfigBytes, " bytes");
+  std::string text;
+  text.reserve(static_cast<size_t>(st.st_size));
+  char buf[1 << 16];
+  while (static_cast<int64_t>(text.size()) <= kMaxConfigBytes) {
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    KEEL_CHECK(n >= 0, kConfig, path, ": cannot read config file: ", std::strerror(errno));
+    if (n == 0) return text;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  KEEL_FAIL(kConfig, path, ": grew past ", kMaxConfigBytes, " bytes while being read");
+}
+
+// What merge_config_text checks beyond the parser, from one pass of the text-format tokenizer.
+struct TextScan {
+  struct Block {
+    std::string name;  // the field the block sets ("model")
+    int line, column;  // of its "{", 0-based
+  };
+  std::vector<Block> open;           // blocks not closed by the end of the text, outermost first
+  int end_line = 0, end_column = 0;  // just past the last token, 0-based
+  // The first integer not written in plain decimal (010, 0x20), if any.
+  bool bad_number = false;
+  int number_line = 0, number_column = 0;
+  std::string number_field, number_text, number_reason;
+};
+
+TextScan scan_text(const std::string& text) {
+  TextScan scan;
+  pb::io::ArrayInputStream input(text.data(), static_cast<int>(text.size()));
+  FirstErrorCollector ignored;  // the parser reports the tokenizer's errors itself
+  pb::io::Tokenizer tokens(&input, &ignored);
+  tokens.set_comment_style(pb::io::Tokenizer::SH_COMMENT_STYLE);  // as TextFormat::Parser sets it
+  tokens.set_allow_f_after_float(true);
+  tokens.set_require_space_after_number(false);
+  std::string name;   // the last identifier: the field a ":" or "{" belongs to
+  std::string field;  // the field whose value comes next
+  while (tokens.Next()) {
+    const pb::io::Tokenizer::Token& t = tokens.current();
+    scan.end_line = t.line;
+    scan.end_column = t.end_column;
+    if (t.type == pb::io::Tokenizer::TYPE_IDENTIFIER) {
+      name = t.text;
+    } else if (t.type == pb::io::Tokenizer::TYPE_SYMBOL) {
+      if (t.text == ":") {
+        field = name;
+      } else if (t.text == "{" || t.text == "<") {
+        scan.open.push_back({name, t.line, t.column});
+      } else if ((t.text == "}" || t.text == ">") && !scan.open.empty()) {
+        scan.open.pop_back();
+      }
+    } else if (t.type == pb::io::Tokenizer::TYPE_INTEGER && !scan.bad_number) {
+      const std::string reason = non_decimal(t.text);
+      if (reason.empty()) continue;
+      scan.bad_number = true;
+      scan.number_line = t.line;
+      scan.number_column = t.column;
+      for (const TextScan::Block& b : scan.open) scan.number_field += b.name + ".";
+      scan.number_field += field;
+      scan.number_text = t.text;
+      scan.number_reason = reason;
+    }
+  }
+  return scan;
 }
 
 // Calls fn(name, message, reflection, field) for every scalar field of every section
@@ -305,6 +441,8 @@ void validate_train(const config::Train& t) {
              " must be >= 0 (0: all cores)");
   KEEL_CHECK(t.sample_chars() >= 0, kConfig, "train.sample_chars=", t.sample_chars(),
              " must be >= 0");
+  KEEL_CHECK(t.sample_chars() <= kMaxSampleChars, kConfig, "train.sample_chars=", t.sample_chars(),
+             " exceeds ", kMaxSampleChars, " (each sampled byte is one forward pass of the model)");
   // Whether micro_batch divides the per-rank batch depends on dp: the launcher checks that.
   KEEL_CHECK(t.micro_batch() >= 0, kConfig, "train.micro_batch=", t.micro_batch(),
              " must be >= 0 (0: global_batch / dp)");
@@ -368,17 +506,43 @@ KeelConfig default_config() {
   return cfg;
 }
 
-void merge_config_text(const std::string& text, const std::string& source, KeelConfig& cfg) {
+void merge_config_text(const std::string& file_text, const std::string& source, KeelConfig& cfg) {
+  // A UTF-8 byte-order mark (some editors write one) is an encoding marker, not config text: it
+  // is skipped, so positions count what the editor shows.
+  const std::string text =
+      file_text.rfind(kUtf8Bom, 0) == 0 ? file_text.substr(kUtf8Bom.size()) : file_text;
+  KEEL_CHECK(text.size() <= static_cast<size_t>(kMaxConfigBytes), kConfig, source, ": is ",
+             text.size(), " bytes; a config is at most ", kMaxConfigBytes, " bytes");
   FirstErrorCollector errors;
   pb::TextFormat::Parser parser;
   parser.RecordErrorsTo(&errors);
+  const TextScan scan = scan_text(text);
+  auto at = [&](int line, int column) {
+    return source + ":" + std::to_string(line + 1) + ":" + std::to_string(column + 1) + ": ";
+  };
+  auto fail_number = [&] {
+    KEEL_FAIL(kConfig, at(scan.number_line, scan.number_column), scan.number_field, ": ",
+              clip(scan.number_text), " ", scan.number_reason, "; integers are decimal only");
+  };
   // Parse (which rejects a field given twice) into a scratch message for the diagnostics, then
   // merge (which applies explicit zeros over the defaults) into cfg.
   KeelConfig scratch;
   if (!parser.ParseFromString(text, &scratch)) {
-    KEEL_FAIL(kConfig,
-              errors.has_error() ? errors.located(source, text) : source + ": cannot parse");
+    KEEL_CHECK(errors.has_error(), kConfig, source, ": cannot parse");
+    const std::pair<int, int> error_at = {errors.line(), errors.column()};
+    if (scan.bad_number && std::pair(scan.number_line, scan.number_column) <= error_at) {
+      fail_number();  // "09": the tokenizer's own message does not name the field
+    }
+    // At the end of the text the parser still wants a field name: a block was left open.
+    const bool at_end = error_at >= std::pair(scan.end_line, scan.end_column);
+    if (at_end && !scan.open.empty() && errors.message().rfind("Expected identifier", 0) == 0) {
+      const TextScan::Block& b = scan.open.back();
+      KEEL_FAIL(kConfig, at(b.line, b.column), "block '", clip(b.name),
+                "' opened here is never closed (missing '}' at the end of the file)");
+    }
+    KEEL_FAIL(kConfig, errors.located(source, text));
   }
+  if (scan.bad_number) fail_number();
   const bool merged = parser.MergeFromString(text, &cfg);
   KEEL_ASSERT(merged);
 }
@@ -393,17 +557,19 @@ KeelConfig load_config(const std::string& path, const std::vector<std::string>& 
 
 void apply_set(const std::string& assignment, KeelConfig& cfg) {
   const size_t eq = assignment.find('=');
-  KEEL_CHECK(eq != std::string::npos, kUsage, "--set ", assignment,
+  KEEL_CHECK(eq != std::string::npos, kUsage, "--set ", clip(assignment),
              ": expected dotted.path=value (e.g. --set model.n_heads=8)");
-  const std::string path = assignment.substr(0, eq);
+  const std::string full_path = assignment.substr(0, eq);
+  const std::string path = clip(full_path);  // as messages echo it
   const std::string value = assignment.substr(eq + 1);
+  const std::string echo = "--set " + path + "=" + clip(value);
 
   pb::Message* msg = &cfg;
   std::string walked;  // the dotted path of `msg`
   size_t start = 0;
   while (true) {
-    const size_t dot = path.find('.', start);
-    const std::string name = path.substr(start, dot == std::string::npos ? dot : dot - start);
+    const size_t dot = full_path.find('.', start);
+    const std::string name = full_path.substr(start, dot == std::string::npos ? dot : dot - start);
     const pb::Descriptor* d = msg->GetDescriptor();
     const pb::FieldDescriptor* f = d->FindFieldByName(name);
     KEEL_CHECK(f != nullptr, kConfig, "--set ", path, ": no such field (",
@@ -420,15 +586,18 @@ void apply_set(const std::string& assignment, KeelConfig& cfg) {
         r->SetString(msg, f, value);  // verbatim: --set data.path=/d/x.bin needs no quotes
       } else if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_ENUM) {
         const pb::EnumValueDescriptor* v = f->enum_type()->FindValueByName(value);
-        KEEL_CHECK(v != nullptr && v->number() != 0, kConfig, "--set ", assignment,
+        KEEL_CHECK(v != nullptr && v->number() != 0, kConfig, echo,
                    ": invalid value for enum field (choose one of ", enum_choices(f->enum_type()),
                    ")");
         r->SetEnum(msg, f, v);
       } else {
+        const std::string reason = non_decimal(value);
+        KEEL_CHECK(reason.empty(), kConfig, echo, ": ", clip(value), " ", reason,
+                   "; numbers are decimal only");
         FirstErrorCollector silent;
         pb::TextFormat::Parser parser;
         parser.RecordErrorsTo(&silent);
-        KEEL_CHECK(parser.ParseFieldValueFromString(value, f, msg), kConfig, "--set ", assignment,
+        KEEL_CHECK(parser.ParseFieldValueFromString(value, f, msg), kConfig, echo,
                    ": invalid value for ", f->type_name(), " field");
       }
       return;
@@ -473,6 +642,17 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(cfg.debug().inject_nan_at_step() >= 0, kConfig,
              "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
              " must be >= 0 (0: never)");
+  // Fields whose feature is not built yet: accepting them would look as if they did something.
+  KEEL_CHECK(!cfg.spike().enabled(), kConfig,
+             "spike.enabled=true: the spike guard is not built yet (leave it false)");
+  KEEL_CHECK(cfg.checkpoint().every() == 0, kConfig, "checkpoint.every=", cfg.checkpoint().every(),
+             ": checkpoints are not built yet (leave it 0)");
+  KEEL_CHECK(cfg.debug().inject_spike_at_step() == 0, kConfig,
+             "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
+             ": spike injection is not built yet (it needs the spike guard; leave it 0)");
+  KEEL_CHECK(cfg.debug().inject_nan_at_step() == 0, kConfig,
+             "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
+             ": NaN injection is not built yet (it needs the spike guard; leave it 0)");
 }
 
 namespace {

@@ -18,19 +18,25 @@ config::KeelConfig default_config();
 
 // default_config(), with the text-format file at `path` merged over it (an empty path means
 // defaults only), then each `sets` entry ("dotted.path=value") applied in order, then validate().
+// The file must be a regular file (a FIFO is refused, not waited on) of at most 64 MiB.
 config::KeelConfig load_config(const std::string& path, const std::vector<std::string>& sets);
 
 // Merges text-format `text` over `cfg`; `source` names it in errors ("<source>:<line>:<col>: ...",
-// 1-based). A field given twice in `text` is an error.
+// 1-based). A field given twice, an integer written in octal (010) or hexadecimal (0x20), and a
+// block left open at the end ("model {" without "}", named with where it opened) are errors; a
+// leading UTF-8 byte-order mark is skipped. Echoed tokens are cut to 64 bytes.
 void merge_config_text(const std::string& text, const std::string& source, config::KeelConfig& cfg);
 
 // Applies one override "dotted.path=value" (e.g. "model.qk_norm=L2", "data.path=/d/x.bin").
-// Strings take the value verbatim (no quotes needed); other fields parse it as text format.
+// Strings take the value verbatim (no quotes needed); other fields parse it as text format, and
+// numbers must be decimal (010 and 0x20 are errors).
 void apply_set(const std::string& assignment, config::KeelConfig& cfg);
 
 // Resolves derived values (model.d_ff 0 -> 4 x d_model, model.max_positions 0 -> seq_len,
 // data.format AUTO -> BUILTIN / SHARDS / TEXT) and checks every field's range. Idempotent.
-// Checks that involve the world size (parallel layout) belong to the launcher, not here.
+// A field whose feature is not built yet (spike.enabled, checkpoint.every, debug.inject_*) must
+// keep its default. Checks that involve the world size, the machine (threads, memory) or the
+// data's size belong to the launcher, not here.
 void validate(config::KeelConfig& cfg);
 
 // Text format with every field printed, zeros and falses included, so that merging the output

@@ -1,7 +1,9 @@
 // Dataset::open: builds the sources a config names and splits off validation (see header).
 #include "framework/data/dataset.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -18,7 +20,42 @@ TokenStream open_source(config::DataFormat format, const std::string& path, int3
   return TokenStream::open_text(path, vocab_size, field);
 }
 
+// Tokens of the validation split open() would build from `cfg`, without reading any token.
+std::optional<int64_t> val_split_tokens(const config::KeelConfig& cfg) {
+  const config::Data& d = cfg.data();
+  const bool shards = d.format() == config::SHARDS;
+  if (!d.val_path().empty()) return TokenStream::peek_size(d.val_path(), shards);
+  std::optional<int64_t> all;
+  if (d.format() == config::BUILTIN) {
+    all = d.builtin_bytes();
+  } else {
+    all = TokenStream::peek_size(d.path(), shards);
+  }
+  if (!all) return std::nullopt;
+  return std::llround(static_cast<double>(*all) * d.val_fraction());  // as open() rounds it
+}
+
 }  // namespace
+
+void Dataset::check_eval_batches(const config::KeelConfig& cfg) {
+  const config::Train& t = cfg.train();
+  if (t.eval_every() == 0) return;
+  const std::optional<int64_t> tokens = val_split_tokens(cfg);
+  const int64_t seq_len = cfg.model().seq_len();
+  if (!tokens || *tokens < seq_len + 1) return;  // open() names the missing or small split
+  const int64_t windows = (*tokens - 1) / seq_len;
+  const int64_t batch = t.global_batch();
+  const int64_t most = std::max<int64_t>(1, (windows + batch - 1) / batch);
+  const std::string split = cfg.data().val_path().empty()
+                                ? detail::concat("data.val_fraction=", cfg.data().val_fraction())
+                                : std::string("data.val_path");
+  KEEL_CHECK(t.eval_batches() <= most, kConfig, "train.eval_batches=", t.eval_batches(), " reads ",
+             static_cast<int64_t>(t.eval_batches()) * batch,
+             " validation windows per evaluation, but the validation split (", split, ", ", *tokens,
+             " tokens) holds only ", windows, " distinct windows of model.seq_len=", seq_len,
+             ": more would re-read them; use at most ", most,
+             " (batches of train.global_batch=", batch, ")");
+}
 
 Dataset Dataset::open(const config::KeelConfig& cfg) {
   const config::Data& d = cfg.data();

@@ -16,6 +16,15 @@ class Dataset {
   // missing or malformed, or a split holds fewer than model.seq_len + 1 tokens.
   static Dataset open(const config::KeelConfig& cfg);
 
+  // Refuses (kConfig) a train.eval_batches that reads more than one pass over the validation
+  // split per evaluation: eval_batches x global_batch windows when the split holds W distinct
+  // windows of seq_len tokens, so at most ceil(W / global_batch) batches (at least 1). Beyond that
+  // an evaluation only re-reads windows it has already read, at the cost of more forward passes
+  // (2^31 - 1 batches never ends). Sizes come from TokenStream::peek_size, so this runs before
+  // anything is opened or allocated; a source it cannot size is left to open() to report.
+  // Does nothing when train.eval_every is 0.
+  static void check_eval_batches(const config::KeelConfig& cfg);
+
   const TokenStream& train() const { return train_; }
   const TokenStream& val() const { return val_; }  // empty when there is no validation split
   bool has_val() const { return !val_.empty(); }

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "framework/error.h"
 
@@ -36,6 +38,7 @@ class Mapping {
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   ~Fd() {
@@ -47,17 +50,46 @@ class Fd {
   int fd_;
 };
 
+const char* file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a plain file";
+}
+
+// Opens `path` for reading and checks that it is a regular file. O_NONBLOCK makes opening a FIFO
+// return at once instead of waiting for a writer (it changes nothing for a regular file), so a
+// FIFO, socket or device is refused rather than blocking or streaming forever.
+Fd open_regular(const std::string& path, struct stat& st) {
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  KEEL_CHECK(fd.get() >= 0, kData, path, ": cannot open: ", std::strerror(errno));
+  KEEL_CHECK(fstat(fd.get(), &st) == 0, kData, path, ": cannot stat: ", std::strerror(errno));
+  KEEL_CHECK(S_ISREG(st.st_mode), kData, path, ": not a regular file (", file_type_name(st.st_mode),
+             ")");
+  return fd;
+}
+
 // Maps `path`; returns nullptr for an empty file (which mmap cannot map).
 std::shared_ptr<Mapping> map_file(const std::string& path) {
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  KEEL_CHECK(fd.get() >= 0, kData, path, ": cannot open: ", std::strerror(errno));
   struct stat st {};
-  KEEL_CHECK(fstat(fd.get(), &st) == 0, kData, path, ": cannot stat: ", std::strerror(errno));
-  KEEL_CHECK(S_ISREG(st.st_mode), kData, path, ": not a regular file");
+  Fd fd = open_regular(path, st);
   if (st.st_size == 0) return nullptr;
   void* addr = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd.get(), 0);
   KEEL_CHECK(addr != MAP_FAILED, kData, path, ": cannot mmap: ", std::strerror(errno));
   return std::make_shared<Mapping>(addr, static_cast<size_t>(st.st_size));
+}
+
+// The paths glob(3) expands `pattern` to, sorted by byte order (independent of the locale), or
+// the glob(3) return code on failure.
+int expand_glob(const std::string& pattern, std::vector<std::string>& files) {
+  glob_t g{};
+  const int rc = glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
+  if (rc == 0) files.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+  globfree(&g);
+  std::sort(files.begin(), files.end());
+  return rc;
 }
 
 // Index of the first token >= vocab_size, or -1. A branch-free max pass first (vectorised), so the
@@ -114,15 +146,11 @@ TokenStream TokenStream::open_text(const std::string& path, int32_t vocab_size,
 TokenStream TokenStream::open_shards(const std::string& pattern, int32_t vocab_size,
                                      const std::string& field) {
   KEEL_CHECK(!pattern.empty(), kData, field, " is empty: no shard to read");
-  glob_t g{};
-  const int rc = glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
   std::vector<std::string> files;
-  if (rc == 0) files.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
-  globfree(&g);
+  const int rc = expand_glob(pattern, files);
   KEEL_CHECK(rc != GLOB_NOMATCH && !(rc == 0 && files.empty()), kData, field, ": no file matches '",
              pattern, "'");
   KEEL_CHECK(rc == 0, kData, field, ": cannot expand '", pattern, "' (glob error ", rc, ")");
-  std::sort(files.begin(), files.end());  // byte order, independent of the locale
 
   TokenStream s;
   for (const std::string& file : files) {
@@ -158,6 +186,34 @@ TokenStream TokenStream::open_shards(const std::string& pattern, int32_t vocab_s
                        : std::to_string(files.size()) + " shards matching '" + pattern + "'";
   s.description_ += " (" + std::to_string(s.size_) + " tokens)";
   return s;
+}
+
+std::optional<int64_t> TokenStream::peek_size(const std::string& source, bool shards) {
+  std::vector<std::string> files;
+  if (!shards) {
+    files.push_back(source);
+  } else if (expand_glob(source, files) != 0 || files.empty()) {
+    return std::nullopt;
+  }
+  int64_t total = 0;
+  for (const std::string& file : files) {
+    struct stat st {};
+    try {
+      Fd fd = open_regular(file, st);
+      if (!shards) return static_cast<int64_t>(st.st_size);
+      int32_t header[3];
+      if (pread(fd.get(), header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
+        return std::nullopt;
+      }
+      if (header[0] != kShardMagic || header[1] != kShardVersion || header[2] <= 0) {
+        return std::nullopt;
+      }
+      total += header[2];
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+  }
+  return total;
 }
 
 size_t TokenStream::segment_of(int64_t i) const {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,12 @@ class TokenStream {
   // One llm.c shard file or a glob(3) pattern of them, sorted by name and concatenated (mmap).
   static TokenStream open_shards(const std::string& pattern, int32_t vocab_size,
                                  const std::string& field);
+
+  // The token count open_text (shards false: the file's size) or open_shards (the counts in the
+  // shard headers) would find, from sizes and headers alone: nothing is mapped and no token is
+  // checked. nullopt when a file is missing, not a regular file or has a malformed header (the
+  // open_* call then says why).
+  static std::optional<int64_t> peek_size(const std::string& source, bool shards);
 
   int64_t size() const { return size_; }
   bool empty() const { return size_ == 0; }

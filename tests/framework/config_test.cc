@@ -2,12 +2,18 @@
 // errors (each must name the file position or the dotted field), and the to_text round trip.
 #include "framework/config/config.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -74,14 +80,14 @@ TEST(Config, FileMergesOverDefaults) {
 TEST(Config, SetOverridesEveryKindOfField) {
   KeelConfig cfg = load_config(
       "", {"model.n_heads=8", "optim.lr=0.01", "model.qk_norm=L2", "model.qk_norm_scope=PROJECTION",
-           "model.tie_embeddings=false", "spike.enabled=true", "data.path=/tmp/some file.txt",
+           "model.tie_embeddings=false", "spike.enabled=false", "data.path=/tmp/some file.txt",
            "train.seed=18446744073709551615", "loss.z_loss=0"});
   EXPECT_EQ(cfg.model().n_heads(), 8);
   EXPECT_FLOAT_EQ(cfg.optim().lr(), 0.01f);
   EXPECT_EQ(cfg.model().qk_norm(), config::L2);
   EXPECT_EQ(cfg.model().qk_norm_scope(), config::PROJECTION);
   EXPECT_FALSE(cfg.model().tie_embeddings());
-  EXPECT_TRUE(cfg.spike().enabled());
+  EXPECT_FALSE(cfg.spike().enabled());
   EXPECT_EQ(cfg.data().path(), "/tmp/some file.txt");  // strings verbatim, no quotes needed
   EXPECT_EQ(cfg.data().format(), config::TEXT);
   EXPECT_EQ(cfg.train().seed(), 18446744073709551615ull);
@@ -146,10 +152,147 @@ TEST(Config, WrongTypeAndDuplicateFieldInFile) {
 TEST(Config, MissingFileNamesIt) {
   const std::string msg =
       error_of(ErrorKind::kConfig, [] { load_config("/nonexistent/keel.pbtxt", {}); });
-  expect_contains(msg, {"/nonexistent/keel.pbtxt"});
+  expect_contains(
+      msg, {"/nonexistent/keel.pbtxt", "cannot open config file", "No such file or directory"});
   TempDir dir;
   expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(dir.path(), {}); }),
                   {dir.path(), "directory"});
+}
+
+// A FIFO as the config file: opening it for reading would wait for a writer forever. If the
+// loader does block, the test opens the FIFO's write end itself (which releases it) and fails.
+TEST(Config, FifoIsRefusedNotWaitedOn) {
+  TempDir dir;
+  const std::string fifo = dir.file("config.pbtxt");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  auto load = std::async(std::launch::async, [&] {
+    return error_of(ErrorKind::kConfig, [&] { load_config(fifo, {}); });
+  });
+  if (load.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) close(fd);
+    ADD_FAILURE() << "load_config blocked opening a FIFO";
+  }
+  expect_contains(load.get(), {fifo, "FIFO", "not a regular config file"});
+}
+
+TEST(Config, ByteOrderMarkIsSkipped) {
+  TempDir dir;
+  const std::string bom = "\xEF\xBB\xBF";
+  KeelConfig cfg = load_config(dir.write("bom.pbtxt", bom + "model { d_model: 64 }\n"), {});
+  EXPECT_EQ(cfg.model().d_model(), 64);
+  // Positions on the first line count from after the mark, as an editor shows them.
+  const std::string bad = dir.write("bad.pbtxt", bom + "model { d_modle: 64 }\n");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(bad, {}); });
+  expect_contains(msg, {bad + ":1:9: ", "d_modle"});
+  EXPECT_EQ(msg.find("non ascii"), std::string::npos) << msg;
+}
+
+TEST(Config, UnclosedBlockNamesItAndWhereItOpened) {
+  TempDir dir;
+  const std::string file = dir.write("open.pbtxt", "# run\nmodel {\n  d_model: 32\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }),
+                  {file + ":2:7: ", "'model'", "never closed", "missing '}'"});
+  const std::string second =
+      dir.write("second.pbtxt", "model { d_model: 32 }\ntrain {\n  steps: 5\n  seed: 1\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(second, {}); }),
+                  {second + ":2:7: ", "'train'", "never closed"});
+  // A block that is closed is not blamed for another error at the end.
+  const std::string value = dir.write("value.pbtxt", "model {\n  d_model:");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(value, {}); });
+  expect_contains(msg, {value + ":"});
+  EXPECT_EQ(msg.find("never closed"), std::string::npos) << msg;
+}
+
+TEST(Config, EchoedTokensAreClipped) {
+  TempDir dir;
+  const std::string name(10 << 20, 'x');  // a 10 MB field name
+  const std::string file = dir.write("long.pbtxt", "model {\n  " + name + ": 1\n}\n");
+  const std::string msg = error_of(ErrorKind::kConfig, [&] { load_config(file, {}); });
+  expect_contains(msg, {file + ":2:3: ", "no field named", std::string(64, 'x') + "..."});
+  EXPECT_LT(msg.size(), file.size() + 200) << msg.substr(0, 400);
+  const std::string set =
+      error_of(ErrorKind::kConfig, [&] { load_config("", {"model." + name + "=1"}); });
+  expect_contains(set, {"--set model.xxx", "...: no such field"});
+  EXPECT_LT(set.size(), 400u) << set.substr(0, 400);
+  const std::string value =
+      error_of(ErrorKind::kConfig, [&] { load_config("", {"model.d_model=" + name}); });
+  expect_contains(value, {"--set model.d_model=xxx", "...: invalid value for int32 field"});
+  EXPECT_LT(value.size(), 400u) << value.substr(0, 400);
+  const std::string usage = error_of(ErrorKind::kUsage, [&] { load_config("", {name}); });
+  EXPECT_LT(usage.size(), 400u) << usage.substr(0, 400);
+}
+
+// Text format reads 010 as octal 8 and 0x20 as 32; keel takes decimal only, in files and --set.
+TEST(Config, IntegersAreDecimalOnly) {
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"train.steps=010"}); }),
+                  {"--set train.steps=010", "leading zero", "octal", "decimal"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"train.steps=0x20"}); }),
+                  {"--set train.steps=0x20", "hexadecimal"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"model.d_model=-010"}); }),
+                  {"model.d_model=-010", "octal"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"train.seed=0X1F"}); }),
+                  {"train.seed=0X1F", "hexadecimal"});
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"optim.lr=010"}); }),
+                  {"optim.lr=010", "octal"});
+  TempDir dir;
+  const std::string octal = dir.write("octal.pbtxt", "train {\n  steps: 010\n}\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(octal, {}); }),
+                  {octal + ":2:10: ", "train.steps", "010", "octal"});
+  const std::string hex = dir.write("hex.pbtxt", "model { d_model: 0x20 }\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(hex, {}); }),
+                  {hex + ":1:18: ", "model.d_model", "0x20", "hexadecimal"});
+  const std::string nine = dir.write("nine.pbtxt", "train { seed: 09 }\n");
+  expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(nine, {}); }),
+                  {nine + ":1:15: ", "train.seed", "09"});
+  // Plain decimal, zero, negative zero and floats that start with 0 are fine.
+  KeelConfig cfg = load_config(
+      dir.write("ok.pbtxt", "train { steps: 10 seed: 0 }\noptim { lr: 0.001 min_lr_ratio: 0 }\n"),
+      {"train.log_every=10", "optim.eps=0.5e-8", "loss.z_loss=0", "train.micro_batch=-0"});
+  EXPECT_EQ(cfg.train().steps(), 10);
+  EXPECT_EQ(cfg.train().seed(), 0u);
+  EXPECT_EQ(cfg.train().log_every(), 10);
+  EXPECT_FLOAT_EQ(cfg.optim().lr(), 0.001f);
+  EXPECT_FLOAT_EQ(cfg.optim().eps(), 0.5e-8f);
+}
+
+// Until the feature behind a field exists, setting it is an error that says what is missing.
+TEST(Config, FieldsOfUnbuiltFeaturesAreRefused) {
+  struct Case {
+    std::string set, expected;
+  };
+  const std::vector<Case> cases = {
+      {"spike.enabled=true", "spike.enabled=true: the spike guard is not built yet"},
+      {"checkpoint.every=100", "checkpoint.every=100: checkpoints are not built yet"},
+      {"debug.inject_spike_at_step=5",
+       "debug.inject_spike_at_step=5: spike injection is not built"},
+      {"debug.inject_nan_at_step=5", "debug.inject_nan_at_step=5: NaN injection is not built"},
+  };
+  TempDir dir;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.set);
+    expect_contains(error_of(ErrorKind::kConfig, [&] { load_config("", {c.set}); }), {c.expected});
+    // The same from a file.
+    const std::string section = c.set.substr(0, c.set.find('.'));
+    const std::string field = c.set.substr(c.set.find('.') + 1);
+    const std::string file =
+        dir.write(section + ".pbtxt", section + " { " + field.substr(0, field.find('=')) + ": " +
+                                          field.substr(field.find('=') + 1) + " }\n");
+    expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }), {c.expected});
+  }
+  // Their defaults, and checkpoint.keep (harmless while checkpoint.every is 0), are accepted.
+  EXPECT_NO_THROW(load_config("", {"spike.enabled=false", "checkpoint.every=0", "checkpoint.keep=5",
+                                   "debug.inject_spike_at_step=0", "debug.inject_nan_at_step=0"}));
+}
+
+TEST(Config, SampleCharsIsCapped) {
+  expect_contains(
+      error_of(ErrorKind::kConfig, [] { load_config("", {"train.sample_chars=2147483647"}); }),
+      {"train.sample_chars=2147483647 exceeds 1000000"});
+  expect_contains(
+      error_of(ErrorKind::kConfig, [] { load_config("", {"train.sample_chars=1000001"}); }),
+      {"train.sample_chars=1000001"});
+  EXPECT_EQ(load_config("", {"train.sample_chars=1000000"}).train().sample_chars(), 1000000);
 }
 
 TEST(Config, SetErrors) {

@@ -2,10 +2,14 @@
 // command line, config, data source or process layout exits 2 with exactly one line on stderr
 // that names the file position or the field / file and the reason, prints no stack trace or
 // "terminate called", and leaves no run directory (so no metrics.jsonl) behind when the error is
-// caught before training. Also: --help exits 0; under mpiexec -n 2 such an error ends every rank
-// with 2 and is printed once; and valid shards / text train (so the bad-input cases fail for the
-// stated reason).
+// caught before training. That covers inputs that used to hang (a FIFO as config or data, 2^31
+// layers, batches or evaluation batches, far too many threads) or end in "out of memory" (sizes
+// no machine holds: refused by the memory estimate). Also: --help exits 0; under mpiexec -n 2
+// such an error ends every rank with 2 and is printed once; valid shards / text train (so the
+// bad-input cases fail for the stated reason); and a run whose stdout is closed by `| head`
+// trains to the end.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -80,6 +84,14 @@ class KeelTrainCli : public ::testing::Test {
     args.push_back("--run-dir");
     args.push_back(run_dir());
     return run_command(command_line(KEEL_TRAIN_BIN, args), dir_);
+  }
+
+  // keel-train with the tiny job's overrides first and `sets` after them (so they may change a
+  // field the tiny job sets), then --run-dir run_dir().
+  CommandResult train_overriding(const std::vector<std::string>& sets) {
+    std::vector<std::string> args = kTiny;
+    args.insert(args.end(), sets.begin(), sets.end());
+    return train(args, false);
   }
 
   std::string write(const std::string& name, const std::string& bytes) {
@@ -161,7 +173,60 @@ TEST_F(KeelTrainCli, ConfigBadValueTypeNamesLineColumn) {
 
 TEST_F(KeelTrainCli, ConfigUnterminatedSection) {
   const std::string cfg = write("open.pbtxt", "model {\n  d_model: 32\n");
-  expect_refused(train({cfg}), "config", {cfg + ":"});
+  expect_refused(train({cfg}), "config", {cfg + ":1:7: ", "'model'", "never closed"});
+}
+
+// Some editors start a UTF-8 file with a byte-order mark: it is skipped, and positions on the
+// first line are the ones the editor shows.
+TEST_F(KeelTrainCli, ConfigWithByteOrderMark) {
+  const std::string bom = "\xEF\xBB\xBF";
+  const std::string bad = write("bom_bad.pbtxt", bom + "model { d_modle: 32 }\n");
+  expect_refused(train({bad}), "config", {bad + ":1:9: ", "d_modle"});
+  const std::string good = write("bom.pbtxt", bom + "model {\n  d_model: 32\n}\n");
+  const CommandResult r = train({good});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("d_model 32"), std::string::npos) << r.out;
+}
+
+// A 10 MB misspelt field name is echoed cut, not whole.
+TEST_F(KeelTrainCli, ConfigHugeUnknownFieldNameGivesShortMessage) {
+  const std::string cfg =
+      write("huge.pbtxt", "model {\n  " + std::string(10 << 20, 'q') + ": 1\n}\n");
+  const CommandResult r = train({cfg});
+  expect_refused(r, "config", {cfg + ":2:3: ", "no field named", std::string(64, 'q') + "..."});
+  EXPECT_LT(r.err.size(), 400u) << r.err.substr(0, 400);
+}
+
+// Text format would read 010 as octal 8 and 0x20 as 32: a config takes decimal only.
+TEST_F(KeelTrainCli, IntegersAreDecimalOnly) {
+  expect_refused(train({"--set", "train.steps=010"}), "config",
+                 {"--set train.steps=010", "octal", "decimal"});
+  expect_refused(train({"--set", "train.global_batch=0x20"}), "config",
+                 {"--set train.global_batch=0x20", "hexadecimal"});
+  const std::string cfg = write("octal.pbtxt", "train {\n  steps: 010\n}\n");
+  expect_refused(train({cfg}), "config", {cfg + ":2:10: ", "train.steps", "010", "octal"});
+}
+
+// "--set --run-dir out": --set's value is missing; --run-dir is not an override.
+TEST_F(KeelTrainCli, SetValueThatIsAnOption) {
+  const CommandResult r =
+      run_command(command_line(KEEL_TRAIN_BIN, {"--set", "--run-dir", run_dir()}), dir_);
+  expect_refused(r, "usage", {"--set needs a value", "--run-dir"});
+  EXPECT_FALSE(std::filesystem::exists(dir_.file("runs"))) << "the default run directory was made";
+  expect_refused(train({"--set", "train.steps"}), "usage",
+                 {"--set train.steps", "expected dotted.path=value"});
+}
+
+// Fields whose feature does not exist yet are refused, not silently ignored.
+TEST_F(KeelTrainCli, FieldsOfUnbuiltFeatures) {
+  expect_refused(train({"--set", "spike.enabled=true"}), "config",
+                 {"spike.enabled=true", "the spike guard is not built yet"});
+  expect_refused(train({"--set", "checkpoint.every=1"}), "config",
+                 {"checkpoint.every=1", "not built yet"});
+  expect_refused(train({"--set", "debug.inject_spike_at_step=1"}), "config",
+                 {"debug.inject_spike_at_step=1", "not built yet"});
+  expect_refused(train({"--set", "debug.inject_nan_at_step=1"}), "config",
+                 {"debug.inject_nan_at_step=1", "not built yet"});
 }
 
 TEST_F(KeelTrainCli, ConfigFieldGivenTwice) {
@@ -171,7 +236,98 @@ TEST_F(KeelTrainCli, ConfigFieldGivenTwice) {
 
 TEST_F(KeelTrainCli, MissingConfigFile) {
   const std::string cfg = dir_.file("absent.pbtxt");
-  expect_refused(train({cfg}), "config", {cfg, "cannot open"});
+  expect_refused(train({cfg}), "config", {cfg, "cannot open", "No such file or directory"});
+}
+
+// Opening a FIFO for reading waits for a writer: a FIFO given as the config, data.path (text or
+// a shard glob) or data.val_path must be refused at once, naming it.
+TEST_F(KeelTrainCli, FifoAsConfigOrDataIsRefused) {
+  const std::string fifo = dir_.file("pipe.txt");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused(train({fifo}), "config", {fifo, "FIFO"});
+  expect_refused(train({"--set", "data.path=" + fifo}), "data",
+                 {fifo, "not a regular file", "FIFO"});
+  const std::string shard = dir_.file("pipe_000.bin");
+  ASSERT_EQ(mkfifo(shard.c_str(), 0600), 0);
+  expect_refused(train({"--set", "data.path=" + dir_.file("pipe_*.bin")}), "data", {shard, "FIFO"});
+  std::string text;
+  while (text.size() < 3000) text += "the quick brown fox jumps over the lazy dog. ";
+  const std::string ok = write("ok.txt", text);
+  expect_refused(train({"--set", "data.path=" + ok, "--set", "data.val_path=" + fifo}), "data",
+                 {fifo, "FIFO"});
+}
+
+// Sizes no machine holds are refused before anything is allocated, naming what the job needs and
+// what the machine has (instead of "internal error: out of memory", or hours spent building
+// 2^31 layers).
+TEST_F(KeelTrainCli, SizesNoMachineHoldsAreRefusedByTheMemoryEstimate) {
+  for (const char* set :
+       {"model.n_layers=2147483647", "model.vocab_size=2147483647", "model.d_ff=2147483647",
+        "model.max_positions=2147483647", "train.global_batch=2147483647"}) {
+    SCOPED_TRACE(set);
+    expect_refused(train_overriding({"--set", set}), "config",
+                   {"this job needs about", "per rank", "this machine has", "of memory"});
+  }
+  // The estimate is printed at start-up for jobs that fit.
+  const CommandResult r = train({});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| memory about "), std::string::npos) << r.out;
+}
+
+TEST_F(KeelTrainCli, EvalBatchesBeyondTheValidationSplit) {
+  // kTiny: 20000 bytes, 5% held out = 1000 tokens = 62 windows of 16: 16 batches of 4 at most.
+  expect_refused(train_overriding({"--set", "train.eval_batches=2147483647"}), "config",
+                 {"train.eval_batches=2147483647", "62 distinct windows", "use at most 16"});
+  expect_refused(train_overriding({"--set", "train.eval_batches=17"}), "config",
+                 {"train.eval_batches=17", "use at most 16"});
+  const CommandResult r = train_overriding({"--set", "train.eval_batches=16"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  // Evaluation off: eval_batches is not used, so not checked.
+  const CommandResult off =
+      train_overriding({"--set", "train.eval_batches=2147483647", "--set", "train.eval_every=0"});
+  EXPECT_EQ(off.exit_code, 0) << off.err;
+}
+
+TEST_F(KeelTrainCli, ThreadsFarAboveTheCores) {
+  for (const char* set : {"train.threads=2147483647", "train.threads=100000"}) {
+    SCOPED_TRACE(set);
+    expect_refused(train({"--set", set}), "config", {set});
+  }
+}
+
+TEST_F(KeelTrainCli, SampleCharsIsCapped) {
+  expect_refused(train_overriding({"--set", "train.sample_chars=2147483647"}), "config",
+                 {"train.sample_chars=2147483647", "exceeds 1000000"});
+}
+
+// debug.kill_rank names a world rank: outside [0, world size) it is refused (here: 1 rank).
+TEST_F(KeelTrainCli, KillRankOutsideTheWorld) {
+  expect_refused(train({"--set", "debug.kill_rank=1", "--set", "debug.kill_at_step=1"}), "config",
+                 {"debug.kill_rank=1", "world size 1"});
+  expect_refused(train({"--set", "debug.kill_rank=-1", "--set", "debug.kill_at_step=1"}), "config",
+                 {"debug.kill_rank=-1", "world size 1"});
+  // With kill_at_step 0 nothing is killed and kill_rank is not used.
+  const CommandResult r = train({"--set", "debug.kill_rank=5"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// A training job survives its log pipe closing (keel-train ... | head): the writes to stdout
+// fail, training goes on, and metrics.jsonl gets every step.
+TEST_F(KeelTrainCli, SurvivesStdoutClosedByHead) {
+  std::vector<std::string> args = kTiny;
+  args.insert(args.end(), {"--set", "train.steps=12", "--set", "train.log_every=1", "--set",
+                           "train.sample_chars=64", "--run-dir", run_dir()});
+  // bash: the pipeline's exit status would be head's; PIPESTATUS[0] is keel-train's.
+  const std::string pipeline =
+      command_line(KEEL_TRAIN_BIN, args) + " | head -c 1 >/dev/null; exit ${PIPESTATUS[0]}";
+  const CommandResult r = run_command("bash -c " + shell_quote(pipeline), dir_);
+  EXPECT_EQ(r.exit_code, 0) << "141 = killed by SIGPIPE\n" << r.err;
+  EXPECT_EQ(r.err, "");
+  const std::string metrics = read_file(run_dir() + "/metrics.jsonl");
+  int lines = 0;
+  for (char c : metrics) lines += c == '\n';
+  EXPECT_EQ(lines, 12) << metrics;
+  EXPECT_NE(metrics.find("\"step\": 12"), std::string::npos) << metrics;
 }
 
 TEST_F(KeelTrainCli, SetUnknownPath) {

@@ -1,0 +1,126 @@
+// Host memory per rank for a config and layout (see header). Each term follows the allocation it
+// stands for; keep them in step when a layer's buffers change (memory_estimate_test compares the
+// parameter count with a built model's).
+#include "layers/memory_estimate.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace keel {
+
+namespace {
+
+constexpr double kFloat = 4.0;  // bytes of an fp32 (and of an int32 token)
+
+// A parameter tensor in the arena is padded to a multiple of 16 floats (64-byte aligned).
+double padded(double elems) { return std::ceil(elems / 16.0) * 16.0; }
+
+// Process baseline measured on a tiny job (C++/MPI/OpenBLAS runtime, thread stacks, page
+// tables): about 21 MiB of peak RSS with parameters and activations of well under 1 MiB.
+constexpr double kBaselineBytes = 24.0 * 1024 * 1024;
+// Per block: about 14 ParamInfo records (name, two shapes), 4 layer objects holding some 25
+// Tensor handles, and their allocations' headers and 64-byte rounding.
+constexpr double kPerLayerBytes = 16.0 * 1024;
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int dp_size,
+                               int64_t micro_batch, int threads) {
+  const config::Model& m = cfg.model();
+  const double tp = std::max(1, tp_size), dp = std::max(1, dp_size);
+  const double V = m.vocab_size(), C = m.d_model(), H = m.n_heads(), L = m.n_layers();
+  const double F = m.d_ff() > 0 ? m.d_ff() : 4.0 * C;
+  const double T = m.seq_len(), P = m.max_positions() > 0 ? m.max_positions() : T;
+  const double D = H > 0 ? C / H : 0;
+  // Layout of ModelDims::from: under TP the vocabulary is padded to a multiple of 64 x tp.
+  const double Vp = tp_size <= 1 ? V : std::ceil(V / (64.0 * tp)) * (64.0 * tp);
+  const double Hl = H / tp, Fl = F / tp, Vl = Vp / tp, HD = Hl * D;
+  const bool layer_norm = m.norm() == config::LAYERNORM;
+  const bool qk_on = m.qk_norm() != config::NONE;
+
+  // ---- parameters: this rank's slice of each tensor (layers/*.cc constructors)
+  const double norm_params = (layer_norm ? 2 : 1) * padded(C);
+  double qk_params = 0;
+  if (m.qk_norm() == config::RMS || m.qk_norm() == config::LAYER) {
+    const double gain = padded(m.qk_norm_scope() == config::HEAD_SHARED ? D : Hl * D);
+    qk_params = (m.qk_norm() == config::LAYER ? 4 : 2) * gain;
+  } else if (m.qk_norm() == config::L2) {
+    qk_params = padded(m.qk_norm_scope() == config::HEAD ? Hl : 1);
+  }
+  const double attn_params =
+      padded(3 * HD * C) + padded(3 * HD) + qk_params + padded(C * HD) + padded(C);
+  const double mlp_params = padded(Fl * C) + padded(Fl) + padded(C * Fl) + padded(C);
+  const double block_params = 2 * norm_params + attn_params + mlp_params;
+  double arena = padded(Vl * C) + padded(P * C) + L * block_params + norm_params;
+  if (!m.tie_embeddings()) arena += padded(Vl * C);
+  arena = std::ceil(arena / (16.0 * dp)) * (16.0 * dp);  // padded so ZeRO-1 splits it evenly
+
+  MemoryEstimate e;
+  e.parameters = arena * kFloat;
+  e.gradients = arena * kFloat;
+  // AdamW m and v over this rank's shard; ZeRO-1 adds the reduce-scattered gradient shard.
+  const bool zero = dp_size > 1 && cfg.parallel().zero_stage() == 1;
+  e.optimizer = (zero ? 3 * arena / dp : 2 * arena) * kFloat;
+
+  // ---- activations of one micro-batch (the allocate() methods and GPT's constructor)
+  const double B = static_cast<double>(micro_batch), BT = B * T;
+  const double groups = m.qk_norm_scope() == config::PROJECTION ? 1 : Hl;
+  double attn = 3 * BT * HD + B * Hl * T * T + BT * HD + Hl;  // qkv, probs, att, scales
+  if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;           // qk, q/k mean and rstd
+  if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
+  const double norms = 2 * 2 * BT;                        // ln1, ln2: mean and rstd
+  const double mlp = 2 * BT * Fl;                         // pre-activation, GELU output
+  const double block = 4 * BT * C + norms + attn + mlp;   // n1, r1, n2, out
+  double model = 2 * BT + 3 * BT * C + BT * Vl + 3 * BT;  // tokens, targets; x0, xf, dres; logits
+  model += 2 * BT;                                        // ln_f mean and rstd
+  // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, the per-thread T x T
+  // attention workspace and dscale.
+  model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
+  model += std::max(1, threads) * 2 * T * T + B * Hl + Hl;
+  const double trainer = 2 * BT;  // the trainer's input and target batch
+  e.activations = (L * block + model + trainer) * kFloat;
+
+  // MPI's temporaries for the DP gradient reduction (measured with Open MPI 4: a 2-rank job's
+  // peak RSS grows by about the arena under ZeRO-1's reduce-scatter, and by about one bucket,
+  // at most the arena, under the bucketed all-reduce).
+  if (dp_size > 1) {
+    const double bucket = static_cast<double>(cfg.parallel().bucket_mb()) * 1024 * 1024;
+    e.communication = zero ? e.gradients : std::min(bucket, e.gradients);
+  }
+  if (cfg.data().format() == config::BUILTIN) {
+    e.data = static_cast<double>(cfg.data().builtin_bytes());
+  }
+  e.overhead = kBaselineBytes + L * kPerLayerBytes;
+  return e;
+}
+
+std::string MemoryEstimate::describe() const {
+  return format_bytes(total()) + " (parameters " + format_bytes(parameters) + ", gradients " +
+         format_bytes(gradients) + ", AdamW state " + format_bytes(optimizer) + ", activations " +
+         format_bytes(activations) + ", MPI buffers " + format_bytes(communication) + ", data " +
+         format_bytes(data) + ", runtime and bookkeeping " + format_bytes(overhead) + ")";
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<double>(pages) * static_cast<double>(page_size);
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), bytes < 1000.0 ? "%.3g %s" : "%.0f %s", bytes, units[u]);
+  return buf;
+}
+
+}  // namespace keel

@@ -1,0 +1,133 @@
+// Tests for layers/memory_estimate: the parameter term equals a built model's arena exactly, for
+// every norm, QK-norm scope, tying and TP layout; parameters + gradients + activations match the
+// heap a GPT allocates (measured with mallinfo2) within 5% (+ 64 KiB of bookkeeping); the AdamW and
+// ZeRO-1 terms follow the layout; and sizes of 2^31 compute a huge finite number, not an overflowed
+// one.
+#include "layers/memory_estimate.h"
+
+#include <gtest/gtest.h>
+#include <malloc.h>
+#include <omp.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "layers/gpt.h"
+
+namespace keel {
+namespace {
+
+config::KeelConfig small_config(const std::vector<std::string>& sets) {
+  std::vector<std::string> all = {"model.seq_len=32",     "model.d_model=64",
+                                  "model.n_layers=2",     "model.n_heads=4",
+                                  "train.global_batch=8", "model.vocab_size=300"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  return load_config("", all);
+}
+
+// A single-process topology that lays the model out as TP rank 0 of `tp` in a dp-wide job (the
+// model's constructor allocates but does not communicate).
+struct Layout {
+  Layout(int tp, int dp) {
+    topo = Topology::single(tp_holder, dp_holder);
+    topo.tp = tp;
+    topo.dp = dp;
+    topo.world_size = tp * dp;
+  }
+  std::unique_ptr<Communicator> tp_holder, dp_holder;
+  Topology topo;
+};
+
+double heap_bytes() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<double>(mi.uordblks) + static_cast<double>(mi.hblkhd);
+}
+
+struct Case {
+  std::vector<std::string> sets;
+  int tp = 1, dp = 1;
+  int64_t micro = 8;
+};
+
+class MemoryEstimateMatchesModel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MemoryEstimateMatchesModel, ParametersExactlyAndHeapWithinFivePercent) {
+  const Case& c = GetParam();
+  const config::KeelConfig cfg = small_config(c.sets);
+  Layout layout(c.tp, c.dp);
+  const int threads = omp_get_max_threads();
+  const MemoryEstimate e = estimate_memory(cfg, c.tp, c.dp, c.micro, threads);
+  const double before = heap_bytes();
+  auto model = std::make_unique<GPT>(cfg, layout.topo, c.micro);
+  const double allocated = heap_bytes() - before;
+  EXPECT_EQ(e.parameters, static_cast<double>(model->params().total_elems()) * 4.0);
+  EXPECT_EQ(e.gradients, e.parameters);
+  // What the GPT allocates: its arenas and activations (the trainer's batch buffers excluded).
+  const double trainer_batch = 2.0 * static_cast<double>(c.micro) * cfg.model().seq_len() * 4.0;
+  const double expected = e.parameters + e.gradients + e.activations - trainer_batch;
+  // Beyond the buffers: parameter names, shapes and Tensor handles (tens of KiB here).
+  EXPECT_NEAR(allocated, expected, 0.05 * expected + 64 * 1024)
+      << "estimated " << format_bytes(expected) << ", allocated " << format_bytes(allocated);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, MemoryEstimateMatchesModel,
+    ::testing::Values(Case{{}}, Case{{"model.tie_embeddings=false"}},
+                      Case{{"model.norm=RMSNORM", "model.qk_norm=NONE"}},
+                      Case{{"model.qk_norm=LAYER", "model.qk_norm_scope=PROJECTION"}},
+                      Case{{"model.qk_norm=L2", "model.qk_norm_scope=HEAD"}},
+                      Case{{"model.qk_norm=RMS", "model.qk_norm_scope=HEAD"}, 2, 1, 8},
+                      Case{{"model.tie_embeddings=false", "model.max_positions=100"}, 4, 3, 3},
+                      Case{{"model.d_ff=96", "model.seq_len=8"}, 2, 2, 1}));
+
+TEST(MemoryEstimate, OptimizerStateFollowsTheLayout) {
+  const config::KeelConfig plain = small_config({});
+  const MemoryEstimate one = estimate_memory(plain, 1, 1, 8, 1);
+  EXPECT_EQ(one.optimizer, 2 * one.parameters);  // AdamW m and v
+  EXPECT_EQ(one.communication, 0.0);
+  const MemoryEstimate dp4 = estimate_memory(plain, 1, 4, 2, 1);
+  EXPECT_EQ(dp4.optimizer, 2 * dp4.parameters);
+  EXPECT_GT(dp4.communication, 0.0);
+  // ZeRO-1: m, v and the gradient shard over dp ranks.
+  const config::KeelConfig zero = small_config({"parallel.zero_stage=1"});
+  const MemoryEstimate z4 = estimate_memory(zero, 1, 4, 2, 1);
+  EXPECT_EQ(z4.optimizer, 3 * z4.parameters / 4);
+  // More sequences per micro-batch: more activations, the same parameters.
+  const MemoryEstimate big_micro = estimate_memory(plain, 1, 1, 16, 1);
+  EXPECT_GT(big_micro.activations, 1.9 * one.activations);
+  EXPECT_EQ(big_micro.parameters, one.parameters);
+  // The built-in corpus is held in memory; a file is mapped and not counted.
+  EXPECT_EQ(one.data, static_cast<double>(plain.data().builtin_bytes()));
+  EXPECT_EQ(estimate_memory(small_config({"data.path=/d/x.txt"}), 1, 1, 8, 1).data, 0.0);
+}
+
+// 2^31 - 1 in any size field gives a finite estimate far beyond any machine, never a wrapped
+// (negative or small) one.
+TEST(MemoryEstimate, HugeSizesDoNotOverflow) {
+  for (const char* set :
+       {"model.n_layers=2147483647", "model.vocab_size=2147483647", "model.d_ff=2147483647",
+        "model.max_positions=2147483647", "train.global_batch=2147483647"}) {
+    SCOPED_TRACE(set);
+    const config::KeelConfig cfg = small_config({set});
+    const int64_t micro = cfg.train().global_batch();
+    const MemoryEstimate e = estimate_memory(cfg, 1, 1, micro, 2);
+    EXPECT_TRUE(std::isfinite(e.total()));
+    EXPECT_GT(e.total(), 1e12) << e.describe();
+  }
+}
+
+TEST(MemoryEstimate, FormatsBytes) {
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(1.5 * 1024 * 1024), "1.5 MiB");
+  EXPECT_EQ(format_bytes(146.2 * 1024 * 1024), "146 MiB");
+  EXPECT_EQ(format_bytes(3.25 * 1024 * 1024 * 1024), "3.25 GiB");
+  EXPECT_EQ(format_bytes(1010 * 1024), "1010 KiB");
+  EXPECT_EQ(format_bytes(2e6 * 1024 * 1024 * 1024 * 1024), "2000000 TiB");
+  EXPECT_GT(physical_memory_bytes(), 0.0);
+}
+
+}  // namespace
+}  // namespace keel
