@@ -98,6 +98,20 @@ Tensor Tensor::slice(int64_t offset, Shape shape) const {
   return t;
 }
 
+void Tensor::copy_to_host(int64_t offset, int64_t n, void* dst) const {
+  KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
+  KEEL_CHECK(device_ == Device::kCpu, kInternal, "copy_to_host: only CPU memory is built yet");
+  const size_t es = dtype_size(dtype_);
+  if (n > 0) std::memcpy(dst, static_cast<const char*>(data_) + offset * es, n * es);
+}
+
+void Tensor::copy_from_host(int64_t offset, int64_t n, const void* src) const {
+  KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
+  KEEL_CHECK(device_ == Device::kCpu, kInternal, "copy_from_host: only CPU memory is built yet");
+  const size_t es = dtype_size(dtype_);
+  if (n > 0) std::memcpy(static_cast<char*>(data_) + offset * es, src, n * es);
+}
+
 void Tensor::zero_() {
   if (data_) std::memset(data_, 0, nbytes());
 }

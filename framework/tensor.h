@@ -45,6 +45,11 @@ class Tensor {
   int32_t* i32() const;
   double* f64() const;
 
+  // Device-neutral host copies of elements [offset, offset + n): what checkpoints, sampling and
+  // tests use instead of dereferencing a pointer that may be device memory.
+  void copy_to_host(int64_t offset, int64_t n, void* dst) const;
+  void copy_from_host(int64_t offset, int64_t n, const void* src) const;
+
   // A view of `numel(shape)` elements starting `offset` elements in; shares ownership.
   Tensor slice(int64_t offset, Shape shape) const;
   void zero_();

@@ -18,6 +18,7 @@
 #include "framework/file_io.h"
 #include "framework/kernels/elementwise.h"
 #include "framework/philox.h"
+#include "launch/fault_injector.h"
 
 namespace keel {
 
@@ -41,11 +42,12 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
       topo_(topo),
       opts_(std::move(opts)),
       data_(Dataset::open(cfg)),
-      sampler_(data_, cfg) {
+      sampler_(data_, cfg),
+      faults_(cfg.debug(), topo.world_rank) {
   const auto& t = cfg_.train();
-  train_fp_ = fingerprint(data_.train());
-  val_fp_ = data_.has_val() ? fingerprint(data_.val()) : 0;
-  if (topo_.world_comm) check_same_data_on_every_rank();
+  const uint64_t train_fp = fingerprint(data_.train());
+  const uint64_t val_fp = data_.has_val() ? fingerprint(data_.val()) : 0;
+  if (topo_.world_comm) check_same_data_on_every_rank(train_fp, val_fp);
   const int64_t per_rank = t.global_batch() / topo_.dp;
   KEEL_CHECK(t.global_batch() % topo_.dp == 0, kConfig, "train.global_batch=", t.global_batch(),
              " is not divisible by the data-parallel size ", topo_.dp);
@@ -59,20 +61,22 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   for (int id = 0; id < ps.size(); ++id) {
     if (ps.info(id).spec.tp_partial_grad && topo_.tp > 1) tp_partial_ids_.push_back(id);
   }
-  // Data parallelism: ZeRO-1 shards the optimizer over DP; otherwise bucketed, overlapped
-  // all-reduce of the whole gradient arena.
-  zero_ = topo_.dp > 1 && cfg_.parallel().zero_stage() == 1;
-  shard_n_ = zero_ ? ps.total_elems() / topo_.dp : ps.total_elems();
-  shard_off_ = zero_ ? topo_.dp_rank * shard_n_ : 0;
+  // Data parallelism: ZeRO-1 shards the optimizer over DP (Note [ZeRO-1 partition]); otherwise
+  // bucketed, overlapped all-reduce of the whole gradient arena.
+  const ZeroPartition part(ps.total_elems(), topo_.dp, topo_.dp_rank,
+                           cfg_.parallel().zero_stage() == 1);
   std::vector<ParamSegment> segs;
   for (int id = 0; id < ps.size(); ++id) {
-    const int64_t lo = std::max(ps.info(id).offset, shard_off_);
-    const int64_t hi = std::min(ps.info(id).offset + ps.info(id).numel(), shard_off_ + shard_n_);
-    if (hi > lo) segs.push_back({lo - shard_off_, hi - lo, ps.info(id).spec.decay});
+    const ArenaSlice own = part.clip(ps.info(id).offset, ps.info(id).numel());
+    if (!own.empty())
+      segs.push_back({own.offset - part.mine().offset, own.n, ps.info(id).spec.decay});
   }
-  opt_ = std::make_unique<AdamW>(cfg_.optim(), shard_n_, std::move(segs));
-  if (zero_) {
-    shard_grads_ = Tensor::zeros({shard_n_});
+  opt_ = std::make_unique<AdamW>(cfg_.optim(), part.mine().n, std::move(segs));
+  state_ = std::make_unique<TrainState>(ps, *opt_, part);
+  state_->train_fingerprint = train_fp;
+  state_->val_fingerprint = val_fp;
+  if (part.sharded()) {
+    shard_grads_ = Tensor::zeros({part.mine().n});
   } else if (topo_.dp > 1) {
     std::vector<ArenaRange> ranges;
     for (int id = 0; id < ps.size(); ++id)
@@ -93,14 +97,14 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   }
 }
 
-void Trainer::check_same_data_on_every_rank() const {
+void Trainer::check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const {
   // Every rank opened the data itself: a node with other files would silently train on another
   // stream. Each rank contributes (size, fingerprint) of both splits, as 16-bit pieces (exact in
   // a float), and every rank compares the gathered table with rank 0's row, so all of them reach
   // the same verdict and rank 0 names the first rank that differs.
   constexpr int kWords = 4, kPieces = 4;
-  const uint64_t mine[kWords] = {static_cast<uint64_t>(data_.train().size()), train_fp_,
-                                 static_cast<uint64_t>(data_.val().size()), val_fp_};
+  const uint64_t mine[kWords] = {static_cast<uint64_t>(data_.train().size()), train_fp,
+                                 static_cast<uint64_t>(data_.val().size()), val_fp};
   std::vector<float> send(kWords * kPieces);
   for (int w = 0; w < kWords; ++w) {
     for (int p = 0; p < kPieces; ++p) send[w * kPieces + p] = (mine[w] >> (16 * p)) & 0xffff;
@@ -130,42 +134,51 @@ void Trainer::check_same_data_on_every_rank() const {
   }
 }
 
-double Trainer::grad_sum_squares(const float* grads, int64_t begin, int64_t end) const {
-  // Global-norm contributions over arena elements [begin, end): a TP-sharded parameter counts on
-  // every TP rank (each holds a different slice), a replicated one on TP rank 0 only.
-  ParamStore& ps = model_->params();
+double Trainer::grad_sum_squares(const float* grads, ArenaSlice range) const {
+  // Global-norm contributions of this rank's moments slice (grads[0] is arena element
+  // range.offset): a TP-sharded parameter counts on every TP rank (each holds a different
+  // slice), a replicated one on TP rank 0 only.
   double sq = 0.0;
-  for (int id = 0; id < ps.size(); ++id) {
-    const ParamInfo& info = ps.info(id);
-    if (!info.sharded() && topo_.tp_rank != 0) continue;
-    const int64_t lo = std::max(info.offset, begin), hi = std::min(info.offset + info.numel(), end);
-    if (hi > lo) sq += kernels::sum_squares(grads + (lo - begin), hi - lo);
+  for (const StateParam& p : state_->tensors()) {
+    if (!p.info->sharded() && topo_.tp_rank != 0) continue;
+    if (!p.moments.empty()) {
+      sq += kernels::sum_squares(grads + (p.moments.offset - range.offset), p.moments.n);
+    }
   }
   return sq;
 }
 
 StepResult Trainer::step() {
   const double t0 = omp_get_wtime();
+  faults_.at(FaultPoint::kStepBegin, state_->step + 1);
+  if (opts_.watchdog) opts_.watchdog->set_step(state_->step + 1);
+  StepResult r = compute_gradients();
+  switch (decide(r)) {
+    case StepDecision::kApply:
+      apply_update(r);
+      break;
+  }
+  r.step = ++state_->step;
+  r.seconds = omp_get_wtime() - t0;
+  last_ = r;
+  return r;
+}
+
+StepDecision Trainer::decide(const StepResult&) const {
+  // Every input of this decision is all-reduced, so every rank decides alike (DESIGN.md 5). The
+  // spike guard plugs in here (skip, rewind, halt).
+  return StepDecision::kApply;
+}
+
+StepResult Trainer::compute_gradients() {
   const int64_t global_batch = cfg_.train().global_batch();
   ParamStore& ps = model_->params();
-  const auto& dbg = cfg_.debug();
-  if (dbg.kill_at_step() > 0 && dbg.kill_at_step() == step_ + 1 &&
-      dbg.kill_rank() == topo_.world_rank) {
-    const bool stall = dbg.fault() == config::STALL;
-    std::fprintf(stderr, "keel-train: debug.kill_rank=%d: %s this rank at step %lld\n",
-                 topo_.world_rank, stall ? "stalling" : "killing",
-                 static_cast<long long>(step_ + 1));
-    std::fflush(stderr);
-    if (!stall) std::raise(SIGKILL);
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  }
-  if (opts_.watchdog) opts_.watchdog->set_step(step_ + 1);
   StepResult r;
-  r.lr = learning_rate(cfg_.optim(), step_, cfg_.train().steps());
+  r.lr = learning_rate(cfg_.optim(), state_->step, cfg_.train().steps());
   ps.zero_grads();
   // Global sample stream: this step's samples are [first, first + global_batch); DP rank d takes
   // its contiguous slice, so the data a step sees does not depend on dp.
-  const uint64_t first = sampler_.state().next_sample;
+  const uint64_t first = state_->sampler.next_sample;
   const uint64_t per_rank = static_cast<uint64_t>(global_batch / topo_.dp);
   const uint64_t rank_first = first + static_cast<uint64_t>(topo_.dp_rank) * per_rank;
   // Each rank's loss is the mean over its micro-batches; summing gradients over DP ranks then
@@ -188,8 +201,9 @@ StepResult Trainer::step() {
     stats[1] += st.z_loss;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
   }
-  sampler_.skip(global_batch);
+  state_->sampler.next_sample += static_cast<uint64_t>(global_batch);
   float* grads = ps.grads().f32();
+  const ZeroPartition& part = state_->partition();
   {
     ProfileScope p(&model_->profiler(), "dp.grad_sync");
     // Gains shared by all heads: each TP rank's gradient covers its own heads. Summing over TP
@@ -205,9 +219,9 @@ StepResult Trainer::step() {
       r.comm_exposed_s = grad_sync_->exposed_seconds();
       r.comm_window_s = grad_sync_->window_seconds();
       reduce_tp_partials();
-    } else if (zero_) {
+    } else if (part.sharded()) {
       reduce_tp_partials();
-      topo_.dp_comm->reduce_scatter(grads, shard_grads_.f32(), shard_n_);
+      topo_.dp_comm->reduce_scatter(grads, shard_grads_.f32(), part.mine().n);
     } else {
       reduce_tp_partials();
     }
@@ -224,27 +238,30 @@ StepResult Trainer::step() {
   {
     ProfileScope p(&model_->profiler(), "optimizer");
     double sq;
-    if (zero_) {
-      sq = grad_sum_squares(shard_grads_.f32(), shard_off_, shard_off_ + shard_n_);
+    if (part.sharded()) {
+      sq = grad_sum_squares(shard_grads_.f32(), part.mine());
       topo_.world_comm->all_reduce(&sq, 1, ReduceOp::kSum);
     } else {
-      sq = grad_sum_squares(grads, 0, ps.total_elems());
+      sq = grad_sum_squares(grads, part.mine());
       topo_.tp_comm->all_reduce(&sq, 1, ReduceOp::kSum);
     }
     r.grad_norm = std::sqrt(sq);
-    const float scale = clip_scale(r.grad_norm, cfg_.optim().grad_clip());
-    float* params = ps.params().f32();
-    if (zero_) {
-      opt_->step(params + shard_off_, shard_grads_.f32(), r.lr, scale);
-      topo_.dp_comm->all_gather(params + shard_off_, params, shard_n_);
-    } else {
-      opt_->step(params, grads, r.lr, scale);
-    }
   }
-  r.step = ++step_;
-  r.seconds = omp_get_wtime() - t0;
-  last_ = r;
   return r;
+}
+
+void Trainer::apply_update(const StepResult& r) {
+  ProfileScope p(&model_->profiler(), "optimizer");
+  ParamStore& ps = model_->params();
+  const ZeroPartition& part = state_->partition();
+  const float scale = clip_scale(r.grad_norm, cfg_.optim().grad_clip());
+  float* params = ps.params().f32();
+  if (part.sharded()) {
+    opt_->step(params + part.mine().offset, shard_grads_.f32(), r.lr, scale);
+    topo_.dp_comm->all_gather(params + part.mine().offset, params, part.mine().n);
+  } else {
+    opt_->step(params, ps.grads().f32(), r.lr, scale);
+  }
 }
 
 double Trainer::evaluate() {
@@ -266,6 +283,11 @@ double Trainer::evaluate() {
   return last_val_;
 }
 
+double Trainer::epochs_done() const {
+  return static_cast<double>(state_->sampler.next_sample) /
+         static_cast<double>(sampler_.windows_per_epoch());
+}
+
 void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
   const int64_t tokens = r.step * tokens_per_step();
   const double tps =
@@ -279,7 +301,8 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
         .add_f("lr", r.lr)
         .add("tokens", tokens)
         .add("tokens_per_s", tps)
-        .add_f("max_attn_logit", r.max_attn_logit);
+        .add_f("max_attn_logit", r.max_attn_logit)
+        .add("epoch", epochs_done());
     if (val_loss) o.add("val_loss", *val_loss);
     metrics_->write(o);
   }
@@ -310,7 +333,7 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
 void Trainer::run() {
   const auto& t = cfg_.train();
   run_t0_ = omp_get_wtime();
-  while (step_ < t.steps()) {
+  while (state_->step < t.steps()) {
     const StepResult r = step();
     window_seconds_ += r.seconds;
     window_tokens_ += tokens_per_step();

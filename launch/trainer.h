@@ -1,7 +1,10 @@
-// The training loop: data -> micro-batch forward/backward (gradient accumulation) -> global-norm
-// clipping -> AdamW, with metrics.jsonl, periodic validation, a progress line on rank 0 and text
-// sampling from the trained model. Everything a step decides comes from (config, step, global
-// sample index), so two runs with the same seed are bit-identical.
+// The training loop. A step runs in three phases: compute gradients (data -> micro-batch
+// forward/backward with accumulation -> DP/TP gradient sync -> all-reduced loss and global norm)
+// -> decide (apply; the spike guard's skip, rewind and halt plug in here) -> apply (clipping,
+// AdamW, ZeRO-1 all-gather). Around it: metrics.jsonl, periodic validation, a progress line on
+// rank 0 and text sampling from the trained model. Everything a step decides comes from
+// (config, TrainState), so two runs with the same seed are bit-identical. The run's state lives in
+// one TrainState (Note [run state]) that checkpoints save and load.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +13,17 @@
 #include <optional>
 #include <string>
 
+#include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
 #include "framework/data/dataset.h"
 #include "framework/data/sampler.h"
 #include "framework/metrics.h"
 #include "framework/optim/optimizer.h"
+#include "launch/fault_injector.h"
 #include "layers/gpt.h"
 #include "parallel/grad_sync.h"
 #include "parallel/watchdog.h"
+#include "parallel/zero_partition.h"
 
 namespace keel {
 
@@ -32,6 +38,11 @@ struct StepResult {
   double comm_exposed_s = 0.0;  // DP gradient sync time not hidden behind backward
   double comm_window_s = 0.0;   // from the first bucket's launch to the sync's end
   double backward_s = 0.0;      // time of the last micro-batch's backward (overlap window)
+};
+
+// What the decide phase chose for the step's gradients.
+enum class StepDecision {
+  kApply,  // clip and update (today's only choice; the spike guard adds skip, rewind, halt)
 };
 
 struct TrainerOptions {
@@ -53,7 +64,10 @@ class Trainer {
   GPT& model() { return *model_; }
   const Dataset& dataset() const { return data_; }
   AdamW& optimizer() { return *opt_; }
-  int64_t steps_done() const { return step_; }
+  int64_t steps_done() const { return state_->step; }
+  // Everything a resume needs (Note [run state]).
+  TrainState& state() { return *state_; }
+  const TrainState& state() const { return *state_; }
   int64_t tokens_per_step() const {
     return static_cast<int64_t>(cfg_.train().global_batch()) * cfg_.model().seq_len();
   }
@@ -61,37 +75,45 @@ class Trainer {
   int64_t accum_steps() const { return accum_; }
   const Topology& topology() const { return topo_; }
   // ZeRO-1: this rank's slice [shard_offset, shard_offset + shard_n) of the parameter arena.
-  int64_t shard_offset() const { return shard_off_; }
-  int64_t shard_n() const { return shard_n_; }
+  int64_t shard_offset() const { return state_->partition().mine().offset; }
+  int64_t shard_n() const { return state_->partition().mine().n; }
   const Tensor& shard_grads() const { return shard_grads_; }
   const StepResult& last() const { return last_; }
   // XXH3 fingerprints of the training and validation token streams (Note [data fingerprint]);
   // every rank's are checked equal at start-up. The validation one is 0 without a split.
-  uint64_t train_fingerprint() const { return train_fp_; }
-  uint64_t val_fingerprint() const { return val_fp_; }
+  uint64_t train_fingerprint() const { return state_->train_fingerprint; }
+  uint64_t val_fingerprint() const { return state_->val_fingerprint; }
+  // Training samples read so far over windows per epoch: 1.25 is a quarter into the second
+  // epoch (each epoch reads every window once: Note [layout-independent data order]).
+  double epochs_done() const;
   double last_val_loss() const { return last_val_; }
   bool evaluated() const { return evaluated_; }
 
  private:
-  void check_same_data_on_every_rank() const;  // throws kData naming the first rank that differs
+  // Throws kData naming the first rank whose data differs from rank 0's.
+  void check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const;
+  // The step's phases.
+  StepResult compute_gradients();
+  StepDecision decide(const StepResult& r) const;
+  void apply_update(const StepResult& r);
   void log_step(const StepResult& r, std::optional<double> val_loss);
-  double grad_sum_squares(const float* grads, int64_t begin, int64_t end) const;
+  // Sum of squares of the gradients of `range` (this rank's partition slice; grads[0] is arena
+  // element range.offset), counting each logical element once over TP.
+  double grad_sum_squares(const float* grads, ArenaSlice range) const;
 
   config::KeelConfig cfg_;
   const Topology& topo_;
   TrainerOptions opts_;
   Dataset data_;
-  Sampler sampler_;
-  uint64_t train_fp_ = 0, val_fp_ = 0;
+  Sampler sampler_;  // stateless here: the position is state_->sampler
+  FaultInjector faults_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<TrainState> state_;
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)
-  bool zero_ = false;                    // ZeRO-1 (dp > 1, zero_stage 1)
-  int64_t shard_off_ = 0, shard_n_ = 0;
-  Tensor shard_grads_;               // [shard_n] reduce-scattered gradients (ZeRO-1)
-  std::vector<int> tp_partial_ids_;  // gradients to all-reduce over TP each step
+  Tensor shard_grads_;                   // [shard_n] reduce-scattered gradients (ZeRO-1)
+  std::vector<int> tp_partial_ids_;      // gradients to all-reduce over TP each step
   int64_t micro_ = 0, accum_ = 0;
-  int64_t step_ = 0;
   std::vector<int32_t> inputs_, targets_;
   std::unique_ptr<JsonlWriter> metrics_;
   StepResult last_;

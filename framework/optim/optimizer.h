@@ -23,6 +23,8 @@ class AdamW {
   // One update with learning rate lr; grads are multiplied by grad_scale first (clipping).
   void step(float* params, const float* grads, float lr, float grad_scale);
   int64_t t() const { return t_; }
+  void set_t(int64_t t) { t_ = t; }  // restoring a checkpoint
+  const std::vector<ParamSegment>& segments() const { return segments_; }
   Tensor& m() { return m_; }
   Tensor& v() { return v_; }
   int64_t state_bytes() const { return m_.nbytes() + v_.nbytes(); }

@@ -198,8 +198,9 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
   }
 
   std::istringstream lines(read_file(run_dir + "/metrics.jsonl"));
-  const std::set<std::string> base = {"step", "loss",   "z_loss",       "grad_norm",
-                                      "lr",   "tokens", "tokens_per_s", "max_attn_logit"};
+  const std::set<std::string> base = {"step",   "loss",         "z_loss",         "grad_norm", "lr",
+                                      "tokens", "tokens_per_s", "max_attn_logit", "epoch"};
+  const double windows = static_cast<double>(Sampler(manual->dataset(), cfg).windows_per_epoch());
   std::vector<int64_t> steps;
   std::string line;
   while (std::getline(lines, line)) {
@@ -225,6 +226,8 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
     EXPECT_EQ(static_cast<float>(parse_number(f["max_attn_logit"])), r.max_attn_logit);
     EXPECT_EQ(std::stoll(f["tokens"]), step * manual->tokens_per_step());
     EXPECT_EQ(f["tokens"], std::to_string(step * 8 * 16));
+    // Samples read over windows per epoch (8 sequences a step).
+    EXPECT_EQ(parse_number(f["epoch"]), static_cast<double>(step * 8) / windows);
     const double tps = parse_number(f["tokens_per_s"]);
     EXPECT_TRUE(std::isfinite(tps) && tps > 0) << f["tokens_per_s"];
     if (val.count(step)) {

@@ -1,0 +1,82 @@
+// TrainState: the one owner of everything a resume needs (Note [run state]). The trainer holds
+// it and changes it step by step; checkpoints save and load it; the spike guard (next) rewinds it.
+// It depends on framework/, parallel/ and layers/ only, never on launch/.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/data/sampler.h"
+#include "framework/optim/optimizer.h"
+#include "layers/params.h"
+#include "parallel/zero_partition.h"
+
+namespace keel {
+
+// Note [run state]: a run resumes bit for bit from exactly these:
+//   - the parameters (ParamStore, this rank's TP slices);
+//   - AdamW's m and v (over this rank's ZeRO-1 slice of the arena, or all of it) and its step t;
+//   - the sampler state (the next global sample index: Note [layout-independent data order]);
+//   - the optimizer step count;
+//   - the data fingerprints the run was trained on (Note [data fingerprint]);
+//   - the spike guard's state: the data ranges it skipped (empty until the guard is built).
+// Gradients and activations are not state: every step recomputes them from these. The learning
+// rate is a function of (config, step).
+
+// Training samples [first_sample, first_sample + n) that the spike guard skipped at `step`.
+struct SkippedRange {
+  uint64_t first_sample = 0;
+  uint64_t n = 0;
+  int64_t step = 0;
+  bool operator==(const SkippedRange&) const = default;
+};
+
+struct GuardState {
+  std::vector<SkippedRange> skipped;
+};
+
+// One parameter as the state walker shows it: its registry entry (logical name, global shape,
+// shard dim, this rank's slice and arena offset), the arena elements of its values on this rank,
+// and the part of them whose AdamW moments this rank holds (all of them without ZeRO-1; the
+// intersection with this rank's partition with it; possibly empty).
+struct StateParam {
+  int id = 0;
+  const ParamInfo* info = nullptr;
+  ArenaSlice values;   // arena coordinates
+  ArenaSlice moments;  // arena coordinates, inside `values`
+};
+
+class TrainState {
+ public:
+  // `optimizer`'s moments cover partition.mine() of `params`' arena.
+  TrainState(ParamStore& params, AdamW& optimizer, ZeroPartition partition);
+
+  int64_t step = 0;  // optimizer steps taken
+  SamplerState sampler;
+  uint64_t train_fingerprint = 0;
+  uint64_t val_fingerprint = 0;  // 0 without a validation split
+  GuardState guard;
+
+  ParamStore& params() const { return params_; }
+  AdamW& optimizer() const { return optimizer_; }
+  const ZeroPartition& partition() const { return partition_; }
+
+  // Every parameter in registration order: the checkpoint's tensor list.
+  const std::vector<StateParam>& tensors() const { return tensors_; }
+
+  // Host copies through the tensors' device-neutral copies (never raw arena pointers).
+  // values: [p.values.n]; m, v: [p.moments.n].
+  void read_values(const StateParam& p, float* values) const;
+  void write_values(const StateParam& p, const float* values) const;
+  void read_moments(const StateParam& p, float* m, float* v) const;
+  void write_moments(const StateParam& p, const float* m, const float* v) const;
+
+ private:
+  ParamStore& params_;
+  AdamW& optimizer_;
+  ZeroPartition partition_;
+  std::vector<StateParam> tensors_;
+};
+
+}  // namespace keel

@@ -1,0 +1,28 @@
+// Fault injection for tests (debug.* in the config), in one place called at named points of the
+// step instead of inside its arithmetic (STYLE.md: fault injection lives in config). Today:
+// debug.kill_rank / kill_at_step / fault (a rank that dies or hangs, for the watchdog tests).
+// The spike guard's debug.inject_* faults join here when the guard is built.
+#pragma once
+
+#include <cstdint>
+
+#include "framework/config/keel.pb.h"
+
+namespace keel {
+
+enum class FaultPoint {
+  kStepBegin,  // before step `step` (1-based) computes anything
+};
+
+class FaultInjector {
+ public:
+  FaultInjector(const config::Debug& cfg, int world_rank) : cfg_(cfg), world_rank_(world_rank) {}
+  // Fires whatever fault the config places at (point, step) on this rank; usually nothing.
+  void at(FaultPoint point, int64_t step) const;
+
+ private:
+  config::Debug cfg_;
+  int world_rank_;
+};
+
+}  // namespace keel
