@@ -1,5 +1,6 @@
-// Finite-difference gradient checks of the CPU forward/backward kernel pairs (gemm, norm,
-// attention, elementwise, embedding), run in double precision, plus float-vs-double agreement
+// Finite-difference gradient checks of the CPU forward/backward kernel pairs (gemm, norm, the
+// split norm whose row statistics are summed across TP ranks, attention, elementwise,
+// embedding), run in double precision, plus float-vs-double agreement
 // and the thread-count independence of sum_squares.
 //
 // Every check uses the scalar objective L = sum(out * R) for a fixed random R, so dL/dout = R is
@@ -26,6 +27,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/kernels/attention.h"
@@ -378,6 +380,252 @@ TEST(NormGrad, FloatMatchesDouble) {
       EXPECT_LT(float_rel_err(fdb, db), kFloatTol);
     }
   }
+}
+
+// ---- split norm: a row sharded across TP ranks -------------------------------------------------
+//
+// PROJECTION-scope QK-norm under tensor parallelism: rank k holds channels [cuts[k], cuts[k+1])
+// of every group in buffers of its own, laid out as its local q inside qkv (ld_in = 3 G ck,
+// ld_out = 2 G ck for ck channels). Each rank reduces partial statistics; their sum stands in
+// for the all-reduce; each rank then normalises its part. Attention uses G = 1; G = 2 with a
+// per-group and with a shared gain exercises the kernels' grouping as well. The forward must
+// equal the unsplit norm_forward, and the backward assembled from the per-rank partials must
+// match finite differences of L = sum(out * R) taken through the whole split forward.
+
+constexpr double kUnread = 1.0e6;      // fills what a kernel must not read (it would show)
+constexpr double kUnwritten = -333.0;  // fills what a kernel must not write
+
+struct SplitNormCase {
+  NormOp op;
+  int64_t N, G, Cg_total;
+  bool shared_gain;
+  std::vector<int64_t> cuts;  // 0 = cuts[0] < ... < cuts.back() = Cg_total
+  std::string name;
+  Vec inp, w, b, R;  // global, dense: inp, R [N, G, Cg_total]; w, b [G or 1, Cg_total]
+  bool has_w, has_b;
+  double eps = 1e-5;
+
+  SplitNormCase(NormOp op_, int64_t N_, int64_t G_, int64_t Cg_total_, bool shared,
+                std::vector<int64_t> cuts_, uint32_t seed)
+      : op(op_), N(N_), G(G_), Cg_total(Cg_total_), shared_gain(shared), cuts(std::move(cuts_)) {
+    name = std::string(op_name(op)) + " G=" + std::to_string(G) + (shared ? " shared" : "") +
+           " ranks=" + std::to_string(ranks());
+    inp = randn(N * G * Cg_total, seed, 0.7, 1.0);
+    const int64_t wn = (shared ? 1 : G) * Cg_total;
+    w = randn(wn, seed + 1, 1.0, 0.5);
+    b = randn(wn, seed + 2, 0.0, 0.5);
+    R = randn(N * G * Cg_total, seed + 3);
+    has_w = op != NormOp::kL2;
+    has_b = op == NormOp::kLayer;
+  }
+  int ranks() const { return static_cast<int>(cuts.size()) - 1; }
+  int64_t ck(int k) const { return cuts[k + 1] - cuts[k]; }
+  NormShape local_shape(int k) const {
+    return NormShape{N, G, ck(k), 3 * G * ck(k), 2 * G * ck(k), shared_gain ? 0 : ck(k)};
+  }
+  NormShape whole_shape() const {
+    return NormShape{N, G, Cg_total, G * Cg_total, G * Cg_total, shared_gain ? 0 : Cg_total};
+  }
+  // Index in the global dense [N, G, Cg_total] of rank k's local channel c of (n, g).
+  size_t global_at(int k, int64_t n, int64_t g, int64_t c) const {
+    return static_cast<size_t>((n * G + g) * Cg_total + cuts[k] + c);
+  }
+  // Index in the global gain of rank k's local gain element i (i < wn_local(k)).
+  size_t global_w(int k, int64_t i) const {
+    const int64_t g = i / ck(k), c = i % ck(k);
+    return static_cast<size_t>(g * Cg_total + cuts[k] + c);
+  }
+  int64_t wn_local(int k) const { return (shared_gain ? 1 : G) * ck(k); }
+};
+
+// One rank's buffers: its slices of the inputs and what its kernels produced.
+struct RankBufs {
+  NormShape s;
+  Vec inp, w, b, dout, out, mean, rstd;
+};
+
+// The split forward. Returns the global output [N, G, Cg_total]; fills ranks when not null.
+Vec split_forward(const SplitNormCase& c, std::vector<RankBufs>* ranks_out = nullptr) {
+  std::vector<RankBufs> rk(c.ranks());
+  Vec stats(2 * c.N * c.G, 0.0);
+  for (int k = 0; k < c.ranks(); ++k) {
+    RankBufs& r = rk[k];
+    r.s = c.local_shape(k);
+    r.inp.assign(c.N * r.s.ld_in, kUnread);
+    r.dout.assign(c.N * r.s.ld_out, kUnread);
+    for (int64_t n = 0; n < c.N; ++n)
+      for (int64_t g = 0; g < c.G; ++g)
+        for (int64_t ch = 0; ch < c.ck(k); ++ch) {
+          r.inp[n * r.s.ld_in + g * r.s.Cg + ch] = c.inp[c.global_at(k, n, g, ch)];
+          r.dout[n * r.s.ld_out + g * r.s.Cg + ch] = c.R[c.global_at(k, n, g, ch)];
+        }
+    r.w.resize(c.wn_local(k));
+    r.b.resize(c.wn_local(k));
+    for (int64_t i = 0; i < c.wn_local(k); ++i) {
+      r.w[i] = c.w[c.global_w(k, i)];
+      r.b[i] = c.b[c.global_w(k, i)];
+    }
+    Vec part(2 * c.N * c.G, kUnread);  // (=): the previous contents must not leak in
+    norm_partial_stats<double>(r.s, r.inp.data(), part.data());
+    for (size_t i = 0; i < stats.size(); ++i) stats[i] += part[i];  // the all-reduce
+  }
+  Vec out(c.N * c.G * c.Cg_total, 0.0);
+  for (int k = 0; k < c.ranks(); ++k) {
+    RankBufs& r = rk[k];
+    r.out.assign(c.N * r.s.ld_out, kUnwritten);
+    r.mean.assign(c.N * c.G, kUnread);
+    r.rstd.assign(c.N * c.G, kUnread);
+    norm_forward_from_stats<double>(c.op, r.s, c.Cg_total, stats.data(), r.out.data(), r.inp.data(),
+                                    c.has_w ? r.w.data() : nullptr, c.has_b ? r.b.data() : nullptr,
+                                    r.mean.data(), r.rstd.data(), c.eps);
+    for (int64_t n = 0; n < c.N; ++n)
+      for (int64_t g = 0; g < c.G; ++g)
+        for (int64_t ch = 0; ch < c.ck(k); ++ch)
+          out[c.global_at(k, n, g, ch)] = r.out[n * r.s.ld_out + g * r.s.Cg + ch];
+  }
+  if (ranks_out) *ranks_out = std::move(rk);
+  return out;
+}
+
+// Analytic gradients of the split backward, gathered into global dinp, dweight, dbias. For
+// accumulate, each rank's dinp starts from pre_dinp's slice (and from kUnwritten otherwise);
+// dweight and dbias always start from pre_dw, pre_db.
+struct SplitGrads {
+  Vec dinp, dw, db;
+};
+SplitGrads split_backward(const SplitNormCase& c, std::vector<RankBufs>& rk, bool accumulate,
+                          const Vec& pre_dinp, const Vec& pre_dw, const Vec& pre_db) {
+  Vec parts(2 * c.N * c.G, 0.0);
+  for (int k = 0; k < c.ranks(); ++k) {
+    const RankBufs& r = rk[k];
+    Vec part(2 * c.N * c.G, kUnread);  // (=)
+    norm_backward_partials<double>(r.s, r.dout.data(), r.inp.data(), c.has_w ? r.w.data() : nullptr,
+                                   r.mean.data(), r.rstd.data(), part.data());
+    for (size_t i = 0; i < parts.size(); ++i) parts[i] += part[i];  // the all-reduce
+  }
+  SplitGrads out{Vec(c.inp.size(), 0.0), pre_dw, pre_db};
+  for (int k = 0; k < c.ranks(); ++k) {
+    const RankBufs& r = rk[k];
+    Vec dinp(c.N * r.s.ld_in, kUnwritten);
+    if (accumulate) {
+      for (int64_t n = 0; n < c.N; ++n)
+        for (int64_t g = 0; g < c.G; ++g)
+          for (int64_t ch = 0; ch < c.ck(k); ++ch)
+            dinp[n * r.s.ld_in + g * r.s.Cg + ch] = pre_dinp[c.global_at(k, n, g, ch)];
+    }
+    Vec dw(c.wn_local(k)), db(c.wn_local(k));
+    for (int64_t i = 0; i < c.wn_local(k); ++i) {
+      dw[i] = pre_dw[c.global_w(k, i)];
+      db[i] = pre_db[c.global_w(k, i)];
+    }
+    norm_backward_from_partials<double>(
+        c.op, r.s, c.Cg_total, parts.data(), dinp.data(), accumulate, c.has_w ? dw.data() : nullptr,
+        c.has_b ? db.data() : nullptr, r.dout.data(), r.inp.data(), c.has_w ? r.w.data() : nullptr,
+        r.mean.data(), r.rstd.data());
+    for (int64_t n = 0; n < c.N; ++n) {
+      for (int64_t i = 0; i < r.s.ld_in; ++i) {
+        const double v = dinp[n * r.s.ld_in + i];
+        if (i < c.G * r.s.Cg) {
+          out.dinp[c.global_at(k, n, i / r.s.Cg, i % r.s.Cg)] = v;
+        } else {
+          EXPECT_EQ(v, kUnwritten) << "rank " << k << " dinp gap (" << n << ", " << i << ")";
+        }
+      }
+    }
+    // Each rank owns the gain channels of its slice (of a shared gain too): disjoint pieces.
+    for (int64_t i = 0; i < c.wn_local(k); ++i) {
+      out.dw[c.global_w(k, i)] = dw[i];
+      out.db[c.global_w(k, i)] = db[i];
+    }
+  }
+  return out;
+}
+
+std::vector<SplitNormCase> split_norm_cases(NormOp op) {
+  std::vector<SplitNormCase> cs;
+  cs.emplace_back(op, 4, 1, 12, false, std::vector<int64_t>{0, 12}, 1100);        // tp = 1
+  cs.emplace_back(op, 4, 1, 12, false, std::vector<int64_t>{0, 6, 12}, 1200);     // tp = 2
+  cs.emplace_back(op, 3, 1, 12, false, std::vector<int64_t>{0, 5, 9, 12}, 1300);  // uneven
+  cs.emplace_back(op, 3, 2, 9, false, std::vector<int64_t>{0, 4, 9}, 1400);       // per group
+  cs.emplace_back(op, 3, 2, 9, true, std::vector<int64_t>{0, 2, 5, 9}, 1500);     // shared
+  return cs;
+}
+
+void run_split_norm(NormOp op) {
+  for (SplitNormCase c : split_norm_cases(op)) {
+    SCOPED_TRACE(c.name);
+    const NormShape whole = c.whole_shape();
+    const size_t rows = static_cast<size_t>(c.N * c.G);
+
+    // (a) The split forward equals the unsplit one. kLayer's split variance is E[x^2] - mean^2,
+    // not the two-pass sum, so the two agree to rounding (~1e-15 here), not bit for bit.
+    std::vector<RankBufs> rk;
+    const Vec out = split_forward(c, &rk);
+    Vec ref(out.size(), 0.0), ref_mean(rows), ref_rstd(rows);
+    norm_forward<double>(op, whole, ref.data(), c.inp.data(), c.has_w ? c.w.data() : nullptr,
+                         c.has_b ? c.b.data() : nullptr, ref_mean.data(), ref_rstd.data(), c.eps);
+    for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-12) << "out " << i;
+    for (int k = 0; k < c.ranks(); ++k) {
+      const RankBufs& r = rk[k];
+      for (size_t i = 0; i < rows; ++i) {
+        // Every rank holds the same statistics, bit for bit (one all-reduced input, one formula).
+        EXPECT_EQ(r.rstd[i], rk[0].rstd[i]) << "rank " << k << " row " << i;
+        EXPECT_EQ(r.mean[i], rk[0].mean[i]) << "rank " << k << " row " << i;
+        EXPECT_NEAR(r.rstd[i], ref_rstd[i], 1e-12 * ref_rstd[i]) << "row " << i;
+        if (op == NormOp::kLayer) {
+          EXPECT_NEAR(r.mean[i], ref_mean[i], 1e-12) << "row " << i;
+        }
+      }
+      // out (=) writes only the group region of its rows, never the k half of qk.
+      for (int64_t n = 0; n < c.N; ++n)
+        for (int64_t i = c.G * r.s.Cg; i < r.s.ld_out; ++i)
+          EXPECT_EQ(r.out[n * r.s.ld_out + i], kUnwritten) << "rank " << k << " out gap";
+    }
+
+    // (b) The assembled backward matches finite differences of the split forward.
+    const Vec zero_w(c.w.size(), 0.0), zero_b(c.b.size(), 0.0);
+    const SplitGrads g = split_backward(c, rk, false, Vec(), zero_w, zero_b);
+    auto loss = [&] { return dot_ld(split_forward(c), c.R); };
+    check_fd("split norm " + c.name + " dinp", c.inp, g.dinp, loss);
+    if (c.has_w) check_fd("split norm " + c.name + " dweight", c.w, g.dw, loss);
+    if (c.has_b) check_fd("split norm " + c.name + " dbias", c.b, g.db, loss);
+    if (!c.has_w) {
+      EXPECT_EQ(g.dw, zero_w);  // null gradients are skipped
+    }
+    if (!c.has_b) {
+      EXPECT_EQ(g.db, zero_b);
+    }
+    // ... and agrees with the unsplit backward.
+    Vec ref_dinp(c.inp.size(), 0.0), ref_dw(c.w.size(), 0.0), ref_db(c.b.size(), 0.0);
+    norm_backward<double>(op, whole, ref_dinp.data(), false, c.has_w ? ref_dw.data() : nullptr,
+                          c.has_b ? ref_db.data() : nullptr, c.R.data(), c.inp.data(),
+                          c.has_w ? c.w.data() : nullptr, ref_mean.data(), ref_rstd.data());
+    for (size_t i = 0; i < ref_dinp.size(); ++i) EXPECT_NEAR(g.dinp[i], ref_dinp[i], 1e-12);
+    for (size_t i = 0; i < ref_dw.size(); ++i) EXPECT_NEAR(g.dw[i], ref_dw[i], 1e-12);
+    for (size_t i = 0; i < ref_db.size(); ++i) EXPECT_NEAR(g.db[i], ref_db[i], 1e-12);
+
+    // accumulate = true adds to dinp; dweight and dbias add either way.
+    const Vec pre = randn(c.inp.size(), 87), pre_w = randn(c.w.size(), 88),
+              pre_b = randn(c.b.size(), 89);
+    for (bool acc : {true, false}) {
+      SCOPED_TRACE(acc ? "accumulate" : "overwrite");
+      const SplitGrads g2 = split_backward(c, rk, acc, pre, pre_w, pre_b);
+      for (size_t i = 0; i < pre.size(); ++i)
+        EXPECT_NEAR(g2.dinp[i], (acc ? pre[i] : 0.0) + g.dinp[i], 1e-12) << "dinp " << i;
+      for (size_t i = 0; i < pre_w.size(); ++i) EXPECT_NEAR(g2.dw[i], pre_w[i] + g.dw[i], 1e-12);
+      for (size_t i = 0; i < pre_b.size(); ++i) EXPECT_NEAR(g2.db[i], pre_b[i] + g.db[i], 1e-12);
+    }
+  }
+}
+
+TEST(SplitNormGrad, LayerNormAcrossRanksMatchesUnsplitAndFiniteDifferences) {
+  run_split_norm(NormOp::kLayer);
+}
+TEST(SplitNormGrad, RmsNormAcrossRanksMatchesUnsplitAndFiniteDifferences) {
+  run_split_norm(NormOp::kRms);
+}
+TEST(SplitNormGrad, L2NormAcrossRanksMatchesUnsplitAndFiniteDifferences) {
+  run_split_norm(NormOp::kL2);
 }
 
 // ---- attention ---------------------------------------------------------------------------------

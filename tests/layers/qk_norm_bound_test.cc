@@ -1,6 +1,7 @@
 // QK-norm's purpose, tested on a whole tiny GPT: multiplying the q and k projection rows of every
 // block by 1000 leaves the largest attention logit within the analytic bound set by the learned
-// QK-norm parameters (and nearly unchanged), while without QK-norm it grows by ~1e6.
+// QK-norm parameters (and nearly unchanged), while without QK-norm it grows 1e6-fold
+// (kProjScale^2).
 //
 // Bounds. Let Cg be the normalised group size (D for HEAD_SHARED / HEAD, H D for PROJECTION).
 // The normalised vector of a group has |x_hat| <= sqrt(Cg) for RMS and LayerNorm (equality at
@@ -159,8 +160,13 @@ TEST_P(QkNormBound, ScaledProjectionsKeepLogitsBounded) {
               scaled.max_attn_logit, bound);
 
   if (c.qk == config::NONE) {
-    // q.k scales by kProjScale^2 = 1e6 in the first block.
-    EXPECT_GT(scaled.max_attn_logit, 1e3f * base.max_attn_logit);
+    // q.k scales by exactly kProjScale^2 = 1e6 in the first block, whose input is unchanged
+    // (later blocks see its now near one-hot attention output instead). The largest logit sits
+    // in the first block both times here, so the growth is 1e6 up to float rounding (measured
+    // 999999.76-fold); 1e-4 leaves a wide margin for summation order and BLAS.
+    const double ratio = static_cast<double>(scaled.max_attn_logit) / base.max_attn_logit;
+    std::printf("[qk] none: largest logit grew %.9g-fold\n", ratio);
+    EXPECT_NEAR(ratio, 1e6, 1e-4 * 1e6);
   } else {
     EXPECT_LE(scaled.max_attn_logit, bound * (1 + 1e-5));
     EXPECT_LE(base.max_attn_logit, bound * (1 + 1e-5));
