@@ -70,9 +70,12 @@ std::string JsonObject::str() const {
   return s;
 }
 
-JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+JsonlWriter::JsonlWriter(const std::string& path, bool append) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | (append ? 0 : O_TRUNC) | O_CLOEXEC, 0644);
   KEEL_CHECK(fd_ >= 0, kIo, path, ": cannot open for writing: ", std::strerror(errno));
+  const off_t end = ::lseek(fd_, 0, SEEK_END);
+  KEEL_CHECK(end >= 0, kIo, path, ": cannot seek: ", std::strerror(errno));
+  size_ = end;
 }
 JsonlWriter::~JsonlWriter() {
   if (fd_ >= 0) ::close(fd_);

@@ -27,7 +27,9 @@ class JsonObject {
 class JsonlWriter {
  public:
   JsonlWriter() = default;
-  explicit JsonlWriter(const std::string& path);  // truncates; throws kIo naming the path
+  // Truncates the file, or with append = true continues after its last line. Throws kIo naming
+  // the path.
+  explicit JsonlWriter(const std::string& path, bool append = false);
   ~JsonlWriter();
   JsonlWriter(const JsonlWriter&) = delete;
   JsonlWriter& operator=(const JsonlWriter&) = delete;

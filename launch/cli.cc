@@ -1,4 +1,5 @@
 // keel-train command line: keel-train [CONFIG.pbtxt] [--set path=value]... [--run-dir DIR]
+// [--no-resume [--overwrite] | --resume-from PATH]
 #include "launch/cli.h"
 
 #include <cstring>
@@ -15,9 +16,17 @@ std::string clip(const std::string& s) { return s.size() <= 64 ? s : s.substr(0,
 
 const char* train_usage() {
   return "usage: keel-train [CONFIG.pbtxt] [--set path.to.field=value]... [--run-dir DIR]\n"
-         "  CONFIG.pbtxt   Protobuf text-format config (framework/config/keel.proto); optional\n"
-         "  --set k=v      override one field by its dotted path, e.g. --set model.n_layers=6\n"
-         "  --run-dir DIR  where metrics.jsonl, config.pbtxt and checkpoints go (runs/default)\n";
+         "                  [--no-resume [--overwrite] | --resume-from PATH]\n"
+         "  CONFIG.pbtxt        Protobuf text-format config (framework/config/keel.proto); "
+         "optional\n"
+         "  --set k=v           override one field by its dotted path, e.g. --set "
+         "model.n_layers=6\n"
+         "  --run-dir DIR       where metrics.jsonl, config.pbtxt and checkpoints go "
+         "(runs/default)\n"
+         "  --no-resume         start fresh even if DIR/checkpoints holds checkpoints (refused\n"
+         "                      unless --overwrite, which deletes them); default: resume from\n"
+         "                      DIR/checkpoints/LATEST\n"
+         "  --resume-from PATH  load this checkpoint directory (exit 2 if it is unusable)\n";
 }
 
 TrainArgs parse_train_args(int argc, char** argv) {
@@ -47,6 +56,16 @@ TrainArgs parse_train_args(int argc, char** argv) {
       a.run_dir = value("--run-dir");
     } else if (arg.rfind("--run-dir=", 0) == 0) {
       a.run_dir = arg.substr(10);
+    } else if (arg == "--no-resume") {
+      a.resume.mode = ResumeMode::kFresh;
+    } else if (arg == "--overwrite") {
+      a.resume.overwrite = true;
+    } else if (arg == "--resume-from") {
+      a.resume.mode = ResumeMode::kFrom;
+      a.resume.path = value("--resume-from");
+    } else if (arg.rfind("--resume-from=", 0) == 0) {
+      a.resume.mode = ResumeMode::kFrom;
+      a.resume.path = arg.substr(14);
     } else if (arg.rfind("-", 0) == 0) {
       KEEL_FAIL(kUsage, "unknown option ", clip(arg), " (see --help)");
     } else {
@@ -56,6 +75,10 @@ TrainArgs parse_train_args(int argc, char** argv) {
     }
   }
   KEEL_CHECK(!a.run_dir.empty(), kUsage, "--run-dir must not be empty");
+  KEEL_CHECK(!a.resume.overwrite || a.resume.mode == ResumeMode::kFresh, kUsage,
+             "--overwrite only goes with --no-resume (it deletes the run's checkpoints)");
+  KEEL_CHECK(a.resume.mode != ResumeMode::kFrom || !a.resume.path.empty(), kUsage,
+             "--resume-from needs a checkpoint directory");
   return a;
 }
 

@@ -5,12 +5,15 @@
 #include <string>
 #include <vector>
 
+#include "launch/trainer.h"
+
 namespace keel {
 
 struct TrainArgs {
   std::string config_path;        // may be empty: defaults only
   std::vector<std::string> sets;  // "dotted.path=value"
   std::string run_dir = "runs/default";
+  ResumeOptions resume;  // --no-resume, --overwrite, --resume-from PATH
   bool help = false;
 };
 

@@ -139,6 +139,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
       std::getenv("OMPI_COMM_WORLD_RANK") || std::getenv("PMI_RANK") || std::getenv("SLURM_PROCID");
   opts.interactive = isatty(STDOUT_FILENO) != 0 && !launched;
   opts.watchdog = &dist.watchdog();
+  opts.resume = args.resume;
   Trainer trainer(cfg, topo, opts);
   const ModelDims& d = trainer.model().dims();
   if (mpi.world_rank() == 0) {
@@ -163,14 +164,15 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   trainer.run();
   if (mpi.world_rank() == 0) {
     const StepResult& r = trainer.last();
-    std::printf("keel-train: done: %lld steps, final loss %.4f nats/token",
-                static_cast<long long>(r.step), r.loss);
+    std::printf("keel-train: done: %lld steps", static_cast<long long>(trainer.steps_done()));
+    // A run resumed at its last step takes no step here, so it has no loss of its own.
+    if (r.step > 0) std::printf(", final loss %.4f nats/token", r.loss);
     if (trainer.evaluated()) std::printf(", val loss %.4f", trainer.last_val_loss());
     if (auto floor = trainer.dataset().entropy_rate_nats_per_token()) {
       std::printf(" (data entropy rate %.4f)", *floor);
     }
-    std::printf("\nkeel-train: outputs in %s/ (metrics.jsonl, config.pbtxt)\n",
-                args.run_dir.c_str());
+    std::printf("\nkeel-train: outputs in %s/ (metrics.jsonl, config.pbtxt%s)\n",
+                args.run_dir.c_str(), cfg.checkpoint().every() > 0 ? ", checkpoints/" : "");
     std::fflush(stdout);  // the results are out before sampling starts
     if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {
       const std::string text = trainer.sample(cfg.train().sample_chars(), cfg.train().seed());

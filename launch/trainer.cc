@@ -9,6 +9,8 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -88,13 +90,164 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   const int64_t T = cfg_.model().seq_len();
   inputs_.resize(micro_ * T);
   targets_.resize(micro_ * T);
+  if (!opts_.run_dir.empty()) {
+    store_ = std::make_unique<CheckpointStore>(opts_.run_dir + "/checkpoints");
+  }
+  resumed_from_ = resume();
+  start_step_ = state_->step;
   if (!opts_.run_dir.empty() && topo_.world_rank == 0) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.run_dir, ec);
     KEEL_CHECK(!ec, kIo, opts_.run_dir, ": cannot create run directory: ", ec.message());
     write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
-    metrics_ = std::make_unique<JsonlWriter>(opts_.run_dir + "/metrics.jsonl");
+    open_metrics(resumed_from_);
   }
+}
+
+void Trainer::say(const std::string& line) const {
+  if (topo_.world_rank != 0 || !opts_.progress) return;
+  std::printf("keel-train: %s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+std::string Trainer::check_checkpoint(const std::string& dir) const {
+  verify_checkpoint(dir);  // corrupt: throws
+  const ckpt::Manifest m = read_manifest(dir);
+  if (m.train_fingerprint() != state_->train_fingerprint) {
+    return "it was trained on other data (" + fingerprint_hex(m.train_fingerprint()) +
+           ", this run reads " + fingerprint_hex(state_->train_fingerprint) +
+           "): resuming would change the data order's meaning; start a new run directory";
+  }
+  std::map<std::string, Shape> shapes;
+  for (const ckpt::TensorRecord& t : m.tensors()) {
+    shapes[t.name()] = Shape(t.shape().begin(), t.shape().end());
+  }
+  for (const StateParam& p : state_->tensors()) {
+    auto it = shapes.find(p.info->spec.name);
+    if (it == shapes.end()) {
+      return "it has no tensor " + p.info->spec.name + " (the model config changed)";
+    }
+    if (it->second != p.info->spec.logical) {
+      return "tensor " + p.info->spec.name + " has shape " + shape_str(it->second) + " there but " +
+             shape_str(p.info->spec.logical) +
+             " in this config (a shape-determining model field changed)";
+    }
+  }
+  return "";
+}
+
+std::optional<int64_t> Trainer::resume() {
+  const ResumeOptions& ro = opts_.resume;
+  if (!store_ && ro.mode != ResumeMode::kFrom) return std::nullopt;
+  // Rank 0 decides; verdict = {what, error kind}: what = -1 fresh, -2 error, else the step of
+  // store_'s checkpoint (or 0 with --resume-from, whose path every rank knows).
+  double verdict[2] = {-1.0, 0.0};
+  std::string error;
+  if (topo_.world_rank == 0) {
+    try {
+      if (store_) {
+        if (const int n = store_->remove_stale()) {
+          say("removed " + std::to_string(n) + " unfinished checkpoint(s) (a save was cut short)");
+        }
+      }
+      if (ro.mode == ResumeMode::kFrom) {
+        const std::string why = check_checkpoint(ro.path);
+        KEEL_CHECK(why.empty(), kData, ro.path, ": cannot resume from it: ", why);
+        verdict[0] = 0.0;
+      } else if (ro.mode == ResumeMode::kFresh) {
+        const std::vector<int64_t> steps = store_->steps();
+        if (!steps.empty()) {
+          KEEL_CHECK(ro.overwrite, kUsage, store_->root(), " holds ", steps.size(),
+                     " checkpoint(s), the newest at step ", steps.front(),
+                     ": drop --no-resume to resume from it, or add --overwrite to delete them");
+          std::error_code ec;
+          std::filesystem::remove_all(store_->root(), ec);
+          KEEL_CHECK(!ec, kIo, store_->root(), ": cannot delete: ", ec.message());
+          say("--overwrite: deleted " + std::to_string(steps.size()) + " checkpoint(s) in " +
+              store_->root());
+        }
+      } else {
+        std::vector<int64_t> candidates = store_->steps();
+        if (auto latest = store_->latest()) {
+          candidates.erase(std::remove(candidates.begin(), candidates.end(), *latest),
+                           candidates.end());
+          candidates.insert(candidates.begin(), *latest);
+        }
+        for (size_t i = 0; i < candidates.size(); ++i) {
+          const std::string dir = store_->path_of(candidates[i]);
+          std::string why;
+          try {
+            why = check_checkpoint(dir);
+          } catch (const Error& e) {
+            say("checkpoint " + dir + " is unusable: " + e.what() +
+                (i + 1 < candidates.size() ? "; trying the previous one" : ""));
+            continue;
+          }
+          KEEL_CHECK(why.empty(), kData, dir, ": cannot resume from it: ", why);
+          verdict[0] = static_cast<double>(candidates[i]);
+          break;
+        }
+        KEEL_CHECK(candidates.empty() || verdict[0] >= 0, kData, store_->root(), ": none of its ",
+                   candidates.size(),
+                   " checkpoint(s) is usable (see above); pass --no-resume --overwrite to start "
+                   "over");
+      }
+    } catch (const Error& e) {
+      verdict[0] = -2.0;
+      verdict[1] = static_cast<double>(e.kind());
+      error = e.what();
+      if (!topo_.world_comm) throw;
+    }
+  }
+  if (topo_.world_comm) {
+    if (topo_.world_rank != 0) verdict[0] = verdict[1] = -1e300;
+    topo_.world_comm->all_reduce(verdict, 2, ReduceOp::kMax);
+  }
+  if (verdict[0] == -2.0) {
+    const auto kind = static_cast<ErrorKind>(static_cast<int>(verdict[1]));
+    if (topo_.world_rank == 0) throw Error(kind, error, __FILE__, __LINE__);
+    throw Error(kind, "rank 0 could not resume (see its message)", __FILE__, __LINE__);
+  }
+  if (verdict[0] < 0) return std::nullopt;
+  const std::string dir =
+      ro.mode == ResumeMode::kFrom ? ro.path : store_->path_of(static_cast<int64_t>(verdict[0]));
+  const ckpt::Manifest m = load_checkpoint(dir, *state_);
+  char line[256];
+  std::snprintf(line, sizeof(line), "resuming from %s at step %lld (written at dp %d x tp %d%s)",
+                dir.c_str(), static_cast<long long>(m.step()), m.layout().dp(), m.layout().tp(),
+                m.layout().zero_stage() ? ", ZeRO-1" : "");
+  say(line);
+  return m.step();
+}
+
+void Trainer::open_metrics(std::optional<int64_t> resumed_step) {
+  const std::string path = opts_.run_dir + "/metrics.jsonl";
+  if (!resumed_step) {
+    metrics_ = std::make_unique<JsonlWriter>(path);
+    return;
+  }
+  // Keep what the checkpoint's steps logged; drop lines of steps the resumed run repeats.
+  std::ifstream in(path, std::ios::binary);
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    long long step = -1;
+    if (std::sscanf(line.c_str(), "{\"step\": %lld", &step) == 1 && step <= *resumed_step) {
+      kept += line + "\n";
+    }
+  }
+  write_file_atomic(path, kept);
+  metrics_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
+}
+
+void Trainer::save_checkpoint() {
+  KEEL_CHECK(store_ != nullptr, kUsage, "save_checkpoint needs a run directory");
+  const double t0 = omp_get_wtime();
+  keel::save_checkpoint(*state_, cfg_, topo_, *store_);
+  char line[256];
+  std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
+                store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);
+  if (opts_.interactive) std::printf("\n");
+  say(line);
 }
 
 void Trainer::check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const {
@@ -309,7 +462,8 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
   if (!opts_.progress || topo_.world_rank != 0) return;
   const int64_t total = cfg_.train().steps();
   const double elapsed = omp_get_wtime() - run_t0_;
-  const double eta = elapsed / static_cast<double>(r.step) * static_cast<double>(total - r.step);
+  const double eta = elapsed / static_cast<double>(std::max<int64_t>(1, r.step - start_step_)) *
+                     static_cast<double>(total - r.step);
   char line[256];
   std::snprintf(line, sizeof(line),
                 "step %5lld/%lld | loss %.4f | z %.2e | gnorm %.3f | lr %.2e | %7.0f tok/s | "
@@ -333,6 +487,7 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
 void Trainer::run() {
   const auto& t = cfg_.train();
   run_t0_ = omp_get_wtime();
+  const int every = cfg_.checkpoint().every();
   while (state_->step < t.steps()) {
     const StepResult r = step();
     window_seconds_ += r.seconds;
@@ -346,6 +501,7 @@ void Trainer::run() {
       window_seconds_ = 0.0;
       window_tokens_ = 0;
     }
+    if (store_ && every > 0 && (r.step % every == 0 || last)) save_checkpoint();
   }
 }
 

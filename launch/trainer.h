@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "checkpoints/checkpoint.h"
 #include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
 #include "framework/data/dataset.h"
@@ -45,11 +46,25 @@ enum class StepDecision {
   kApply,  // clip and update (today's only choice; the spike guard adds skip, rewind, halt)
 };
 
+// Where a run starts (keel-train's --no-resume, --overwrite, --resume-from).
+enum class ResumeMode {
+  kAuto,   // from RUN/checkpoints/LATEST when there is one (falling back past corrupt ones)
+  kFresh,  // from scratch; refused when the run has checkpoints unless overwrite
+  kFrom,   // from the checkpoint directory `path`; exit 2 when it is unusable
+};
+
+struct ResumeOptions {
+  ResumeMode mode = ResumeMode::kAuto;
+  bool overwrite = false;  // with kFresh: delete the run's checkpoints
+  std::string path;        // with kFrom
+};
+
 struct TrainerOptions {
   std::string run_dir;       // empty: write no files (benchmarks, tests)
   bool progress = true;      // print progress lines (rank 0)
   bool interactive = false;  // progress redraws one terminal line instead of one line per log step
   Watchdog* watchdog = nullptr;  // told the current step, for its messages
+  ResumeOptions resume;          // checkpoints live in run_dir/checkpoints (none without run_dir)
 };
 
 class Trainer {
@@ -57,6 +72,10 @@ class Trainer {
   Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOptions opts);
 
   StepResult step();  // one optimizer step
+  // Collective: saves a checkpoint of the current state (needs a run_dir).
+  void save_checkpoint();
+  // The step the run resumed from, when it did.
+  std::optional<int64_t> resumed_from() const { return resumed_from_; }
   void run();         // train.steps steps with logging and evaluation
   double evaluate();  // mean validation cross-entropy (eval_batches batches)
   std::string sample(int64_t n_chars, uint64_t seed, float temperature = 0.8f);
@@ -90,6 +109,15 @@ class Trainer {
   bool evaluated() const { return evaluated_; }
 
  private:
+  // Collective: picks the checkpoint to start from (rank 0 decides, every rank loads it) and
+  // loads it into state_; returns its step, or nothing for a fresh start.
+  std::optional<int64_t> resume();
+  // Rank 0: throws kData when the checkpoint in `dir` is corrupt; returns why it cannot be
+  // loaded into this run (empty: it can).
+  std::string check_checkpoint(const std::string& dir) const;
+  // Rank 0: keeps the metrics lines of steps <= `step`, then appends to the file.
+  void open_metrics(std::optional<int64_t> resumed_step);
+  void say(const std::string& line) const;  // a line on stdout from rank 0
   // Throws kData naming the first rank whose data differs from rank 0's.
   void check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const;
   // The step's phases.
@@ -110,6 +138,9 @@ class Trainer {
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<TrainState> state_;
+  std::unique_ptr<CheckpointStore> store_;  // run_dir/checkpoints; null without a run_dir
+  std::optional<int64_t> resumed_from_;
+  int64_t start_step_ = 0;               // the step this process started at (for the ETA)
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)
   Tensor shard_grads_;                   // [shard_n] reduce-scattered gradients (ZeRO-1)
   std::vector<int> tp_partial_ids_;      // gradients to all-reduce over TP each step

@@ -90,6 +90,7 @@ data {
 checkpoint {
   every: 0
   keep: 3
+  keep_every: 0
 }
 spike {
   enabled: false
@@ -636,6 +637,9 @@ void validate(KeelConfig& cfg) {
              " must be >= 0 (0 disables checkpoints)");
   KEEL_CHECK(cfg.checkpoint().keep() >= 1, kConfig, "checkpoint.keep=", cfg.checkpoint().keep(),
              " must be >= 1");
+  KEEL_CHECK(cfg.checkpoint().keep_every() >= 0, kConfig,
+             "checkpoint.keep_every=", cfg.checkpoint().keep_every(),
+             " must be >= 0 (0: keep only the newest)");
   KEEL_CHECK(cfg.debug().inject_spike_at_step() >= 0, kConfig,
              "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
              " must be >= 0 (0: never)");
@@ -645,8 +649,6 @@ void validate(KeelConfig& cfg) {
   // Fields whose feature is not built yet: accepting them would look as if they did something.
   KEEL_CHECK(!cfg.spike().enabled(), kConfig,
              "spike.enabled=true: the spike guard is not built yet (leave it false)");
-  KEEL_CHECK(cfg.checkpoint().every() == 0, kConfig, "checkpoint.every=", cfg.checkpoint().every(),
-             ": checkpoints are not built yet (leave it 0)");
   KEEL_CHECK(cfg.debug().inject_spike_at_step() == 0, kConfig,
              "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
              ": spike injection is not built yet (it needs the spike guard; leave it 0)");

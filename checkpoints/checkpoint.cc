@@ -1,0 +1,547 @@
+// Checkpoint save (sharded, atomic), load (any layout, checksummed) and verification. See the
+// header and Note [checkpoint commit].
+#include "checkpoints/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <utility>
+
+#include "framework/error.h"
+#include "framework/file_io.h"
+
+namespace keel {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr ckpt::TensorKind kKinds[] = {ckpt::PARAM, ckpt::ADAM_M, ckpt::ADAM_V};
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string shard_name(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "shard_%05d.bin", rank);
+  return buf;
+}
+
+std::string index_name(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "shard_%05d.idx", rank);
+  return buf;
+}
+
+// "step_00000120" -> 120; nullopt for anything else.
+std::optional<int64_t> parse_step_name(const std::string& name) {
+  if (name.size() != 13 || name.rfind("step_", 0) != 0) return std::nullopt;
+  int64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+std::string read_whole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// The block of the logical tensor a rank's slice of parameter `info` is: dim D (the spec's shard
+// dimension, or 0 for a replicated one) and [begin, begin + len) along it.
+struct Block {
+  int dim = -1;  // -1: the whole tensor
+  int64_t begin = 0, len = 0;
+};
+
+Block block_of(const ParamInfo& info) {
+  if (!info.sharded()) return {};
+  const int d = info.spec.shard_dim;
+  return {d, info.shard_begin, info.local.at(d)};
+}
+
+// Geometry of a logical shape around dim d: outer x extent x inner (d = -1: 1 x numel x 1).
+struct Geometry {
+  int64_t outer = 1, extent = 1, inner = 1;
+};
+
+Geometry geometry(const Shape& shape, int d) {
+  Geometry g;
+  if (d < 0) {
+    g.extent = shape_numel(shape);
+    return g;
+  }
+  for (int i = 0; i < d; ++i) g.outer *= shape[i];
+  g.extent = shape[d];
+  for (size_t i = d + 1; i < shape.size(); ++i) g.inner *= shape[i];
+  return g;
+}
+
+// This rank's slice of (parameter, kind), when this rank writes it (see the header's "who writes
+// what"); n == 0 otherwise.
+ckpt::Slice my_slice(const StateParam& p, ckpt::TensorKind kind, const Topology& topo,
+                     const ZeroPartition& part) {
+  ckpt::Slice s;
+  const bool tp_writer = p.info->sharded() || topo.tp_rank == 0;
+  const Block b = block_of(*p.info);
+  s.set_shard_dim(b.dim);
+  s.set_shard_begin(b.begin);
+  s.set_shard_len(b.dim < 0 ? 0 : b.len);
+  if (kind == ckpt::PARAM) {
+    if (tp_writer && topo.dp_rank == 0) s.set_n(p.values.n);
+  } else if (tp_writer && (part.sharded() || topo.dp_rank == 0)) {
+    s.set_flat_begin(p.moments.offset - p.values.offset);
+    s.set_n(p.moments.n);
+  }
+  return s;
+}
+
+// Open files of one checkpoint directory, read with pread.
+class ShardReader {
+ public:
+  explicit ShardReader(std::string dir) : dir_(std::move(dir)) {}
+  ~ShardReader() {
+    for (auto& [name, fd] : fds_) ::close(fd);
+  }
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+
+  // Reads and checks one slice into out[0, n).
+  void read(const ckpt::Slice& s, const std::string& what, float* out) {
+    const std::string path = dir_ + "/" + s.file();
+    auto it = fds_.find(s.file());
+    if (it == fds_.end()) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      KEEL_CHECK(fd >= 0, kData, path, ": cannot open (", what, "): ", std::strerror(errno));
+      it = fds_.emplace(s.file(), fd).first;
+    }
+    const size_t bytes = static_cast<size_t>(s.n()) * sizeof(float);
+    char* dst = reinterpret_cast<char*>(out);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t r = ::pread(it->second, dst + done, bytes - done,
+                                static_cast<off_t>(s.offset() + static_cast<int64_t>(done)));
+      if (r < 0 && errno == EINTR) continue;
+      KEEL_CHECK(r > 0, kData, path, ": ", what, " at byte ", s.offset(), ": ",
+                 r < 0 ? std::strerror(errno) : "the file ends early (truncated)");
+      done += static_cast<size_t>(r);
+    }
+    KEEL_CHECK(XXH3_64bits(out, bytes) == s.xxh3(), kData, path, ": ", what, " at byte ",
+               s.offset(), ": checksum mismatch (the file is corrupt)");
+  }
+
+ private:
+  std::string dir_;
+  std::map<std::string, int> fds_;
+};
+
+std::string describe(const ckpt::TensorRecord& rec) {
+  return std::string("tensor ") + rec.name() + " (" + tensor_kind_name(rec.kind()) + ")";
+}
+
+void check_files(const std::string& dir, const ckpt::Manifest& m) {
+  for (const ckpt::ShardFile& f : m.files()) {
+    const std::string path = dir + "/" + f.name();
+    std::error_code ec;
+    const auto size = fs::file_size(path, ec);
+    KEEL_CHECK(!ec, kData, path, ": ", ec.message(), " (a shard the manifest lists)");
+    KEEL_CHECK(static_cast<int64_t>(size) == f.bytes(), kData, path, ": ", size,
+               " bytes, the manifest says ", f.bytes(), " (truncated or overwritten)");
+  }
+}
+
+}  // namespace
+
+const char* tensor_kind_name(ckpt::TensorKind kind) {
+  switch (kind) {
+    case ckpt::PARAM:
+      return "param";
+    case ckpt::ADAM_M:
+      return "adam_m";
+    case ckpt::ADAM_V:
+      return "adam_v";
+    default:
+      return "unknown";
+  }
+}
+
+// ---- CheckpointStore -----------------------------------------------------------------------
+
+std::string CheckpointStore::path_of(int64_t step) const { return root_ + "/" + step_name(step); }
+
+std::vector<int64_t> CheckpointStore::steps() const {
+  std::vector<int64_t> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root_, ec)) {
+    if (!e.is_directory()) continue;
+    if (auto s = parse_step_name(e.path().filename().string())) out.push_back(*s);
+  }
+  std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
+std::optional<int64_t> CheckpointStore::latest() const {
+  std::string text = read_whole(root_ + "/LATEST");
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  const auto s = parse_step_name(text);
+  std::error_code ec;
+  if (!s || !fs::is_directory(path_of(*s), ec)) return std::nullopt;
+  return s;
+}
+
+void CheckpointStore::set_latest(int64_t step) const {
+  write_file_atomic(root_ + "/LATEST", step_name(step) + "\n");
+}
+
+int CheckpointStore::remove_stale() const {
+  int n = 0;
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(root_, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
+        parse_step_name(name.substr(0, name.size() - 4))) {
+      stale.push_back(e.path());
+    }
+  }
+  for (const auto& p : stale) {
+    fs::remove_all(p, ec);
+    ++n;
+  }
+  return n;
+}
+
+std::vector<int64_t> CheckpointStore::retain(int keep, int keep_every,
+                                             const std::function<bool(int64_t)>& pinned) const {
+  std::vector<int64_t> removed;
+  const std::vector<int64_t> all = steps();
+  const std::optional<int64_t> newest = latest();
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int64_t s = all[i];
+    const bool keep_it = static_cast<int>(i) < keep || (keep_every > 0 && s % keep_every == 0) ||
+                         (pinned && pinned(s)) || (newest && *newest == s);
+    if (keep_it) continue;
+    std::error_code ec;
+    fs::remove_all(path_of(s), ec);
+    removed.push_back(s);
+  }
+  return removed;
+}
+
+// ---- save ------------------------------------------------------------------------------------
+
+namespace {
+
+// Writes this rank's shard and its index into `tmp`; returns nothing, throws kIo.
+void write_my_shard(const TrainState& state, const Topology& topo, const std::string& tmp) {
+  const std::string file = shard_name(topo.world_rank);
+  const std::string path = tmp + "/" + file;
+  ckpt::Manifest index;
+  int64_t offset = 0;
+  std::vector<float> buf;
+  int fd = -1;
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    KEEL_FAIL(kIo, path, ": ", what, ": ", std::strerror(err));
+  };
+  for (const StateParam& p : state.tensors()) {
+    for (ckpt::TensorKind kind : kKinds) {
+      ckpt::Slice s = my_slice(p, kind, topo, state.partition());
+      if (s.n() == 0) continue;
+      if (fd < 0) {
+        fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) fail("cannot create");
+      }
+      buf.resize(static_cast<size_t>(s.n()));
+      if (kind == ckpt::PARAM) {
+        state.read_values(p, buf.data());
+      } else {
+        std::vector<float> other(buf.size());
+        if (kind == ckpt::ADAM_M) {
+          state.read_moments(p, buf.data(), other.data());
+        } else {
+          state.read_moments(p, other.data(), buf.data());
+        }
+      }
+      const size_t bytes = buf.size() * sizeof(float);
+      s.set_file(file);
+      s.set_offset(offset);
+      s.set_xxh3(XXH3_64bits(buf.data(), bytes));
+      const char* src = reinterpret_cast<const char*>(buf.data());
+      for (size_t done = 0; done < bytes;) {
+        const ssize_t w = ::write(fd, src + done, bytes - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+          if (w == 0) errno = ENOSPC;
+          fail("write failed");
+        }
+        done += static_cast<size_t>(w);
+      }
+      offset += static_cast<int64_t>(bytes);
+      ckpt::TensorRecord* rec = index.add_tensors();
+      rec->set_name(p.info->spec.name);
+      rec->set_kind(kind);
+      *rec->add_slices() = s;
+    }
+  }
+  if (fd >= 0) {
+    if (::fsync(fd) != 0) fail("fsync failed");
+    if (::close(fd) != 0) {
+      fd = -1;
+      fail("write failed");
+    }
+    ckpt::ShardFile* f = index.add_files();
+    f->set_name(file);
+    f->set_bytes(offset);
+  }
+  write_file_atomic(tmp + "/" + index_name(topo.world_rank), index.SerializeAsString());
+}
+
+// Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
+void commit(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
+            const CheckpointStore& store, const std::string& tmp) {
+  ckpt::Manifest m;
+  m.set_format_version(kCheckpointFormatVersion);
+  m.set_step(state.step);
+  m.set_tokens(state.step * static_cast<int64_t>(cfg.train().global_batch()) *
+               cfg.model().seq_len());
+  *m.mutable_config() = cfg;
+  m.mutable_layout()->set_world(topo.world_size);
+  m.mutable_layout()->set_tp(topo.tp);
+  m.mutable_layout()->set_dp(topo.dp);
+  m.mutable_layout()->set_zero_stage(state.partition().sharded() ? 1 : 0);
+  m.set_next_sample(state.sampler.next_sample);
+  m.set_train_fingerprint(state.train_fingerprint);
+  m.set_val_fingerprint(state.val_fingerprint);
+  m.set_adam_t(state.optimizer().t());
+  for (const SkippedRange& r : state.guard.skipped) {
+    ckpt::SkippedRange* s = m.add_skipped();
+    s->set_first_sample(r.first_sample);
+    s->set_n(r.n);
+    s->set_step(r.step);
+  }
+  // Records in registration order x kind; slices from every rank's index.
+  std::map<std::pair<std::string, int>, ckpt::TensorRecord*> records;
+  for (const StateParam& p : state.tensors()) {
+    for (ckpt::TensorKind kind : kKinds) {
+      ckpt::TensorRecord* rec = m.add_tensors();
+      rec->set_name(p.info->spec.name);
+      rec->set_kind(kind);
+      rec->set_dtype("f32");
+      for (int64_t d : p.info->spec.logical) rec->add_shape(d);
+      records[{rec->name(), kind}] = rec;
+    }
+  }
+  for (int r = 0; r < topo.world_size; ++r) {
+    const std::string path = tmp + "/" + index_name(r);
+    ckpt::Manifest index;
+    KEEL_CHECK(index.ParseFromString(read_whole(path)), kIo, path,
+               ": cannot read this rank's slice index");
+    for (const ckpt::TensorRecord& t : index.tensors()) {
+      auto it = records.find({t.name(), t.kind()});
+      KEEL_CHECK(it != records.end(), kInternal, path, ": unknown tensor ", t.name());
+      for (const ckpt::Slice& s : t.slices()) *it->second->add_slices() = s;
+    }
+    for (const ckpt::ShardFile& f : index.files()) *m.add_files() = f;
+    fs::remove(path);
+  }
+  write_file_atomic(tmp + "/manifest.pb", m.SerializeAsString());
+  fsync_path(tmp);
+  const std::string final_dir = store.path_of(state.step);
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) fs::remove_all(final_dir, ec);  // a re-save of the same step
+  KEEL_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, kIo, final_dir,
+             ": cannot rename the finished checkpoint into place: ", std::strerror(errno));
+  fsync_path(store.root());
+  store.set_latest(state.step);
+  store.retain(cfg.checkpoint().keep(), cfg.checkpoint().keep_every());
+}
+
+// Every rank learns whether any rank failed; the ranks that did not fail throw a line naming
+// the phase. `mine` is this rank's own error message (empty: none).
+void agree(const Topology& topo, const std::string& mine, const char* phase, int64_t step) {
+  double failed = mine.empty() ? 0.0 : 1.0;
+  if (topo.world_comm) topo.world_comm->all_reduce(&failed, 1, ReduceOp::kMax);
+  if (!mine.empty()) KEEL_FAIL(kIo, mine);
+  KEEL_CHECK(failed == 0.0, kIo, "checkpoint of step ", step, ": another rank failed while ", phase,
+             " (see its message)");
+}
+
+}  // namespace
+
+void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
+                     const CheckpointStore& store) {
+  const std::string tmp = store.path_of(state.step) + ".tmp";
+  std::string err;
+  if (topo.world_rank == 0) {
+    try {
+      std::error_code ec;
+      fs::create_directories(store.root(), ec);
+      KEEL_CHECK(!ec, kIo, store.root(), ": cannot create: ", ec.message());
+      fs::remove_all(tmp, ec);
+      fs::create_directory(tmp, ec);
+      KEEL_CHECK(!ec, kIo, tmp, ": cannot create: ", ec.message());
+    } catch (const Error& e) {
+      err = e.what();
+    }
+  }
+  agree(topo, err, "creating the directory", state.step);
+  try {
+    write_my_shard(state, topo, tmp);
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  agree(topo, err, "writing the shards", state.step);
+  if (topo.world_rank == 0) {
+    try {
+      commit(state, cfg, topo, store, tmp);
+    } catch (const Error& e) {
+      err = e.what();
+    }
+  }
+  agree(topo, err, "committing", state.step);
+}
+
+// ---- load and verify -------------------------------------------------------------------------
+
+ckpt::Manifest read_manifest(const std::string& dir) {
+  const std::string path = dir + "/manifest.pb";
+  std::error_code ec;
+  KEEL_CHECK(fs::exists(path, ec), kData, path, ": missing (an incomplete or damaged checkpoint)");
+  const std::string bytes = read_whole(path);
+  ckpt::Manifest m;
+  KEEL_CHECK(m.ParseFromString(bytes) && m.format_version() > 0, kData, path,
+             ": cannot parse (corrupt, or not a keel checkpoint manifest)");
+  KEEL_CHECK(m.format_version() <= kCheckpointFormatVersion, kData, path, ": format version ",
+             m.format_version(), " is newer than this keel's ", kCheckpointFormatVersion,
+             " (written by a newer keel)");
+  return m;
+}
+
+void verify_checkpoint(const std::string& dir) {
+  const ckpt::Manifest m = read_manifest(dir);
+  check_files(dir, m);
+  ShardReader reader(dir);
+  std::vector<float> buf;
+  for (const ckpt::TensorRecord& rec : m.tensors()) {
+    int64_t covered = 0;
+    for (const ckpt::Slice& s : rec.slices()) {
+      buf.resize(static_cast<size_t>(s.n()));
+      reader.read(s, describe(rec), buf.data());
+      covered += s.n();
+    }
+    KEEL_CHECK(covered == shape_numel(Shape(rec.shape().begin(), rec.shape().end())), kData, dir,
+               "/manifest.pb: ", describe(rec), ": its slices hold ", covered,
+               " elements, not the tensor's ",
+               shape_numel(Shape(rec.shape().begin(), rec.shape().end())));
+  }
+}
+
+ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
+  const ckpt::Manifest m = read_manifest(dir);
+  check_files(dir, m);
+  std::map<std::pair<std::string, int>, const ckpt::TensorRecord*> records;
+  for (const ckpt::TensorRecord& rec : m.tensors()) records[{rec.name(), rec.kind()}] = &rec;
+  ShardReader reader(dir);
+  std::vector<float> target, src;
+  for (const StateParam& p : state.tensors()) {
+    const ParamInfo& info = *p.info;
+    for (ckpt::TensorKind kind : kKinds) {
+      auto it = records.find({info.spec.name, kind});
+      const std::string what =
+          std::string("tensor ") + info.spec.name + " (" + tensor_kind_name(kind) + ")";
+      KEEL_CHECK(it != records.end(), kData, dir, "/manifest.pb: ", what,
+                 " is not in the checkpoint (the model config changed?)");
+      const ckpt::TensorRecord& rec = *it->second;
+      const Shape shape(rec.shape().begin(), rec.shape().end());
+      KEEL_CHECK(shape == info.spec.logical, kData, dir, "/manifest.pb: ", what, " has shape ",
+                 shape_str(shape), " in the checkpoint but ", shape_str(info.spec.logical),
+                 " in this config (a shape-determining model field changed)");
+      // What this rank needs: its TP block, and of it [need_begin, need_begin + need_n).
+      const Block tb = block_of(info);
+      const int dim = info.spec.shard_dim;
+      const Geometry g = geometry(shape, dim);
+      const int64_t t_begin = tb.dim < 0 ? 0 : tb.begin;
+      const int64_t t_len = tb.dim < 0 ? g.extent : tb.len;
+      const int64_t need_begin = kind == ckpt::PARAM ? 0 : p.moments.offset - p.values.offset;
+      const int64_t need_n = kind == ckpt::PARAM ? p.values.n : p.moments.n;
+      if (need_n == 0) continue;
+      target.assign(static_cast<size_t>(p.values.n), 0.0f);
+      int64_t filled = 0;
+      for (const ckpt::Slice& s : rec.slices()) {
+        const int64_t s_begin = s.shard_dim() < 0 ? 0 : s.shard_begin();
+        const int64_t s_len = s.shard_dim() < 0 ? g.extent : s.shard_len();
+        KEEL_CHECK(s.shard_dim() < 0 || s.shard_dim() == dim, kData, dir, "/manifest.pb: ", what,
+                   ": a slice is sharded on dimension ", s.shard_dim(), ", this model on ", dim);
+        if (s_begin >= t_begin + t_len || t_begin >= s_begin + s_len || s.n() == 0) continue;
+        src.resize(static_cast<size_t>(s.n()));
+        reader.read(s, what, src.data());
+        // Walk the source's flat range in runs of `inner` contiguous elements.
+        const int64_t end = s.flat_begin() + s.n();
+        for (int64_t e = s.flat_begin(); e < end;) {
+          const int64_t i = e % g.inner;
+          const int64_t j = (e / g.inner) % s_len;
+          const int64_t o = e / (g.inner * s_len);
+          const int64_t run = std::min(g.inner - i, end - e);
+          const int64_t row = s_begin + j;
+          if (row >= t_begin && row < t_begin + t_len) {
+            const int64_t t0 = (o * t_len + (row - t_begin)) * g.inner + i;
+            const int64_t lo = std::max(t0, need_begin),
+                          hi = std::min(t0 + run, need_begin + need_n);
+            if (hi > lo) {
+              std::copy(src.begin() + (e - s.flat_begin()) + (lo - t0),
+                        src.begin() + (e - s.flat_begin()) + (hi - t0), target.begin() + lo);
+              filled += hi - lo;
+            }
+          }
+          e += run;
+        }
+      }
+      KEEL_CHECK(filled == need_n, kData, dir, "/manifest.pb: ", what, ": the slices cover ",
+                 filled, " of the ", need_n, " elements this rank needs");
+      if (kind == ckpt::PARAM) {
+        state.write_values(p, target.data());
+      } else {
+        // Write one moment at a time, keeping the other as it is.
+        std::vector<float> m_now(static_cast<size_t>(p.moments.n)), v_now(m_now.size());
+        state.read_moments(p, m_now.data(), v_now.data());
+        std::vector<float>& dst = kind == ckpt::ADAM_M ? m_now : v_now;
+        std::copy(target.begin() + need_begin, target.begin() + need_begin + need_n, dst.begin());
+        state.write_moments(p, m_now.data(), v_now.data());
+      }
+    }
+  }
+  state.step = m.step();
+  state.sampler.next_sample = m.next_sample();
+  state.optimizer().set_t(m.adam_t());
+  state.guard.skipped.clear();
+  for (const ckpt::SkippedRange& r : m.skipped()) {
+    state.guard.skipped.push_back({r.first_sample(), r.n(), r.step()});
+  }
+  return m;
+}
+
+}  // namespace keel
