@@ -221,8 +221,9 @@ int CheckpointStore::remove_stale() const {
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(root_, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
-        parse_step_name(name.substr(0, name.size() - 4))) {
+    const bool suffix = name.size() > 4 && (name.compare(name.size() - 4, 4, ".tmp") == 0 ||
+                                            name.compare(name.size() - 4, 4, ".old") == 0);
+    if (suffix && parse_step_name(name.substr(0, name.size() - 4))) {
       stale.push_back(e.path());
     }
   }
@@ -371,12 +372,21 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
   write_file_atomic(tmp + "/manifest.pb", m.SerializeAsString());
   fsync_path(tmp);
   const std::string final_dir = store.path_of(state.step);
+  // A re-save of a step that exists (after a rewind): move the old one aside first, so that a
+  // crash at any point leaves a whole checkpoint under the name LATEST may give.
+  const std::string old = final_dir + ".old";
   std::error_code ec;
-  if (fs::exists(final_dir, ec)) fs::remove_all(final_dir, ec);  // a re-save of the same step
+  fs::remove_all(old, ec);
+  const bool had_old = fs::exists(final_dir, ec);
+  if (had_old) {
+    KEEL_CHECK(::rename(final_dir.c_str(), old.c_str()) == 0, kIo, final_dir,
+               ": cannot move the previous save of this step aside: ", std::strerror(errno));
+  }
   KEEL_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, kIo, final_dir,
              ": cannot rename the finished checkpoint into place: ", std::strerror(errno));
   fsync_path(store.root());
   store.set_latest(state.step);
+  if (had_old) fs::remove_all(old, ec);
   store.retain(cfg.checkpoint().keep(), cfg.checkpoint().keep_every());
 }
 

@@ -43,7 +43,7 @@ class CheckpointStore {
   // The step LATEST names, when it names a committed checkpoint.
   std::optional<int64_t> latest() const;
   void set_latest(int64_t step) const;  // atomic replace
-  // Removes step_*.tmp directories a crash left behind; returns how many.
+  // Removes step_*.tmp (and step_*.old) directories a crash left behind; returns how many.
   int remove_stale() const;
   // Keeps the newest `keep`, every step that is a multiple of `keep_every` (0: none) and every
   // step `pinned` says to keep; removes the others. Returns the removed steps.

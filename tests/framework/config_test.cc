@@ -263,7 +263,6 @@ TEST(Config, FieldsOfUnbuiltFeaturesAreRefused) {
   };
   const std::vector<Case> cases = {
       {"spike.enabled=true", "spike.enabled=true: the spike guard is not built yet"},
-      {"checkpoint.every=100", "checkpoint.every=100: checkpoints are not built yet"},
       {"debug.inject_spike_at_step=5",
        "debug.inject_spike_at_step=5: spike injection is not built"},
       {"debug.inject_nan_at_step=5", "debug.inject_nan_at_step=5: NaN injection is not built"},
@@ -280,8 +279,9 @@ TEST(Config, FieldsOfUnbuiltFeaturesAreRefused) {
                                           field.substr(field.find('=') + 1) + " }\n");
     expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }), {c.expected});
   }
-  // Their defaults, and checkpoint.keep (harmless while checkpoint.every is 0), are accepted.
-  EXPECT_NO_THROW(load_config("", {"spike.enabled=false", "checkpoint.every=0", "checkpoint.keep=5",
+  // Their defaults are accepted, and so are checkpoints (built).
+  EXPECT_NO_THROW(load_config("", {"spike.enabled=false", "checkpoint.every=100",
+                                   "checkpoint.keep=5", "checkpoint.keep_every=1000",
                                    "debug.inject_spike_at_step=0", "debug.inject_nan_at_step=0"}));
 }
 

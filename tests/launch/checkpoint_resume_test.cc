@@ -1,0 +1,278 @@
+// Checkpoints through the real keel-train: a run killed mid-way (debug.kill_rank at step 12)
+// and resumed equals the uninterrupted run bit for bit (every logged loss and gradient norm, and
+// the bytes of the final checkpoint) in one process and at TP2xDP2 with and without ZeRO-1; a
+// TP2xDP2 ZeRO-1 checkpoint resumes at 1 process, TP4 and DP4 (resharding); corrupt checkpoints
+// are named and skipped for the previous one; --resume-from a corrupt one, a changed model and
+// other data exit 2; --no-resume refuses to clobber checkpoints unless --overwrite; a stale .tmp
+// is removed; retention keeps what checkpoint.keep and keep_every say.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::command_line;
+using testing::CommandResult;
+using testing::read_file;
+using testing::run_command;
+using testing::shell_quote;
+using testing::TempDir;
+
+const std::vector<std::string> kJob = {
+    "--set", "model.d_model=32",     "--set", "model.n_layers=2",
+    "--set", "model.n_heads=4",      "--set", "model.seq_len=16",
+    "--set", "train.global_batch=8", "--set", "data.builtin_bytes=100000",
+    "--set", "train.steps=20",       "--set", "train.log_every=1",
+    "--set", "train.eval_every=0",   "--set", "train.sample_chars=0",
+    "--set", "checkpoint.every=5",   "--set", "train.threads=1",
+    "--set", "optim.warmup_steps=2"};
+
+struct Line {
+  double loss = 0, grad_norm = 0, z_loss = 0;
+};
+
+// step -> the figures of its metrics line.
+std::map<int, Line> metrics(const std::string& run_dir) {
+  std::map<int, Line> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto num = [&](const std::string& key) {
+      const size_t at = line.find("\"" + key + "\": ");
+      return at == std::string::npos ? NAN : std::stod(line.substr(at + key.size() + 4));
+    };
+    const int step = static_cast<int>(num("step"));
+    EXPECT_EQ(out.count(step), 0u) << "step " << step << " logged twice";
+    out[step] = {num("loss"), num("grad_norm"), num("z_loss")};
+  }
+  return out;
+}
+
+class CheckpointResume : public ::testing::Test {
+ protected:
+  // keel-train on `ranks` ranks (1: no mpiexec) with the job, `extra` and --run-dir `run`.
+  CommandResult train(const std::string& run, int ranks, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = kJob;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), {"--run-dir", dir_.file(run)});
+    std::string cmd = command_line(KEEL_TRAIN_BIN, args);
+    if (ranks > 1) {
+      cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " +
+            shell_quote(KEEL_MPIEXEC) + " -n " + std::to_string(ranks) +
+            " --oversubscribe --bind-to none " + cmd;
+    }
+    return run_command(cmd, dir_);
+  }
+  std::string ckpt(const std::string& run, int step) const {
+    char name[32];
+    std::snprintf(name, sizeof(name), "step_%08d", step);
+    return dir_.file(run) + "/checkpoints/" + name;
+  }
+  // Runs to step 20 straight, and killed at step 12 then resumed; expects both identical.
+  // `writers`: the ranks that own something to save.
+  void expect_bitwise_resume(int ranks, int writers, const std::vector<std::string>& layout) {
+    const CommandResult a = train("straight", ranks, layout);
+    ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+    std::vector<std::string> kill = layout;
+    kill.insert(kill.end(), {"--set", "debug.kill_at_step=12", "--set",
+                             "debug.kill_rank=" + std::to_string(ranks - 1)});
+    const CommandResult b1 = train("resumed", ranks, kill);
+    ASSERT_NE(b1.exit_code, 0) << b1.out << b1.err;
+    ASSERT_TRUE(fs::exists(ckpt("resumed", 10)));
+    ASSERT_FALSE(fs::exists(ckpt("resumed", 15)));
+    const CommandResult b2 = train("resumed", ranks, layout);
+    ASSERT_EQ(b2.exit_code, 0) << b2.out << b2.err;
+    EXPECT_NE(b2.out.find("keel-train: resuming from " + ckpt("resumed", 10) + " at step 10"),
+              std::string::npos)
+        << b2.out;
+    const auto ma = metrics(dir_.file("straight")), mb = metrics(dir_.file("resumed"));
+    ASSERT_EQ(ma.size(), 20u);
+    ASSERT_EQ(mb.size(), 20u);  // steps 11 and 12 of the killed run are not logged twice
+    for (const auto& [step, l] : ma) {
+      SCOPED_TRACE(step);
+      EXPECT_EQ(mb.at(step).loss, l.loss);  // %.17g round-trips: bit for bit
+      EXPECT_EQ(mb.at(step).grad_norm, l.grad_norm);
+      EXPECT_EQ(mb.at(step).z_loss, l.z_loss);
+    }
+    // The final checkpoint's files (parameters, AdamW m and v, manifest) are the same files with
+    // the same bytes. Without ZeRO-1, ranks of DP rank > 0 hold only replicas and write none.
+    auto listing = [](const std::string& dir) {
+      std::vector<std::string> names;
+      for (const auto& e : fs::directory_iterator(dir)) {
+        names.push_back(e.path().filename().string());
+      }
+      std::sort(names.begin(), names.end());
+      return names;
+    };
+    const std::vector<std::string> names = listing(ckpt("straight", 20));
+    EXPECT_EQ(listing(ckpt("resumed", 20)), names);
+    EXPECT_EQ(names.size(), static_cast<size_t>(writers) + 1) << ::testing::PrintToString(names);
+    for (const std::string& name : names) {
+      EXPECT_EQ(read_file(ckpt("straight", 20) + "/" + name),
+                read_file(ckpt("resumed", 20) + "/" + name))
+          << name;
+    }
+  }
+  TempDir dir_{"keel_ckpt_resume"};
+};
+
+TEST_F(CheckpointResume, BitwiseInOneProcess) { expect_bitwise_resume(1, 1, {}); }
+
+TEST_F(CheckpointResume, BitwiseAtTp2Dp2) {
+  expect_bitwise_resume(4, 2, {"--set", "parallel.tp=2"});
+}
+
+TEST_F(CheckpointResume, BitwiseAtTp2Dp2WithZero1) {
+  expect_bitwise_resume(4, 4, {"--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"});
+}
+
+TEST_F(CheckpointResume, ReshardsToAnyLayout) {
+  const std::vector<std::string> zero = {"--set", "parallel.tp=2", "--set",
+                                         "parallel.zero_stage=1"};
+  ASSERT_EQ(train("straight", 4, zero).exit_code, 0);
+  std::vector<std::string> kill = zero;
+  kill.insert(kill.end(), {"--set", "debug.kill_at_step=11", "--set", "debug.kill_rank=0"});
+  ASSERT_NE(train("saved", 4, kill).exit_code, 0);
+  ASSERT_TRUE(fs::exists(ckpt("saved", 10)));
+  const auto reference = metrics(dir_.file("straight"));
+  struct Layout {
+    int ranks;
+    std::vector<std::string> sets;
+  };
+  for (const Layout& l : std::vector<Layout>{{1, {}},
+                                             {4, {"--set", "parallel.tp=4"}},
+                                             {4, {}},
+                                             {2, {"--set", "parallel.zero_stage=1"}}}) {
+    SCOPED_TRACE(l.ranks);
+    std::vector<std::string> args = l.sets;
+    args.insert(args.end(), {"--resume-from", ckpt("saved", 10)});
+    fs::remove_all(dir_.file("re"));
+    const CommandResult r = train("re", l.ranks, args);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("at step 10 (written at dp 2 x tp 2, ZeRO-1)"), std::string::npos)
+        << r.out;
+    const auto m = metrics(dir_.file("re"));
+    ASSERT_EQ(m.size(), 10u);  // steps 11..20
+    EXPECT_NEAR(m.at(11).loss, reference.at(11).loss, 1e-6 * reference.at(11).loss);
+    for (int s = 12; s <= 15; ++s) {
+      EXPECT_NEAR(m.at(s).loss, reference.at(s).loss, 1e-5 * reference.at(s).loss) << s;
+    }
+  }
+}
+
+// Two checkpoints (steps 5 and 10), then the newest damaged in `damage`; the resumed run must
+// name it and start from step 5.
+class CorruptCheckpoint : public CheckpointResume,
+                          public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(CorruptCheckpoint, IsNamedAndSkippedForThePreviousOne) {
+  ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=12"}).exit_code, 0);
+  const std::string newest = ckpt("run", 10);
+  const std::string shard = newest + "/shard_00000.bin";
+  const std::string how = GetParam();
+  std::string expect;
+  if (how == std::string("flip")) {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(1000);
+    c ^= 0x10;
+    f.write(&c, 1);
+    expect = shard + ": tensor ";
+  } else if (how == std::string("truncate")) {
+    fs::resize_file(shard, fs::file_size(shard) - 100);
+    expect = shard + ": ";
+  } else if (how == std::string("delete_shard")) {
+    fs::remove(shard);
+    expect = shard + ": ";
+  } else {
+    fs::remove(newest + "/manifest.pb");
+    expect = newest + "/manifest.pb: missing";
+  }
+  const CommandResult r = train("run", 1);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("keel-train: checkpoint " + newest + " is unusable: " + expect),
+            std::string::npos)
+      << r.out;
+  if (how == std::string("flip")) {
+    EXPECT_NE(r.out.find("checksum mismatch"), std::string::npos) << r.out;
+  }
+  if (how == std::string("truncate")) {
+    EXPECT_NE(r.out.find("truncated"), std::string::npos) << r.out;
+  }
+  EXPECT_NE(r.out.find("resuming from " + ckpt("run", 5) + " at step 5"), std::string::npos)
+      << r.out;
+  const auto m = metrics(dir_.file("run"));
+  EXPECT_EQ(m.size(), 20u);
+  EXPECT_EQ(m.begin()->first, 1);
+  EXPECT_EQ(m.rbegin()->first, 20);
+}
+
+INSTANTIATE_TEST_SUITE_P(Damage, CorruptCheckpoint,
+                         ::testing::Values("flip", "truncate", "delete_shard", "delete_manifest"));
+
+TEST_F(CheckpointResume, ResumeFromACorruptCheckpointExits2) {
+  ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=12"}).exit_code, 0);
+  fs::resize_file(ckpt("run", 10) + "/shard_00000.bin", 10);
+  const CommandResult r = train("other", 1, {"--resume-from", ckpt("run", 10)});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("keel-train: data error: " + ckpt("run", 10) + "/shard_00000.bin: "),
+            std::string::npos)
+      << r.err;
+}
+
+TEST_F(CheckpointResume, AChangedModelOrOtherDataIsRefused) {
+  ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=7"}).exit_code, 0);
+  const CommandResult wider = train("run", 1, {"--set", "model.d_model=48"});
+  EXPECT_EQ(wider.exit_code, 2) << wider.out << wider.err;
+  EXPECT_NE(wider.err.find("cannot resume from it: tensor "), std::string::npos) << wider.err;
+  EXPECT_NE(wider.err.find("a shape-determining model field changed"), std::string::npos);
+  const CommandResult data = train("run", 1, {"--set", "data.builtin_seed=8"});
+  EXPECT_EQ(data.exit_code, 2) << data.out << data.err;
+  EXPECT_NE(data.err.find("it was trained on other data (xxh3:"), std::string::npos) << data.err;
+}
+
+TEST_F(CheckpointResume, NoResumeRefusesToClobberUnlessOverwrite) {
+  ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=7"}).exit_code, 0);
+  const CommandResult refused = train("run", 1, {"--no-resume"});
+  EXPECT_EQ(refused.exit_code, 2) << refused.out << refused.err;
+  EXPECT_NE(refused.err.find("holds 1 checkpoint(s), the newest at step 5: drop --no-resume"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(fs::exists(ckpt("run", 5)));
+  const CommandResult fresh = train("run", 1, {"--no-resume", "--overwrite"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.out << fresh.err;
+  EXPECT_EQ(fresh.out.find("resuming"), std::string::npos);
+  EXPECT_EQ(metrics(dir_.file("run")).size(), 20u);
+}
+
+TEST_F(CheckpointResume, AStaleTemporaryIsRemovedAndRetentionKeepsThePolicy) {
+  fs::create_directories(dir_.file("run") + "/checkpoints/step_00000003.tmp");
+  const CommandResult r = train("run", 1,
+                                {"--set", "checkpoint.every=1", "--set", "checkpoint.keep=2",
+                                 "--set", "checkpoint.keep_every=4"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("removed 1 unfinished checkpoint(s)"), std::string::npos) << r.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir_.file("run") + "/checkpoints")) {
+    left.push_back(e.path().filename().string());
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left,
+            (std::vector<std::string>{"LATEST", "step_00000004", "step_00000008", "step_00000012",
+                                      "step_00000016", "step_00000019", "step_00000020"}));
+  EXPECT_EQ(read_file(dir_.file("run") + "/checkpoints/LATEST"), "step_00000020\n");
+}
+
+}  // namespace
+}  // namespace keel
