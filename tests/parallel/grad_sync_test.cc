@@ -216,10 +216,28 @@ TEST(GradSyncOverlap, BucketsStartWhileBackwardRuns) {
     ps.zero_grads();
     model.forward(tokens.data(), targets.data(), B);
     sync.begin();
-    model.set_grad_ready_hook([&](int id) { sync.ready(id); });
+    // For each bucket issued, whether backward still had work left then: the position
+    // embedding's gradient, the last one backward writes, is still all zero.
+    const int wpe = ps.find("wpe");
+    ASSERT_GE(wpe, 0);
+    auto wpe_untouched = [&] {
+      const float* g = ps.grad(wpe);
+      return std::all_of(g, g + ps.info(wpe).numel(), [](float v) { return v == 0.0f; });
+    };
+    int issued_before_backward_ended = 0;
+    model.set_grad_ready_hook([&](int id) {
+      const int64_t before = dp.calls();
+      const bool pending = wpe_untouched();
+      sync.ready(id);
+      if (dp.calls() > before && pending) ++issued_before_backward_ended;
+    });
     const int64_t calls_before = dp.calls();
     model.backward(loss_weight);
     model.set_grad_ready_hook({});
+    ASSERT_FALSE(wpe_untouched());
+    // Fails if the buckets were issued only once backward had finished its work (even from
+    // ready() calls made at its very end).
+    EXPECT_GE(issued_before_backward_ended, nb - 1) << "step " << step << ", " << nb << " buckets";
     // Issued before finish() was entered, i.e. while backward ran: every bucket except at most
     // the one holding the embeddings, which backward finishes at its very end.
     const int64_t issued_in_backward = dp.calls() - calls_before;
