@@ -141,6 +141,10 @@ std::string clip_tokens(const std::string& message) {
 // Why a number as written is not plain decimal ("" when it is). Text format reads a leading 0 as
 // octal (train.steps: 010 is 8) and 0x as hexadecimal; a config means neither.
 std::string non_decimal(std::string_view number) {
+  // The parser skips surrounding whitespace, so this check must too (" 010" is octal to it).
+  while (!number.empty() && std::isspace(static_cast<unsigned char>(number.front()))) {
+    number.remove_prefix(1);
+  }
   if (!number.empty() && (number[0] == '-' || number[0] == '+')) number.remove_prefix(1);
   if (number.size() < 2 || number[0] != '0') return "";
   if (number[1] == 'x' || number[1] == 'X') return "is hexadecimal";

@@ -235,6 +235,9 @@ TEST(Config, IntegersAreDecimalOnly) {
                   {"train.seed=0X1F", "hexadecimal"});
   expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"optim.lr=010"}); }),
                   {"optim.lr=010", "octal"});
+  // Whitespace the parser would skip does not hide a leading zero.
+  expect_contains(error_of(ErrorKind::kConfig, [] { load_config("", {"train.steps= 010"}); }),
+                  {"train.steps", "octal"});
   TempDir dir;
   const std::string octal = dir.write("octal.pbtxt", "train {\n  steps: 010\n}\n");
   expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(octal, {}); }),
