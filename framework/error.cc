@@ -23,4 +23,12 @@ const char* error_kind_name(ErrorKind kind) {
   return "error";
 }
 
+std::string clip_echo(const std::string& s) {
+  constexpr size_t kEchoMax = 64;
+  if (s.size() <= kEchoMax) return s;
+  size_t cut = kEchoMax;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return s.substr(0, cut) + "...";
+}
+
 }  // namespace keel

@@ -40,6 +40,10 @@ inline int exit_code_for(ErrorKind kind) {
 
 const char* error_kind_name(ErrorKind kind);
 
+// `s` as an error message echoes it: whole when short, else its first 64 bytes (whole UTF-8
+// characters) and "...", so a pasted 10 MB argument still makes a one-line message.
+std::string clip_echo(const std::string& s);
+
 namespace detail {
 template <typename... Args>
 std::string concat(Args&&... args) {

@@ -2,6 +2,7 @@
 #include "framework/file_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,7 +14,10 @@
 namespace keel {
 
 void write_file_atomic(const std::string& path, std::string_view bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // Built with += rather than operator+ chains: GCC 12 warns falsely (-Wrestrict) on those.
+  std::string tmp = path;
+  tmp += ".tmp.";
+  tmp += std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   KEEL_CHECK(fd >= 0, kIo, path, ": cannot write: ", std::strerror(errno));
   auto fail = [&](const char* what) {
@@ -44,13 +48,22 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
     KEEL_FAIL(kIo, path, ": cannot rename the temporary file into place: ", std::strerror(err));
   }
   // Make the rename itself durable.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const int dfd =
+      ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);
   }
+}
+
+const char* file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a plain file";
 }
 
 }  // namespace keel

@@ -3,6 +3,8 @@
 // system). Used for config.pbtxt now and for checkpoint manifests next.
 #pragma once
 
+#include <sys/types.h>
+
 #include <string>
 #include <string_view>
 
@@ -11,5 +13,8 @@ namespace keel {
 // Replaces `path` with `bytes` atomically. On failure `path` keeps its old content (or stays
 // absent), the temporary file is removed, and kIo names the path and the OS reason.
 void write_file_atomic(const std::string& path, std::string_view bytes);
+
+// What a stat(2) mode is, for "not a regular file" messages: "a directory", "a FIFO", ...
+const char* file_type_name(mode_t mode);
 
 }  // namespace keel

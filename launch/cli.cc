@@ -9,11 +9,6 @@
 
 namespace keel {
 
-namespace {
-// An echoed argument, cut to 64 bytes (a pasted 10 MB argument makes a short message).
-std::string clip(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 64) + "..."; }
-}  // namespace
-
 const char* train_usage() {
   return "usage: keel-train [CONFIG.pbtxt] [--set path.to.field=value]... [--run-dir DIR]\n"
          "                  [--no-resume [--overwrite] | --resume-from PATH]\n"
@@ -37,12 +32,13 @@ TrainArgs parse_train_args(int argc, char** argv) {
       KEEL_CHECK(i + 1 < argc, kUsage, flag, " needs a value");
       const std::string v = argv[++i];
       // "--set --run-dir out": the next option is not this flag's value.
-      KEEL_CHECK(v.rfind("--", 0) != 0, kUsage, flag, " needs a value, got the option ", clip(v));
+      KEEL_CHECK(v.rfind("--", 0) != 0, kUsage, flag, " needs a value, got the option ",
+                 clip_echo(v));
       return v;
     };
     // A --set value must be an assignment, not a bare word taken by mistake.
     auto assignment = [&](const std::string& v) {
-      KEEL_CHECK(v.find('=') != std::string::npos, kUsage, "--set ", clip(v),
+      KEEL_CHECK(v.find('=') != std::string::npos, kUsage, "--set ", clip_echo(v),
                  ": expected dotted.path=value (e.g. --set model.n_heads=8)");
       return v;
     };
@@ -67,7 +63,7 @@ TrainArgs parse_train_args(int argc, char** argv) {
       a.resume.mode = ResumeMode::kFrom;
       a.resume.path = arg.substr(14);
     } else if (arg.rfind("-", 0) == 0) {
-      KEEL_FAIL(kUsage, "unknown option ", clip(arg), " (see --help)");
+      KEEL_FAIL(kUsage, "unknown option ", clip_echo(arg), " (see --help)");
     } else {
       KEEL_CHECK(a.config_path.empty(), kUsage, "more than one config file given: ", a.config_path,
                  " and ", arg);

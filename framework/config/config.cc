@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "framework/error.h"
+#include "framework/file_io.h"
 
 namespace keel {
 namespace {
@@ -104,10 +105,6 @@ debug {
 }
 )text";
 
-// Echoed user input (a field name, a value, a token) is cut to this many bytes, so a 10 MB field
-// name makes a short one-line message.
-constexpr size_t kEchoMax = 64;
-
 // train.sample_chars at most: sampling runs one forward pass per byte, after training.
 constexpr int32_t kMaxSampleChars = 1000000;
 
@@ -116,21 +113,13 @@ constexpr int64_t kMaxConfigBytes = int64_t{64} << 20;
 
 constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
 
-// `s`, or its first kEchoMax bytes (whole UTF-8 characters) and "..." when longer.
-std::string clip(const std::string& s) {
-  if (s.size() <= kEchoMax) return s;
-  size_t cut = kEchoMax;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  return s.substr(0, cut) + "...";
-}
-
-// `message` with each run of characters between spaces or double quotes clip()ped.
+// `message` with each run of characters between spaces or double quotes clip_echo()ped.
 std::string clip_tokens(const std::string& message) {
   std::string out;
   size_t start = 0;
   for (size_t i = 0; i <= message.size(); ++i) {
     if (i == message.size() || message[i] == ' ' || message[i] == '"') {
-      out += clip(message.substr(start, i - start));
+      out += clip_echo(message.substr(start, i - start));
       if (i < message.size()) out += message[i];
       start = i + 1;
     }
@@ -152,15 +141,6 @@ std::string non_decimal(std::string_view number) {
     return "has a leading zero (text format would read it as octal)";
   }
   return "";
-}
-
-const char* file_type_name(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISSOCK(mode)) return "a socket";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  return "not a plain file";
 }
 
 // Keeps the first error the text-format parser reports. The parser's positions are 0-based and
@@ -527,7 +507,7 @@ void merge_config_text(const std::string& file_text, const std::string& source, 
   };
   auto fail_number = [&] {
     KEEL_FAIL(kConfig, at(scan.number_line, scan.number_column), scan.number_field, ": ",
-              clip(scan.number_text), " ", scan.number_reason, "; integers are decimal only");
+              clip_echo(scan.number_text), " ", scan.number_reason, "; integers are decimal only");
   };
   // Parse (which rejects a field given twice) into a scratch message for the diagnostics, then
   // merge (which applies explicit zeros over the defaults) into cfg.
@@ -542,7 +522,7 @@ void merge_config_text(const std::string& file_text, const std::string& source, 
     const bool at_end = error_at >= std::pair(scan.end_line, scan.end_column);
     if (at_end && !scan.open.empty() && errors.message().rfind("Expected identifier", 0) == 0) {
       const TextScan::Block& b = scan.open.back();
-      KEEL_FAIL(kConfig, at(b.line, b.column), "block '", clip(b.name),
+      KEEL_FAIL(kConfig, at(b.line, b.column), "block '", clip_echo(b.name),
                 "' opened here is never closed (missing '}' at the end of the file)");
     }
     KEEL_FAIL(kConfig, errors.located(source, text));
@@ -562,12 +542,12 @@ KeelConfig load_config(const std::string& path, const std::vector<std::string>& 
 
 void apply_set(const std::string& assignment, KeelConfig& cfg) {
   const size_t eq = assignment.find('=');
-  KEEL_CHECK(eq != std::string::npos, kUsage, "--set ", clip(assignment),
+  KEEL_CHECK(eq != std::string::npos, kUsage, "--set ", clip_echo(assignment),
              ": expected dotted.path=value (e.g. --set model.n_heads=8)");
   const std::string full_path = assignment.substr(0, eq);
-  const std::string path = clip(full_path);  // as messages echo it
+  const std::string path = clip_echo(full_path);  // as messages echo it
   const std::string value = assignment.substr(eq + 1);
-  const std::string echo = "--set " + path + "=" + clip(value);
+  const std::string echo = "--set " + path + "=" + clip_echo(value);
 
   pb::Message* msg = &cfg;
   std::string walked;  // the dotted path of `msg`
@@ -597,7 +577,7 @@ void apply_set(const std::string& assignment, KeelConfig& cfg) {
         r->SetEnum(msg, f, v);
       } else {
         const std::string reason = non_decimal(value);
-        KEEL_CHECK(reason.empty(), kConfig, echo, ": ", clip(value), " ", reason,
+        KEEL_CHECK(reason.empty(), kConfig, echo, ": ", clip_echo(value), " ", reason,
                    "; numbers are decimal only");
         FirstErrorCollector silent;
         pb::TextFormat::Parser parser;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "framework/error.h"
+#include "framework/file_io.h"
 
 namespace keel {
 namespace {
@@ -49,15 +50,6 @@ class Fd {
  private:
   int fd_;
 };
-
-const char* file_type_name(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISSOCK(mode)) return "a socket";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  return "not a plain file";
-}
 
 // Opens `path` for reading and checks that it is a regular file. O_NONBLOCK makes opening a FIFO
 // return at once instead of waiting for a writer (it changes nothing for a regular file), so a
