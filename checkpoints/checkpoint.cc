@@ -47,12 +47,14 @@ std::string index_name(int rank) {
 
 // "step_00000120" -> 120; nullopt for anything else.
 std::optional<int64_t> parse_step_name(const std::string& name) {
-  if (name.size() != 13 || name.rfind("step_", 0) != 0) return std::nullopt;
+  // step_%08lld: at least 8 digits (more from step 10^8 on).
+  if (name.size() < 13 || name.size() > 24 || name.rfind("step_", 0) != 0) return std::nullopt;
   int64_t v = 0;
   for (size_t i = 5; i < name.size(); ++i) {
     if (name[i] < '0' || name[i] > '9') return std::nullopt;
     v = v * 10 + (name[i] - '0');
   }
+  if (step_name(v) != name) return std::nullopt;  // only the canonical spelling
   return v;
 }
 
@@ -223,13 +225,18 @@ int CheckpointStore::remove_stale() const {
     const std::string name = e.path().filename().string();
     const bool suffix = name.size() > 4 && (name.compare(name.size() - 4, 4, ".tmp") == 0 ||
                                             name.compare(name.size() - 4, 4, ".old") == 0);
-    if (suffix && parse_step_name(name.substr(0, name.size() - 4))) {
-      stale.push_back(e.path());
-    }
+    if (suffix && parse_step_name(name.substr(0, name.size() - 4))) stale.push_back(e.path());
   }
   for (const auto& p : stale) {
-    fs::remove_all(p, ec);
-    ++n;
+    const std::string name = p.filename().string();
+    const fs::path committed = p.parent_path() / name.substr(0, name.size() - 4);
+    // A crash between moving a re-saved step aside and renaming its replacement into place
+    // leaves step_N.old whole and step_N missing: put it back rather than lose it.
+    if (name.compare(name.size() - 4, 4, ".old") == 0 && !fs::exists(committed, ec)) {
+      fs::rename(p, committed, ec);
+      if (!ec) continue;
+    }
+    if (fs::remove_all(p, ec) != static_cast<std::uintmax_t>(-1) && !ec) ++n;
   }
   return n;
 }
@@ -246,7 +253,7 @@ std::vector<int64_t> CheckpointStore::retain(int keep, int keep_every,
     if (keep_it) continue;
     std::error_code ec;
     fs::remove_all(path_of(s), ec);
-    removed.push_back(s);
+    if (!ec) removed.push_back(s);
   }
   return removed;
 }
