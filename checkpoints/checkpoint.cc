@@ -263,7 +263,8 @@ std::vector<int64_t> CheckpointStore::retain(int keep, int keep_every,
 namespace {
 
 // Writes this rank's shard and its index into `tmp`; returns nothing, throws kIo.
-void write_my_shard(const TrainState& state, const Topology& topo, const std::string& tmp) {
+void write_my_shard(const TrainState& state, const Topology& topo, const std::string& tmp,
+                    const std::function<void(SavePhase)>& on_phase) {
   const std::string file = shard_name(topo.world_rank);
   const std::string path = tmp + "/" + file;
   ckpt::Manifest index;
@@ -308,6 +309,7 @@ void write_my_shard(const TrainState& state, const Topology& topo, const std::st
         }
         done += static_cast<size_t>(w);
       }
+      if (offset == 0 && on_phase) on_phase(SavePhase::kShardHalfWritten);
       offset += static_cast<int64_t>(bytes);
       ckpt::TensorRecord* rec = index.add_tensors();
       rec->set_name(p.info->spec.name);
@@ -330,7 +332,9 @@ void write_my_shard(const TrainState& state, const Topology& topo, const std::st
 
 // Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
 void commit(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-            const CheckpointStore& store, const std::string& tmp) {
+            const CheckpointStore& store, const std::string& tmp,
+            const std::function<void(SavePhase)>& on_phase) {
+  if (on_phase) on_phase(SavePhase::kBeforeManifest);
   ckpt::Manifest m;
   m.set_format_version(kCheckpointFormatVersion);
   m.set_step(state.step);
@@ -392,6 +396,7 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
   KEEL_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, kIo, final_dir,
              ": cannot rename the finished checkpoint into place: ", std::strerror(errno));
   fsync_path(store.root());
+  if (on_phase) on_phase(SavePhase::kBeforeLatest);
   store.set_latest(state.step);
   if (had_old) fs::remove_all(old, ec);
   store.retain(cfg.checkpoint().keep(), cfg.checkpoint().keep_every());
@@ -410,7 +415,7 @@ void agree(const Topology& topo, const std::string& mine, const char* phase, int
 }  // namespace
 
 void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-                     const CheckpointStore& store) {
+                     const CheckpointStore& store, const std::function<void(SavePhase)>& on_phase) {
   const std::string tmp = store.path_of(state.step) + ".tmp";
   std::string err;
   if (topo.world_rank == 0) {
@@ -427,14 +432,14 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
   }
   agree(topo, err, "creating the directory", state.step);
   try {
-    write_my_shard(state, topo, tmp);
+    write_my_shard(state, topo, tmp, on_phase);
   } catch (const Error& e) {
     err = e.what();
   }
   agree(topo, err, "writing the shards", state.step);
   if (topo.world_rank == 0) {
     try {
-      commit(state, cfg, topo, store, tmp);
+      commit(state, cfg, topo, store, tmp, on_phase);
     } catch (const Error& e) {
       err = e.what();
     }

@@ -57,8 +57,16 @@ class CheckpointStore {
 // Collective (every rank calls it): saves `state` as store.path_of(state.step) and points LATEST
 // at it (Note [checkpoint commit]). Throws kIo naming the file and the OS reason; a failed save
 // leaves the previous checkpoint and LATEST untouched.
+// Points of a save where a test may crash a rank (debug.fault_point), through `on_phase`.
+enum class SavePhase {
+  kShardHalfWritten,  // this rank's shard: its first slice written, not yet fsynced
+  kBeforeManifest,    // rank 0: every shard written, the manifest not yet
+  kBeforeLatest,      // rank 0: step_N renamed into place, LATEST not yet replaced
+};
+
 void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-                     const CheckpointStore& store);
+                     const CheckpointStore& store,
+                     const std::function<void(SavePhase)>& on_phase = {});
 
 // Reads `dir`/manifest.pb. Throws kData naming the file when it is missing, unreadable, not a
 // manifest, or of a format version newer than kCheckpointFormatVersion.

@@ -8,14 +8,31 @@
 
 namespace keel {
 
+namespace {
+config::FaultPoint config_point(FaultPoint p) {
+  switch (p) {
+    case FaultPoint::kStepBegin:
+      return config::STEP_BEGIN;
+    case FaultPoint::kSaveMidShard:
+      return config::SAVE_MID_SHARD;
+    case FaultPoint::kSaveBeforeManifest:
+      return config::SAVE_BEFORE_MANIFEST;
+    case FaultPoint::kSaveBeforeLatest:
+      return config::SAVE_BEFORE_LATEST;
+  }
+  return config::FAULT_POINT_UNSPECIFIED;
+}
+}  // namespace
+
 void FaultInjector::at(FaultPoint point, int64_t step) const {
-  if (point != FaultPoint::kStepBegin) return;
-  if (cfg_.kill_at_step() <= 0 || cfg_.kill_at_step() != step || cfg_.kill_rank() != world_rank_) {
+  if (cfg_.kill_at_step() <= 0 || cfg_.kill_at_step() != step || cfg_.kill_rank() != world_rank_ ||
+      cfg_.fault_point() != config_point(point)) {
     return;
   }
   const bool stall = cfg_.fault() == config::STALL;
-  std::fprintf(stderr, "keel-train: debug.kill_rank=%d: %s this rank at step %lld\n", world_rank_,
-               stall ? "stalling" : "killing", static_cast<long long>(step));
+  std::fprintf(stderr, "keel-train: debug.kill_rank=%d: %s this rank at step %lld (%s)\n",
+               world_rank_, stall ? "stalling" : "killing", static_cast<long long>(step),
+               config::FaultPoint_Name(cfg_.fault_point()).c_str());
   std::fflush(stderr);
   if (!stall) std::raise(SIGKILL);
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));

@@ -1,6 +1,7 @@
 // Fault injection for tests (debug.* in the config), in one place called at named points of the
 // step instead of inside its arithmetic (STYLE.md: fault injection lives in config). Today:
-// debug.kill_rank / kill_at_step / fault (a rank that dies or hangs, for the watchdog tests).
+// debug.kill_rank / kill_at_step / fault / fault_point (a rank that dies or hangs at the start of
+// a step, for the watchdog tests, or in the middle of a checkpoint save, for the crash tests).
 // The spike guard's debug.inject_* faults join here when the guard is built.
 #pragma once
 
@@ -11,7 +12,10 @@
 namespace keel {
 
 enum class FaultPoint {
-  kStepBegin,  // before step `step` (1-based) computes anything
+  kStepBegin,           // before step `step` (1-based) computes anything
+  kSaveMidShard,        // the save of step `step`: this rank's shard half written
+  kSaveBeforeManifest,  // ... every shard written, before the manifest (rank 0)
+  kSaveBeforeLatest,    // ... renamed into place, before LATEST (rank 0)
 };
 
 class FaultInjector {

@@ -167,12 +167,9 @@ std::optional<int64_t> Trainer::resume() {
               store_->root());
         }
       } else {
-        std::vector<int64_t> candidates = store_->steps();
-        if (auto latest = store_->latest()) {
-          candidates.erase(std::remove(candidates.begin(), candidates.end(), *latest),
-                           candidates.end());
-          candidates.insert(candidates.begin(), *latest);
-        }
+        // Newest committed first: a step_N directory is complete once renamed into place (its
+        // manifest is written last, inside the .tmp), even if a crash kept LATEST behind.
+        const std::vector<int64_t> candidates = store_->steps();
         for (size_t i = 0; i < candidates.size(); ++i) {
           const std::string dir = store_->path_of(candidates[i]);
           std::string why;
@@ -242,7 +239,20 @@ void Trainer::open_metrics(std::optional<int64_t> resumed_step) {
 void Trainer::save_checkpoint() {
   KEEL_CHECK(store_ != nullptr, kUsage, "save_checkpoint needs a run directory");
   const double t0 = omp_get_wtime();
-  keel::save_checkpoint(*state_, cfg_, topo_, *store_);
+  const int64_t step = state_->step;
+  keel::save_checkpoint(*state_, cfg_, topo_, *store_, [this, step](SavePhase phase) {
+    switch (phase) {
+      case SavePhase::kShardHalfWritten:
+        faults_.at(FaultPoint::kSaveMidShard, step);
+        break;
+      case SavePhase::kBeforeManifest:
+        faults_.at(FaultPoint::kSaveBeforeManifest, step);
+        break;
+      case SavePhase::kBeforeLatest:
+        faults_.at(FaultPoint::kSaveBeforeLatest, step);
+        break;
+    }
+  });
   char line[256];
   std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
                 store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);

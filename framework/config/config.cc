@@ -102,6 +102,7 @@ debug {
   kill_rank: 0
   kill_at_step: 0
   fault: KILL
+  fault_point: STEP_BEGIN
 }
 )text";
 
@@ -612,6 +613,12 @@ void validate(KeelConfig& cfg) {
              " does not divide model.n_heads=", heads);
   KEEL_CHECK(d_ff % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d_ff);
   KEEL_CHECK(cfg.debug().kill_at_step() >= 0, kConfig, "debug.kill_at_step must be >= 0");
+  const config::FaultPoint point = cfg.debug().fault_point();
+  KEEL_CHECK(cfg.debug().kill_rank() == 0 ||
+                 (point != config::SAVE_BEFORE_MANIFEST && point != config::SAVE_BEFORE_LATEST),
+             kConfig, "debug.fault_point=", config::FaultPoint_Name(point),
+             " is reached by rank 0 only (it commits the checkpoint); debug.kill_rank=",
+             cfg.debug().kill_rank(), " never gets there");
   validate_train(cfg.train());
   validate_optim(cfg.optim());
   KEEL_CHECK(cfg.loss().z_loss() >= 0, kConfig, "loss.z_loss=", cfg.loss().z_loss(),

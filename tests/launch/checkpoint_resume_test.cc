@@ -221,6 +221,47 @@ TEST_P(CorruptCheckpoint, IsNamedAndSkippedForThePreviousOne) {
 INSTANTIATE_TEST_SUITE_P(Damage, CorruptCheckpoint,
                          ::testing::Values("flip", "truncate", "delete_shard", "delete_manifest"));
 
+// A crash at each point of the save of step 10: the resumed run picks the newest whole
+// checkpoint (step 10 once it was renamed into place, even with LATEST behind), no .tmp survives,
+// and the run ends exactly as an uninterrupted one.
+class CrashDuringSave : public CheckpointResume,
+                        public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(CrashDuringSave, ResumesFromTheNewestWholeCheckpoint) {
+  const std::string point = GetParam();
+  ASSERT_EQ(train("straight", 1).exit_code, 0);
+  const CommandResult crash =
+      train("run", 1, {"--set", "debug.kill_at_step=10", "--set", "debug.fault_point=" + point});
+  ASSERT_NE(crash.exit_code, 0) << crash.out << crash.err;
+  EXPECT_NE(crash.err.find("killing this rank at step 10 (" + point + ")"), std::string::npos)
+      << crash.err;
+  const std::string root = dir_.file("run") + "/checkpoints";
+  const bool renamed = point == "SAVE_BEFORE_LATEST";
+  EXPECT_EQ(fs::exists(ckpt("run", 10)), renamed);
+  EXPECT_EQ(fs::exists(ckpt("run", 10) + ".tmp"), !renamed);
+  EXPECT_EQ(read_file(root + "/LATEST"), "step_00000005\n");  // never ahead of a whole save
+  const CommandResult r = train("run", 1);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const int from = renamed ? 10 : 5;
+  EXPECT_NE(r.out.find("resuming from " + ckpt("run", from) + " at step " + std::to_string(from)),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("removed 1 unfinished checkpoint(s)") != std::string::npos, !renamed)
+      << r.out;
+  for (const auto& e : fs::directory_iterator(root)) {
+    EXPECT_EQ(e.path().extension(), "") << e.path();  // no .tmp or .old left
+  }
+  const auto a = metrics(dir_.file("straight")), b = metrics(dir_.file("run"));
+  ASSERT_EQ(b.size(), 20u);
+  for (const auto& [step, l] : a) EXPECT_EQ(b.at(step).loss, l.loss) << step;
+  EXPECT_EQ(read_file(ckpt("straight", 20) + "/shard_00000.bin"),
+            read_file(ckpt("run", 20) + "/shard_00000.bin"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, CrashDuringSave,
+                         ::testing::Values("SAVE_MID_SHARD", "SAVE_BEFORE_MANIFEST",
+                                           "SAVE_BEFORE_LATEST"));
+
 TEST_F(CheckpointResume, ResumeFromACorruptCheckpointExits2) {
   ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=12"}).exit_code, 0);
   fs::resize_file(ckpt("run", 10) + "/shard_00000.bin", 10);
