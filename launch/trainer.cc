@@ -4,14 +4,11 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <thread>
 #include <vector>
 
 #include "framework/config/config.h"
