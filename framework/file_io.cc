@@ -49,8 +49,7 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
   }
   // Make the rename itself durable.
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  const int dfd =
-      ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);

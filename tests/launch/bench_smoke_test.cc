@@ -1,7 +1,7 @@
 // keel-bench on the real binary, in one process and under mpiexec -n 2, on a tiny model and two
 // steps: it exits 0 and ends with exactly one summary line
 //   config=S tokens_per_s=... gflops=... peak_gflops=... peak_fraction=... ranks=... tp=... dp=...
-// whose numbers are positive and finite, peak_fraction in (0, 1.5], gflops = tokens_per_s x the
+// whose numbers are positive and finite, peak_fraction > 0, gflops = tokens_per_s x the
 // PaLM FLOPs per token of the model (README "Benchmark"), peak_fraction = gflops / peak_gflops,
 // peak_gflops = ranks x the per-rank sgemm peak of the header line, and the layout figures match
 // the launch (under DP the data-parallel group moved bytes, TP none).
@@ -101,8 +101,8 @@ void check_summary(const CommandResult& r, int ranks) {
   for (double v : {tps, gflops, peak, fraction}) {
     EXPECT_TRUE(std::isfinite(v) && v > 0) << v << "\n" << r.out;
   }
-  EXPECT_GT(fraction, 0.0) << r.out;
-  EXPECT_LE(fraction, 1.5) << r.out;
+  // No upper bound on the fraction: the peak and the steps are timed at different moments, so
+  // on a loaded machine their ratio says nothing about keel; the accounting below is what counts.
   // The accounting: printed with 1, 2, 2 and 4 decimals, hence the tolerances.
   EXPECT_NEAR(gflops, tps * kFlopsPerToken / 1e9, 0.005 + 1e-3 * gflops) << r.out;
   EXPECT_NEAR(fraction, gflops / peak, 5e-5 + 1e-2 * fraction) << r.out;
