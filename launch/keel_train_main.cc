@@ -1,6 +1,5 @@
 // keel-train: train a GPT from a config. Exit codes: 0 done; 2 bad usage, config, data or
 // layout; 3 halted by the spike guard; 1 any other failure (DESIGN.md).
-#include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
 #include <unistd.h>
@@ -9,7 +8,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -34,21 +32,12 @@ void ignore_write_signals() {
   std::signal(SIGXFSZ, SIG_IGN);
 }
 
-// OpenBLAS sizes its buffer pool when it is built, for MAX_THREADS concurrent callers; keel's
-// per-head attention calls sgemm from every OpenMP thread at once, and past that limit OpenBLAS
-// spins or aborts when no buffer is free. 0 when the library does not say.
-int blas_thread_limit() {
-  const char* config = openblas_get_config();
-  const char* at = config != nullptr ? std::strstr(config, "MAX_THREADS=") : nullptr;
-  return at != nullptr ? std::atoi(at + std::strlen("MAX_THREADS=")) : 0;
-}
-
 // OpenMP + BLAS threads per rank: train.threads, or the node's hardware threads shared by its
 // ranks. An explicit value above OpenBLAS's limit or above 4 x the hardware threads (which only
 // oversubscribes the cores) is refused; the automatic value is held to OpenBLAS's limit.
 int choose_threads(const keel::config::Train& t, int local_ranks) {
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int blas_max = blas_thread_limit();
+  const int blas_max = keel::kernels::max_threads();
   if (t.threads() == 0) {
     const int threads = std::max(1, hw / std::max(1, local_ranks));
     return blas_max > 0 ? std::min(threads, blas_max) : threads;

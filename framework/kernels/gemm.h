@@ -33,4 +33,8 @@ namespace keel::kernels {
 // Threads used by BLAS and the OpenMP kernels of this process (one shared OpenMP pool).
 void set_num_threads(int n);
 int num_threads();
+// The most threads the BLAS can serve at once (OpenBLAS sizes its buffer pool for MAX_THREADS
+// concurrent callers when it is built; keel's per-head attention calls sgemm from every OpenMP
+// thread, and past that limit OpenBLAS spins or aborts). 0 when the library does not say.
+int max_threads();
 }  // namespace keel::kernels

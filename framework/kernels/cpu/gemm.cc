@@ -5,6 +5,8 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace keel::kernels {
 
@@ -80,4 +82,9 @@ void set_num_threads(int n) {
   openblas_set_num_threads(n);
 }
 int num_threads() { return omp_get_max_threads(); }
+int max_threads() {
+  const char* config = openblas_get_config();
+  const char* at = config != nullptr ? std::strstr(config, "MAX_THREADS=") : nullptr;
+  return at != nullptr ? std::atoi(at + std::strlen("MAX_THREADS=")) : 0;
+}
 }  // namespace keel::kernels
