@@ -287,13 +287,10 @@ void write_my_shard(const TrainState& state, const Topology& topo, const std::st
       buf.resize(static_cast<size_t>(s.n()));
       if (kind == ckpt::PARAM) {
         state.read_values(p, buf.data());
+      } else if (kind == ckpt::ADAM_M) {
+        state.read_moments(p, buf.data(), nullptr);
       } else {
-        std::vector<float> other(buf.size());
-        if (kind == ckpt::ADAM_M) {
-          state.read_moments(p, buf.data(), other.data());
-        } else {
-          state.read_moments(p, other.data(), buf.data());
-        }
+        state.read_moments(p, nullptr, buf.data());
       }
       const size_t bytes = buf.size() * sizeof(float);
       s.set_file(file);
@@ -547,12 +544,9 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
       if (kind == ckpt::PARAM) {
         state.write_values(p, target.data());
       } else {
-        // Write one moment at a time, keeping the other as it is.
-        std::vector<float> m_now(static_cast<size_t>(p.moments.n)), v_now(m_now.size());
-        state.read_moments(p, m_now.data(), v_now.data());
-        std::vector<float>& dst = kind == ckpt::ADAM_M ? m_now : v_now;
-        std::copy(target.begin() + need_begin, target.begin() + need_begin + need_n, dst.begin());
-        state.write_moments(p, m_now.data(), v_now.data());
+        const float* moment = target.data() + need_begin;
+        state.write_moments(p, kind == ckpt::ADAM_M ? moment : nullptr,
+                            kind == ckpt::ADAM_V ? moment : nullptr);
       }
     }
   }

@@ -31,15 +31,15 @@ void TrainState::write_values(const StateParam& p, const float* values) const {
 void TrainState::read_moments(const StateParam& p, float* m, float* v) const {
   if (p.moments.empty()) return;
   const int64_t at = p.moments.offset - partition_.mine().offset;
-  optimizer_.m().copy_to_host(at, p.moments.n, m);
-  optimizer_.v().copy_to_host(at, p.moments.n, v);
+  if (m) optimizer_.m().copy_to_host(at, p.moments.n, m);
+  if (v) optimizer_.v().copy_to_host(at, p.moments.n, v);
 }
 
 void TrainState::write_moments(const StateParam& p, const float* m, const float* v) const {
   if (p.moments.empty()) return;
   const int64_t at = p.moments.offset - partition_.mine().offset;
-  optimizer_.m().copy_from_host(at, p.moments.n, m);
-  optimizer_.v().copy_from_host(at, p.moments.n, v);
+  if (m) optimizer_.m().copy_from_host(at, p.moments.n, m);
+  if (v) optimizer_.v().copy_from_host(at, p.moments.n, v);
 }
 
 }  // namespace keel

@@ -66,7 +66,7 @@ class TrainState {
   const std::vector<StateParam>& tensors() const { return tensors_; }
 
   // Host copies through the tensors' device-neutral copies (never raw arena pointers).
-  // values: [p.values.n]; m, v: [p.moments.n].
+  // values: [p.values.n]; m, v: [p.moments.n], either may be null (that moment is left alone).
   void read_values(const StateParam& p, float* values) const;
   void write_values(const StateParam& p, const float* values) const;
   void read_moments(const StateParam& p, float* m, float* v) const;
