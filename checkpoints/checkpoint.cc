@@ -174,6 +174,50 @@ void check_files(const std::string& dir, const ckpt::Manifest& m) {
   }
 }
 
+// Fills `target` (the block `tb` of `rec`'s logical tensor along dim `dim`, laid out row-major)
+// at flat elements [need_begin, need_begin + need_n) from every slice of `rec` that overlaps them,
+// reading and checking only those slices. Throws kData when they do not cover the range.
+void gather_block(ShardReader& reader, const std::string& dir, const ckpt::TensorRecord& rec,
+                  int dim, const Block& tb, int64_t need_begin, int64_t need_n, float* target) {
+  const std::string what = describe(rec);
+  const Shape shape(rec.shape().begin(), rec.shape().end());
+  const Geometry g = geometry(shape, dim);
+  const int64_t t_begin = tb.dim < 0 ? 0 : tb.begin;
+  const int64_t t_len = tb.dim < 0 ? g.extent : tb.len;
+  std::vector<float> src;
+  int64_t filled = 0;
+  for (const ckpt::Slice& s : rec.slices()) {
+    const int64_t s_begin = s.shard_dim() < 0 ? 0 : s.shard_begin();
+    const int64_t s_len = s.shard_dim() < 0 ? g.extent : s.shard_len();
+    KEEL_CHECK(s.shard_dim() < 0 || s.shard_dim() == dim, kData, dir, "/manifest.pb: ", what,
+               ": a slice is sharded on dimension ", s.shard_dim(), ", this model on ", dim);
+    if (s_begin >= t_begin + t_len || t_begin >= s_begin + s_len || s.n() == 0) continue;
+    src.resize(static_cast<size_t>(s.n()));
+    reader.read(s, what, src.data());
+    // Walk the source's flat range in runs of `inner` contiguous elements.
+    const int64_t end = s.flat_begin() + s.n();
+    for (int64_t e = s.flat_begin(); e < end;) {
+      const int64_t i = e % g.inner;
+      const int64_t j = (e / g.inner) % s_len;
+      const int64_t o = e / (g.inner * s_len);
+      const int64_t run = std::min(g.inner - i, end - e);
+      const int64_t row = s_begin + j;
+      if (row >= t_begin && row < t_begin + t_len) {
+        const int64_t t0 = (o * t_len + (row - t_begin)) * g.inner + i;
+        const int64_t lo = std::max(t0, need_begin), hi = std::min(t0 + run, need_begin + need_n);
+        if (hi > lo) {
+          std::copy(src.begin() + (e - s.flat_begin()) + (lo - t0),
+                    src.begin() + (e - s.flat_begin()) + (hi - t0), target + lo);
+          filled += hi - lo;
+        }
+      }
+      e += run;
+    }
+  }
+  KEEL_CHECK(filled == need_n, kData, dir, "/manifest.pb: ", what, ": the slices cover ", filled,
+             " of the ", need_n, " elements needed");
+}
+
 }  // namespace
 
 const char* tensor_kind_name(ckpt::TensorKind kind) {
@@ -485,7 +529,7 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
   std::map<std::pair<std::string, int>, const ckpt::TensorRecord*> records;
   for (const ckpt::TensorRecord& rec : m.tensors()) records[{rec.name(), rec.kind()}] = &rec;
   ShardReader reader(dir);
-  std::vector<float> target, src;
+  std::vector<float> target;
   for (const StateParam& p : state.tensors()) {
     const ParamInfo& info = *p.info;
     for (ckpt::TensorKind kind : kKinds) {
@@ -501,46 +545,11 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
                  " in this config (a shape-determining model field changed)");
       // What this rank needs: its TP block, and of it [need_begin, need_begin + need_n).
       const Block tb = block_of(info);
-      const int dim = info.spec.shard_dim;
-      const Geometry g = geometry(shape, dim);
-      const int64_t t_begin = tb.dim < 0 ? 0 : tb.begin;
-      const int64_t t_len = tb.dim < 0 ? g.extent : tb.len;
       const int64_t need_begin = kind == ckpt::PARAM ? 0 : p.moments.offset - p.values.offset;
       const int64_t need_n = kind == ckpt::PARAM ? p.values.n : p.moments.n;
       if (need_n == 0) continue;
       target.assign(static_cast<size_t>(p.values.n), 0.0f);
-      int64_t filled = 0;
-      for (const ckpt::Slice& s : rec.slices()) {
-        const int64_t s_begin = s.shard_dim() < 0 ? 0 : s.shard_begin();
-        const int64_t s_len = s.shard_dim() < 0 ? g.extent : s.shard_len();
-        KEEL_CHECK(s.shard_dim() < 0 || s.shard_dim() == dim, kData, dir, "/manifest.pb: ", what,
-                   ": a slice is sharded on dimension ", s.shard_dim(), ", this model on ", dim);
-        if (s_begin >= t_begin + t_len || t_begin >= s_begin + s_len || s.n() == 0) continue;
-        src.resize(static_cast<size_t>(s.n()));
-        reader.read(s, what, src.data());
-        // Walk the source's flat range in runs of `inner` contiguous elements.
-        const int64_t end = s.flat_begin() + s.n();
-        for (int64_t e = s.flat_begin(); e < end;) {
-          const int64_t i = e % g.inner;
-          const int64_t j = (e / g.inner) % s_len;
-          const int64_t o = e / (g.inner * s_len);
-          const int64_t run = std::min(g.inner - i, end - e);
-          const int64_t row = s_begin + j;
-          if (row >= t_begin && row < t_begin + t_len) {
-            const int64_t t0 = (o * t_len + (row - t_begin)) * g.inner + i;
-            const int64_t lo = std::max(t0, need_begin),
-                          hi = std::min(t0 + run, need_begin + need_n);
-            if (hi > lo) {
-              std::copy(src.begin() + (e - s.flat_begin()) + (lo - t0),
-                        src.begin() + (e - s.flat_begin()) + (hi - t0), target.begin() + lo);
-              filled += hi - lo;
-            }
-          }
-          e += run;
-        }
-      }
-      KEEL_CHECK(filled == need_n, kData, dir, "/manifest.pb: ", what, ": the slices cover ",
-                 filled, " of the ", need_n, " elements this rank needs");
+      gather_block(reader, dir, rec, info.spec.shard_dim, tb, need_begin, need_n, target.data());
       if (kind == ckpt::PARAM) {
         state.write_values(p, target.data());
       } else {
@@ -558,6 +567,22 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
     state.guard.skipped.push_back({r.first_sample(), r.n(), r.step()});
   }
   return m;
+}
+
+std::vector<float> read_logical_tensor(const std::string& dir, const ckpt::Manifest& m,
+                                       const std::string& name, ckpt::TensorKind kind) {
+  for (const ckpt::TensorRecord& rec : m.tensors()) {
+    if (rec.name() != name || rec.kind() != kind) continue;
+    int dim = -1;
+    for (const ckpt::Slice& s : rec.slices()) dim = std::max(dim, s.shard_dim());
+    const int64_t n = shape_numel(Shape(rec.shape().begin(), rec.shape().end()));
+    std::vector<float> out(static_cast<size_t>(n));
+    ShardReader reader(dir);
+    gather_block(reader, dir, rec, dim, Block{}, 0, n, out.data());
+    return out;
+  }
+  KEEL_FAIL(kData, dir, "/manifest.pb: tensor ", name, " (", tensor_kind_name(kind),
+            ") is not in the checkpoint");
 }
 
 }  // namespace keel

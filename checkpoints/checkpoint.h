@@ -83,6 +83,11 @@ void verify_checkpoint(const std::string& dir);
 // and the reason (a changed shape, a missing tensor, a checksum mismatch, a short file).
 ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state);
 
+// The whole logical tensor `name` of `kind` (row-major, its global shape), assembled from every
+// slice of the checkpoint in `dir` (manifest `m`) and checked. Throws kData as load_checkpoint.
+std::vector<float> read_logical_tensor(const std::string& dir, const ckpt::Manifest& m,
+                                       const std::string& name, ckpt::TensorKind kind);
+
 const char* tensor_kind_name(ckpt::TensorKind kind);  // "param", "adam_m", "adam_v"
 
 }  // namespace keel

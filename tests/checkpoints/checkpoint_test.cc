@@ -559,7 +559,7 @@ TEST(Checkpoint, MissingCoverageIsNamed) {
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { load_checkpoint(saved.dir, *fresh->state); }),
             saved.dir +
                 "/manifest.pb: tensor ln.g (adam_m): the slices cover 0 of the 8 "
-                "elements this rank needs");
+                "elements needed");
 }
 
 // ---- what the state expects must be there
