@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -306,57 +307,79 @@ std::vector<int64_t> CheckpointStore::retain(int keep, int keep_every,
 
 namespace {
 
-// Writes this rank's shard and its index into `tmp`; returns nothing, throws kIo.
-void write_my_shard(const TrainState& state, const Topology& topo, const std::string& tmp,
-                    const std::function<void(SavePhase)>& on_phase) {
-  const std::string file = shard_name(topo.world_rank);
+// One slice of this rank's shard: what it is and where its elements come from.
+struct PlannedSlice {
+  const StateParam* p = nullptr;
+  ckpt::TensorKind kind = ckpt::PARAM;
+  ckpt::Slice slice;  // geometry; file, offset and checksum are set when written
+};
+
+// This rank's slices in file order (see the header's "who writes what").
+std::vector<PlannedSlice> plan_my_shard(const TrainState& state, const Topology& topo) {
+  std::vector<PlannedSlice> plan;
+  for (const StateParam& p : state.tensors()) {
+    for (ckpt::TensorKind kind : kKinds) {
+      ckpt::Slice s = my_slice(p, kind, topo, state.partition());
+      if (s.n() > 0) plan.push_back({&p, kind, s});
+    }
+  }
+  return plan;
+}
+
+// Copies one planned slice's elements out of the state (device-neutral copies) into `out`.
+void copy_slice(const TrainState& state, const PlannedSlice& ps, float* out) {
+  if (ps.kind == ckpt::PARAM) {
+    state.read_values(*ps.p, out);
+  } else if (ps.kind == ckpt::ADAM_M) {
+    state.read_moments(*ps.p, out, nullptr);
+  } else {
+    state.read_moments(*ps.p, nullptr, out);
+  }
+}
+
+// Writes this rank's shard and its index into `tmp`; `data(i)` gives slice i's elements (valid
+// until the next call). Touches no MPI and no TrainState: the async writer runs it on its own
+// thread. Throws kIo naming the file and the OS reason.
+void write_shard(const std::vector<PlannedSlice>& plan, const std::vector<std::string>& names,
+                 const std::function<const float*(size_t)>& data, int rank, int64_t step,
+                 const std::string& tmp, const SaveHook& on_phase) {
+  const std::string file = shard_name(rank);
   const std::string path = tmp + "/" + file;
   ckpt::Manifest index;
   int64_t offset = 0;
-  std::vector<float> buf;
   int fd = -1;
   auto fail = [&](const char* what) {
     const int err = errno;
     if (fd >= 0) ::close(fd);
     KEEL_FAIL(kIo, path, ": ", what, ": ", std::strerror(err));
   };
-  for (const StateParam& p : state.tensors()) {
-    for (ckpt::TensorKind kind : kKinds) {
-      ckpt::Slice s = my_slice(p, kind, topo, state.partition());
-      if (s.n() == 0) continue;
-      if (fd < 0) {
-        fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd < 0) fail("cannot create");
-      }
-      buf.resize(static_cast<size_t>(s.n()));
-      if (kind == ckpt::PARAM) {
-        state.read_values(p, buf.data());
-      } else if (kind == ckpt::ADAM_M) {
-        state.read_moments(p, buf.data(), nullptr);
-      } else {
-        state.read_moments(p, nullptr, buf.data());
-      }
-      const size_t bytes = buf.size() * sizeof(float);
-      s.set_file(file);
-      s.set_offset(offset);
-      s.set_xxh3(XXH3_64bits(buf.data(), bytes));
-      const char* src = reinterpret_cast<const char*>(buf.data());
-      for (size_t done = 0; done < bytes;) {
-        const ssize_t w = ::write(fd, src + done, bytes - done);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-          if (w == 0) errno = ENOSPC;
-          fail("write failed");
-        }
-        done += static_cast<size_t>(w);
-      }
-      if (offset == 0 && on_phase) on_phase(SavePhase::kShardHalfWritten);
-      offset += static_cast<int64_t>(bytes);
-      ckpt::TensorRecord* rec = index.add_tensors();
-      rec->set_name(p.info->spec.name);
-      rec->set_kind(kind);
-      *rec->add_slices() = s;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    ckpt::Slice s = plan[i].slice;
+    if (fd < 0) {
+      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0) fail("cannot create");
     }
+    const float* src_f = data(i);
+    const size_t bytes = static_cast<size_t>(s.n()) * sizeof(float);
+    s.set_file(file);
+    s.set_offset(offset);
+    s.set_xxh3(XXH3_64bits(src_f, bytes));
+    const char* src = reinterpret_cast<const char*>(src_f);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t w = ::write(fd, src + done, bytes - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        if (w == 0) errno = ENOSPC;
+        fail("write failed");
+      }
+      done += static_cast<size_t>(w);
+    }
+    if (offset == 0 && on_phase) on_phase(SavePhase::kShardHalfWritten, step);
+    offset += static_cast<int64_t>(bytes);
+    ckpt::TensorRecord* rec = index.add_tensors();
+    rec->set_name(names[i]);
+    rec->set_kind(plan[i].kind);
+    *rec->add_slices() = s;
   }
   if (fd >= 0) {
     if (::fsync(fd) != 0) fail("fsync failed");
@@ -368,14 +391,19 @@ void write_my_shard(const TrainState& state, const Topology& topo, const std::st
     f->set_name(file);
     f->set_bytes(offset);
   }
-  write_file_atomic(tmp + "/" + index_name(topo.world_rank), index.SerializeAsString());
+  write_file_atomic(tmp + "/" + index_name(rank), index.SerializeAsString());
 }
 
-// Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
-void commit(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-            const CheckpointStore& store, const std::string& tmp,
-            const std::function<void(SavePhase)>& on_phase) {
-  if (on_phase) on_phase(SavePhase::kBeforeManifest);
+std::vector<std::string> names_of(const std::vector<PlannedSlice>& plan) {
+  std::vector<std::string> names;
+  for (const PlannedSlice& ps : plan) names.push_back(ps.p->info->spec.name);
+  return names;
+}
+
+// Everything in the manifest but the slices and files, as of now: the run's counters and every
+// tensor's record (registration order x kind).
+ckpt::Manifest manifest_header(const TrainState& state, const config::KeelConfig& cfg,
+                               const Topology& topo) {
   ckpt::Manifest m;
   m.set_format_version(kCheckpointFormatVersion);
   m.set_step(state.step);
@@ -396,8 +424,6 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
     s->set_n(r.n);
     s->set_step(r.step);
   }
-  // Records in registration order x kind; slices from every rank's index.
-  std::map<std::pair<std::string, int>, ckpt::TensorRecord*> records;
   for (const StateParam& p : state.tensors()) {
     for (ckpt::TensorKind kind : kKinds) {
       ckpt::TensorRecord* rec = m.add_tensors();
@@ -405,10 +431,18 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
       rec->set_kind(kind);
       rec->set_dtype("f32");
       for (int64_t d : p.info->spec.logical) rec->add_shape(d);
-      records[{rec->name(), kind}] = rec;
     }
   }
-  for (int r = 0; r < topo.world_size; ++r) {
+  return m;
+}
+
+// Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
+void commit(ckpt::Manifest m, int world_size, const config::Checkpoint& policy,
+            const CheckpointStore& store, const std::string& tmp, const SaveHook& on_phase) {
+  if (on_phase) on_phase(SavePhase::kBeforeManifest, m.step());
+  std::map<std::pair<std::string, int>, ckpt::TensorRecord*> records;
+  for (ckpt::TensorRecord& rec : *m.mutable_tensors()) records[{rec.name(), rec.kind()}] = &rec;
+  for (int r = 0; r < world_size; ++r) {
     const std::string path = tmp + "/" + index_name(r);
     ckpt::Manifest index;
     KEEL_CHECK(index.ParseFromString(read_whole(path)), kIo, path,
@@ -423,7 +457,8 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
   }
   write_file_atomic(tmp + "/manifest.pb", m.SerializeAsString());
   fsync_path(tmp);
-  const std::string final_dir = store.path_of(state.step);
+  const int64_t step = m.step();
+  const std::string final_dir = store.path_of(step);
   // A re-save of a step that exists (after a rewind): move the old one aside first, so that a
   // crash at any point leaves a whole checkpoint under the name LATEST may give.
   const std::string old = final_dir + ".old";
@@ -437,10 +472,10 @@ void commit(const TrainState& state, const config::KeelConfig& cfg, const Topolo
   KEEL_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, kIo, final_dir,
              ": cannot rename the finished checkpoint into place: ", std::strerror(errno));
   fsync_path(store.root());
-  if (on_phase) on_phase(SavePhase::kBeforeLatest);
-  store.set_latest(state.step);
+  if (on_phase) on_phase(SavePhase::kBeforeLatest, step);
+  store.set_latest(step);
   if (had_old) fs::remove_all(old, ec);
-  store.retain(cfg.checkpoint().keep(), cfg.checkpoint().keep_every());
+  store.retain(policy.keep(), policy.keep_every());
 }
 
 // Every rank learns whether any rank failed; the ranks that did not fail throw a line naming
@@ -455,9 +490,11 @@ void agree(const Topology& topo, const std::string& mine, const char* phase, int
 
 }  // namespace
 
-void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-                     const CheckpointStore& store, const std::function<void(SavePhase)>& on_phase) {
-  const std::string tmp = store.path_of(state.step) + ".tmp";
+namespace {
+
+// Collective: rank 0 (re)creates `tmp` (and the store's root); every rank learns if it failed.
+void make_tmp_dir(const Topology& topo, const CheckpointStore& store, const std::string& tmp,
+                  int64_t step) {
   std::string err;
   if (topo.world_rank == 0) {
     try {
@@ -471,21 +508,130 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
       err = e.what();
     }
   }
-  agree(topo, err, "creating the directory", state.step);
+  agree(topo, err, "creating the directory", step);
+}
+
+// Collective: after every rank's shard (`err`: this rank's failure, empty if none), rank 0
+// commits `header`; every rank learns the outcome. A failure removes `tmp` (rank 0).
+void finish_save(const Topology& topo, const config::Checkpoint& policy,
+                 const CheckpointStore& store, const std::string& tmp, ckpt::Manifest header,
+                 std::string err, const SaveHook& on_phase) {
+  const int64_t step = header.step();
+  auto cleanup = [&] {
+    std::error_code ec;
+    if (topo.world_rank == 0) fs::remove_all(tmp, ec);
+  };
   try {
-    write_my_shard(state, topo, tmp, on_phase);
-  } catch (const Error& e) {
-    err = e.what();
+    agree(topo, err, "writing the shards", step);
+  } catch (const Error&) {
+    cleanup();
+    throw;
   }
-  agree(topo, err, "writing the shards", state.step);
   if (topo.world_rank == 0) {
     try {
-      commit(state, cfg, topo, store, tmp, on_phase);
+      commit(std::move(header), topo.world_size, policy, store, tmp, on_phase);
     } catch (const Error& e) {
       err = e.what();
     }
   }
-  agree(topo, err, "committing", state.step);
+  try {
+    agree(topo, err, "committing", step);
+  } catch (const Error&) {
+    cleanup();
+    throw;
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
+                     const CheckpointStore& store, const SaveHook& on_phase) {
+  const std::string tmp = store.path_of(state.step) + ".tmp";
+  make_tmp_dir(topo, store, tmp, state.step);
+  const std::vector<PlannedSlice> plan = plan_my_shard(state, topo);
+  std::vector<float> buf;
+  std::string err;
+  try {
+    // Streams slice by slice through one buffer of the largest slice.
+    write_shard(
+        plan, names_of(plan),
+        [&](size_t i) {
+          buf.resize(static_cast<size_t>(plan[i].slice.n()));
+          copy_slice(state, plan[i], buf.data());
+          return buf.data();
+        },
+        topo.world_rank, state.step, tmp, on_phase);
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  finish_save(topo, cfg.checkpoint(), store, tmp, manifest_header(state, cfg, topo), err, on_phase);
+}
+
+// ---- async save ------------------------------------------------------------------------------
+
+AsyncCheckpointWriter::AsyncCheckpointWriter(const config::KeelConfig& cfg, const Topology& topo,
+                                             const CheckpointStore& store, SaveHook on_phase)
+    : cfg_(cfg), topo_(topo), store_(store), on_phase_(std::move(on_phase)) {}
+
+AsyncCheckpointWriter::~AsyncCheckpointWriter() {
+  // Not committed: the .tmp directory stays for the next start to remove.
+  if (thread_.joinable()) thread_.join();
+}
+
+void AsyncCheckpointWriter::begin(const TrainState& state) {
+  KEEL_CHECK(!pending_, kInternal, "checkpoint of step ", state.step,
+             ": the previous async save (step ", header_.step(), ") was not finished");
+  const double t0 = now();
+  tmp_ = store_.path_of(state.step) + ".tmp";
+  make_tmp_dir(topo_, store_, tmp_, state.step);
+  header_ = manifest_header(state, cfg_, topo_);
+  // The snapshot: this rank's slices, back to back, in host memory (reused between saves).
+  const std::vector<PlannedSlice> plan = plan_my_shard(state, topo_);
+  int64_t total = 0;
+  offsets_.clear();
+  for (const PlannedSlice& ps : plan) {
+    offsets_.push_back(total);
+    total += ps.slice.n();
+  }
+  snapshot_.resize(static_cast<size_t>(total));
+  for (size_t i = 0; i < plan.size(); ++i)
+    copy_slice(state, plan[i], snapshot_.data() + offsets_[i]);
+  snapshot_s_ = now() - t0;
+  // The thread gets copies of the plan's geometry and names, never the state.
+  std::vector<PlannedSlice> geometry = plan;
+  for (PlannedSlice& ps : geometry) ps.p = nullptr;
+  std::vector<std::string> names = names_of(plan);
+  error_.clear();
+  done_.store(false);
+  pending_ = true;
+  thread_ = std::thread([this, geometry = std::move(geometry), names = std::move(names)] {
+    const double w0 = now();
+    try {
+      write_shard(
+          geometry, names, [this](size_t i) { return snapshot_.data() + offsets_[i]; },
+          topo_.world_rank, header_.step(), tmp_, on_phase_);
+    } catch (const Error& e) {
+      error_ = e.what();
+    } catch (const std::exception& e) {
+      error_ = std::string("internal error: ") + e.what();
+    }
+    write_s_ = now() - w0;
+    done_.store(true);
+  });
+}
+
+int64_t AsyncCheckpointWriter::finish() {
+  KEEL_CHECK(pending_, kInternal, "no async checkpoint save to finish");
+  if (thread_.joinable()) thread_.join();
+  pending_ = false;
+  const int64_t step = header_.step();
+  finish_save(topo_, cfg_.checkpoint(), store_, tmp_, std::move(header_), error_, on_phase_);
+  return step;
+}
+
+double AsyncCheckpointWriter::now() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
 
 // ---- load and verify -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-// keel-train: train a GPT from a config. Exit codes: 0 done; 2 bad usage, config, data or
+// keel-train: train a GPT from a config. Exit codes: 0 done (or stopped by SIGTERM / SIGUSR1
+// after saving a checkpoint); 2 bad usage, config, data or
 // layout; 3 halted by the spike guard; 1 any other failure (DESIGN.md).
 #include <mpi.h>
 #include <omp.h>
@@ -17,6 +18,7 @@
 #include "framework/error.h"
 #include "framework/kernels/gemm.h"
 #include "launch/cli.h"
+#include "launch/stop_signals.h"
 #include "launch/trainer.h"
 #include "layers/memory_estimate.h"
 #include "parallel/mpi_env.h"
@@ -129,6 +131,9 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   opts.interactive = isatty(STDOUT_FILENO) != 0 && !launched;
   opts.watchdog = &dist.watchdog();
   opts.resume = args.resume;
+  // SIGTERM / SIGUSR1: finish the step, save, exit 0 (Note [preemption]).
+  StopSignals stop_signals(mpi.world_rank());
+  opts.stop_signal = &StopSignals::received;
   Trainer trainer(cfg, topo, opts);
   const ModelDims& d = trainer.model().dims();
   if (mpi.world_rank() == 0) {
@@ -151,6 +156,16 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     std::fflush(stdout);
   }
   trainer.run();
+  if (trainer.stopped_by_signal() != 0) return 0;  // the trainer said where it saved
+  if (const auto failed = trainer.failed_checkpoint()) {
+    if (mpi.world_rank() == 0) {
+      std::fprintf(stderr,
+                   "keel-train: io error: the checkpoint of step %lld failed (see above) and no "
+                   "later one succeeded: the run's last steps are not saved\n",
+                   static_cast<long long>(*failed));
+    }
+    return 1;
+  }
   if (mpi.world_rank() == 0) {
     const StepResult& r = trainer.last();
     std::printf("keel-train: done: %lld steps", static_cast<long long>(trainer.steps_done()));

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -89,9 +90,13 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   targets_.resize(micro_ * T);
   if (!opts_.run_dir.empty()) {
     store_ = std::make_unique<CheckpointStore>(opts_.run_dir + "/checkpoints");
+    if (cfg_.checkpoint().async()) {
+      async_ = std::make_unique<AsyncCheckpointWriter>(cfg_, topo_, *store_, save_hook());
+    }
   }
   resumed_from_ = resume();
   start_step_ = state_->step;
+  if (resumed_from_) saved_step_ = *resumed_from_;
   if (!opts_.run_dir.empty() && topo_.world_rank == 0) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.run_dir, ec);
@@ -233,11 +238,8 @@ void Trainer::open_metrics(std::optional<int64_t> resumed_step) {
   metrics_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
 }
 
-void Trainer::save_checkpoint() {
-  KEEL_CHECK(store_ != nullptr, kUsage, "save_checkpoint needs a run directory");
-  const double t0 = omp_get_wtime();
-  const int64_t step = state_->step;
-  keel::save_checkpoint(*state_, cfg_, topo_, *store_, [this, step](SavePhase phase) {
+SaveHook Trainer::save_hook() const {
+  return [this](SavePhase phase, int64_t step) {
     switch (phase) {
       case SavePhase::kShardHalfWritten:
         faults_.at(FaultPoint::kSaveMidShard, step);
@@ -249,12 +251,72 @@ void Trainer::save_checkpoint() {
         faults_.at(FaultPoint::kSaveBeforeLatest, step);
         break;
     }
-  });
+  };
+}
+
+void Trainer::save_checkpoint() {
+  KEEL_CHECK(store_ != nullptr, kUsage, "save_checkpoint needs a run directory");
+  if (async_) {
+    // One save in flight at a time: the previous one is committed (or reported) first.
+    if (async_->pending()) finish_checkpoint();
+    async_->begin(*state_);
+    return;
+  }
+  const double t0 = omp_get_wtime();
+  keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook());
+  saved_step_ = state_->step;
+  failed_save_.reset();
   char line[256];
   std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
                 store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);
   if (opts_.interactive) std::printf("\n");
   say(line);
+}
+
+void Trainer::finish_checkpoint() {
+  if (!async_ || !async_->pending()) return;
+  const int64_t step = async_->pending_step();
+  const double t0 = omp_get_wtime();
+  try {
+    async_->finish();
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kIo) throw;
+    // Training goes on; LATEST still names the previous checkpoint. The rank that failed says
+    // why; the run exits non-zero at its end unless a later save succeeds.
+    if (!async_->local_error().empty()) {
+      std::fprintf(stderr,
+                   "keel-train: rank %d: checkpoint of step %lld not saved: %s (training goes "
+                   "on; LATEST still names the previous checkpoint)\n",
+                   topo_.world_rank, static_cast<long long>(step), e.what());
+      std::fflush(stderr);
+    }
+    failed_save_ = step;
+    return;
+  }
+  saved_step_ = step;
+  failed_save_.reset();
+  char line[320];
+  std::snprintf(line, sizeof(line),
+                "saved checkpoint %s (async: snapshot %.3f s, written in the background in "
+                "%.2f s, commit %.3f s)",
+                store_->path_of(step).c_str(), async_->snapshot_seconds(), async_->write_seconds(),
+                omp_get_wtime() - t0);
+  if (opts_.interactive) std::printf("\n");
+  say(line);
+}
+
+Trainer::StepControl Trainer::agree_on_control() {
+  // [stop signal number, 1 + the highest rank it reached, async writes still running]: one small
+  // all-reduce per step, so that every rank stops, and commits, at the same step.
+  const int sig = opts_.stop_signal ? opts_.stop_signal() : 0;
+  double v[3] = {static_cast<double>(sig), sig ? topo_.world_rank + 1.0 : 0.0,
+                 async_ && async_->pending() && !async_->done_locally() ? 1.0 : 0.0};
+  if (topo_.world_comm && topo_.world_size > 1) topo_.world_comm->all_reduce(v, 3, ReduceOp::kMax);
+  StepControl c;
+  c.stop_signal = static_cast<int>(v[0]);
+  c.signalled_rank = static_cast<int>(v[1]) - 1;
+  c.writes_running = v[2] > 0;
+  return c;
 }
 
 void Trainer::check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const {
@@ -509,7 +571,48 @@ void Trainer::run() {
       window_tokens_ = 0;
     }
     if (store_ && every > 0 && (r.step % every == 0 || last)) save_checkpoint();
+    const StepControl c = agree_on_control();
+    if (async_ && async_->pending() && !c.writes_running) finish_checkpoint();
+    if (c.stop_signal != 0) {
+      stop_for_signal(c);
+      return;
+    }
   }
+  finish_checkpoint();
+}
+
+void Trainer::stop_for_signal(const StepControl& c) {
+  finish_checkpoint();
+  stopped_by_signal_ = c.stop_signal;
+  const char* name = c.stop_signal == SIGTERM   ? "SIGTERM"
+                     : c.stop_signal == SIGUSR1 ? "SIGUSR1"
+                                                : "a stop signal";
+  char line[400];
+  if (!store_) {
+    std::snprintf(line, sizeof(line),
+                  "stopped by %s (rank %d) after step %lld: no run directory, "
+                  "nothing saved",
+                  name, c.signalled_rank, static_cast<long long>(state_->step));
+    say(line);
+    return;
+  }
+  // The step's checkpoint, synchronously (the process is about to exit), unless it exists.
+  if (saved_step_ != state_->step) {
+    const double t0 = omp_get_wtime();
+    keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook());
+    saved_step_ = state_->step;
+    failed_save_.reset();
+    std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
+                  store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);
+    if (opts_.interactive) std::printf("\n");
+    say(line);
+  }
+  std::snprintf(line, sizeof(line),
+                "stopped by %s (received by rank %d) after step %lld: checkpoint %s saved; run the "
+                "same command to resume",
+                name, c.signalled_rank, static_cast<long long>(state_->step),
+                store_->path_of(state_->step).c_str());
+  say(line);
 }
 
 std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {

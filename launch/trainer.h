@@ -65,6 +65,10 @@ struct TrainerOptions {
   bool interactive = false;  // progress redraws one terminal line instead of one line per log step
   Watchdog* watchdog = nullptr;  // told the current step, for its messages
   ResumeOptions resume;          // checkpoints live in run_dir/checkpoints (none without run_dir)
+  // 0, or the stop signal this process received (keel-train: StopSignals::received). Polled at
+  // the end of every step and agreed over all ranks: a signalled run saves and stops
+  // (Note [preemption] in launch/stop_signals.cc).
+  std::function<int()> stop_signal;
 };
 
 class Trainer {
@@ -72,8 +76,18 @@ class Trainer {
   Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOptions opts);
 
   StepResult step();  // one optimizer step
-  // Collective: saves a checkpoint of the current state (needs a run_dir).
+  // Collective: saves a checkpoint of the current state (needs a run_dir). With checkpoint.async
+  // it snapshots the state and returns while a thread writes (Note [async checkpoint]); a save
+  // still in flight is finished first.
   void save_checkpoint();
+  // Collective: waits for an async save in flight and commits it. A failed one is reported (one
+  // line from the rank that failed) and remembered in failed_checkpoint(); training goes on.
+  void finish_checkpoint();
+  // The step of a checkpoint save that failed with no later save succeeding (the run should then
+  // exit non-zero), if any.
+  std::optional<int64_t> failed_checkpoint() const { return failed_save_; }
+  // The stop signal that ended run() early (after saving), or 0.
+  int stopped_by_signal() const { return stopped_by_signal_; }
   // The step the run resumed from, when it did.
   std::optional<int64_t> resumed_from() const { return resumed_from_; }
   void run();         // train.steps steps with logging and evaluation
@@ -120,6 +134,15 @@ class Trainer {
   void say(const std::string& line) const;  // a line on stdout from rank 0
   // Throws kData naming the first rank whose data differs from rank 0's.
   void check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const;
+  // What every rank agrees on at the end of a step.
+  struct StepControl {
+    int stop_signal = 0;          // 0: go on
+    int signalled_rank = -1;      // the highest rank the signal reached
+    bool writes_running = false;  // some rank's async checkpoint write is not done
+  };
+  StepControl agree_on_control();
+  void stop_for_signal(const StepControl& c);
+  SaveHook save_hook() const;  // debug.fault_point's save points
   // The step's phases.
   StepResult compute_gradients();
   StepDecision decide(const StepResult& r) const;
@@ -138,7 +161,11 @@ class Trainer {
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<TrainState> state_;
-  std::unique_ptr<CheckpointStore> store_;  // run_dir/checkpoints; null without a run_dir
+  std::unique_ptr<CheckpointStore> store_;        // run_dir/checkpoints; null without a run_dir
+  std::unique_ptr<AsyncCheckpointWriter> async_;  // checkpoint.async
+  int64_t saved_step_ = -1;                       // the newest step this run has saved
+  std::optional<int64_t> failed_save_;
+  int stopped_by_signal_ = 0;
   std::optional<int64_t> resumed_from_;
   int64_t start_step_ = 0;               // the step this process started at (for the ETA)
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)

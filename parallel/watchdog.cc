@@ -11,10 +11,19 @@
 // as before (the previous disposition is restored and the signal re-raised), so the launcher sees
 // the exit it expects. It only reads atomics and calls write(2), sigaction and raise, which are
 // async-signal-safe.
+//
+// Note [stop signal]: keel-train takes SIGTERM and SIGUSR1 as "save and stop" (launch/
+// stop_signals.h), so a rank that the launcher ends because a peer died would wait in its
+// collective until SIGKILL, silently. The stop-signal handler calls note_stop_signal(): if a
+// collective has been in flight for over kStuckAfterSignal it prints the line at once, and the
+// watchdog thread prints it when the collective in flight is still there kStuckAfterSignal after
+// the signal (or after it began, if later). Either way once, well inside mpirun's one second
+// before SIGKILL. A healthy collective finishes long before that; the rank then saves and exits.
 #include "parallel/watchdog.h"
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -80,12 +89,31 @@ Line& add_collective(Line& line, int rank, const char* op, const char* group, lo
 // The watchdog whose SIGTERM handler is installed (at most one at a time), and what it replaced.
 std::atomic<Watchdog*> g_sigterm_owner{nullptr};
 struct sigaction g_previous_sigterm;
+// The watchdog that note_stop_signal() tells (the one running, at most one at a time).
+std::atomic<Watchdog*> g_stop_owner{nullptr};
+
+constexpr double kStuckAfterSignal = 0.25;  // seconds (Note [stop signal])
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGINT:
+      return "SIGINT";
+    default:
+      return "a stop signal";
+  }
+}
 
 }  // namespace
 
 Watchdog::Watchdog(double timeout_s, int world_rank) : timeout_s_(timeout_s), rank_(world_rank) {
   if (timeout_s_ <= 0) return;
   thread_ = std::thread([this] { loop(); });
+  Watchdog* no_owner = nullptr;
+  g_stop_owner.compare_exchange_strong(no_owner, this);
   struct sigaction current;
   Watchdog* none = nullptr;
   if (sigaction(SIGTERM, nullptr, &current) == 0 && current.sa_handler != SIG_IGN &&
@@ -100,6 +128,8 @@ Watchdog::Watchdog(double timeout_s, int world_rank) : timeout_s_(timeout_s), ra
 }
 
 Watchdog::~Watchdog() {
+  Watchdog* self = this;
+  g_stop_owner.compare_exchange_strong(self, nullptr);
   if (handles_sigterm_) {
     sigaction(SIGTERM, &g_previous_sigterm, nullptr);
     g_sigterm_owner.store(nullptr);
@@ -122,9 +152,13 @@ void Watchdog::end() { started_.store(0.0); }
 
 void Watchdog::loop() {
   std::unique_lock<std::mutex> lock(mu_);
-  const auto period = std::chrono::milliseconds(timeout_s_ < 2 ? 50 : 200);
+  const auto period = std::chrono::milliseconds(50);
   while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
     const double t0 = started_.load();
+    const double signal_at = signal_at_.load();
+    if (signal_at > 0 && t0 > 0 && now_s() - std::max(signal_at, t0) > kStuckAfterSignal) {
+      report_stuck_after_signal();
+    }
     if (t0 > 0 && now_s() - t0 > timeout_s_) {
       char timeout[32];
       std::snprintf(timeout, sizeof(timeout), "%g", timeout_s_);
@@ -137,6 +171,29 @@ void Watchdog::loop() {
       std::_Exit(1);  // MPI_Abort may not be called from this thread; the launcher ends the rest
     }
   }
+}
+
+void Watchdog::report_stuck_after_signal() {
+  if (stuck_reported_.exchange(true)) return;
+  static_assert(kStuckAfterSignal == 0.25, "the line names the value");
+  Line line;
+  add_collective(line, rank_, op_.load(), group_.load(), step_.load())
+      .add(" did not complete within 0.25 s of ")
+      .add(signal_name(signal_.load()))
+      .add(
+          " (another rank failed or was killed, or the job was cancelled); waiting for it, to "
+          "save the checkpoint if it completes")
+      .write_stderr();
+}
+
+void Watchdog::note_stop_signal(int sig) {
+  Watchdog* w = g_stop_owner.load();
+  if (!w) return;
+  w->signal_.store(sig);
+  const double now = now_s();
+  w->signal_at_.store(now);
+  const double t0 = w->started_.load();
+  if (t0 > 0 && now - t0 > 2 * kStuckAfterSignal) w->report_stuck_after_signal();
 }
 
 void Watchdog::on_sigterm(int sig) {
