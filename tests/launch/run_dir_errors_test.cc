@@ -4,8 +4,11 @@
 // Each ends the run with exit 1 and one line naming the file and the OS reason, and leaves no
 // half-written file: config.pbtxt is whole or absent, and metrics.jsonl ends with a complete line.
 // (A file-size limit cannot stand in for the full disk: it also limits MPI's shared-memory files.)
+// An async checkpoint write that fails is reported, leaves LATEST on the previous checkpoint and
+// makes the run exit 1 when no later save succeeds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -134,6 +137,63 @@ TEST_F(RunDirErrors, AConfigThatCannotBeWrittenLeavesNoFile) {
     names.push_back(e.path().filename().string());
   }
   EXPECT_EQ(names, std::vector<std::string>{"filler"});
+}
+
+// checkpoint.async on a disk with room for one checkpoint (252 KiB) but not two: the save of
+// step 2 commits; the background writes of steps 4 and 6 fail with ENOSPC, each reported in one
+// line while training goes on; their .tmp directories are removed, LATEST keeps naming step 2
+// (whole: it verifies), every step is logged, and the run exits 1 because nothing after step 2
+// was saved.
+TEST_F(RunDirErrors, AFailedAsyncSaveIsReportedAndNeverCorruptsLatest) {
+  const std::string run_dir = dir_.file("run"), out = dir_.file("left");
+  std::filesystem::create_directories(run_dir);
+  std::filesystem::create_directories(out);
+  if (run_command("unshare -m sh -c " +
+                      shell_quote("mount -t tmpfs -o size=8k tmpfs " + shell_quote(run_dir)),
+                  dir_)
+          .exit_code != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs in a private mount namespace here";
+  }
+  std::vector<std::string> args = kTiny;
+  args.insert(args.end(),
+              {"--set", "train.steps=6", "--set", "checkpoint.every=2", "--set",
+               "checkpoint.keep=1", "--set", "checkpoint.async=true", "--run-dir", run_dir});
+  const CommandResult r = run_command(
+      "unshare -m bash -c " +
+          shell_quote("mount -t tmpfs -o size=400k tmpfs " + shell_quote(run_dir) +
+                      " || exit 99; trap 'cp -a " + shell_quote(run_dir) + "/. " +
+                      shell_quote(out) + "' EXIT; " + command_line(KEEL_TRAIN_BIN, args)),
+      dir_);
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  const std::string ckpts = run_dir + "/checkpoints";
+  std::string expected;
+  for (int step : {4, 6}) {
+    expected += "keel-train: rank 0: checkpoint of step " + std::to_string(step) +
+                " not saved: " + ckpts + "/step_0000000" + std::to_string(step) +
+                ".tmp/shard_00000.bin: write failed: No space left on device (training goes on; "
+                "LATEST still names the previous checkpoint)\n";
+  }
+  expected +=
+      "keel-train: io error: the checkpoint of step 6 failed (see above) and no later one "
+      "succeeded: the run's last steps are not saved\n";
+  EXPECT_EQ(r.err, expected);
+  EXPECT_NE(r.out.find("keel-train: saved checkpoint " + ckpts + "/step_00000002 (async"),
+            std::string::npos)
+      << r.out;
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(out + "/checkpoints")) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"LATEST", "step_00000002"}));
+  EXPECT_EQ(read_file(out + "/checkpoints/LATEST"), "step_00000002\n");
+  const CommandResult v =
+      run_command(command_line(KEEL_CKPT_BIN, {"verify", out + "/checkpoints"}), dir_);
+  EXPECT_EQ(v.exit_code, 0) << v.out << v.err;
+  std::istringstream lines(read_file(out + "/metrics.jsonl"));
+  int n = 0;
+  for (std::string line; std::getline(lines, line);) ++n;
+  EXPECT_EQ(n, 6);
 }
 
 }  // namespace
