@@ -1,29 +1,55 @@
-// keel-ckpt: look at and check checkpoints without training.
+// keel-ckpt: look at, check and export checkpoints without training.
 //   keel-ckpt info PATH     step, tokens, the layout that wrote it, data fingerprints, and every
 //                           tensor with its shape and slices
 //   keel-ckpt verify PATH   every file size and every slice's XXH3 checksum and coverage
+//   keel-ckpt export PATH OUT_DIR
+//                           every parameter, whole and f32, into OUT_DIR/model.safetensors: under
+//                           Hugging Face GPT-2's names with OUT_DIR/config.json when the model is
+//                           GPT-2-shaped, under keel's names otherwise (checkpoints/EXPORT.md)
 // PATH is a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN, in
 // which case LATEST picks it. Exit codes: 0 fine; 2 bad usage or a bad checkpoint (one line
-// naming the file, the tensor and the reason); 1 anything else.
+// naming the file, the tensor and the reason); 1 anything else (an I/O failure writing OUT_DIR).
+// Export writes each file under a temporary name in OUT_DIR and renames it into place, so a
+// failure part-way leaves the previous export (or nothing) behind.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <charconv>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "checkpoints/checkpoint.h"
+#include "checkpoints/export.h"
 #include "framework/data/fingerprint.h"
 #include "framework/error.h"
+#include "framework/file_io.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using keel::ExportNaming;
+using keel::ExportPlan;
+using keel::ExportTensor;
+using keel::Gpt2Config;
 
 const char* kUsage =
-    "usage: keel-ckpt info PATH | keel-ckpt verify PATH\n"
+    "usage: keel-ckpt info PATH | keel-ckpt verify PATH | keel-ckpt export PATH OUT_DIR\n"
     "  PATH  a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN\n"
     "        (then LATEST names the checkpoint)\n"
     "  info    step, tokens, writer layout, data fingerprints, tensors and their slices\n"
-    "  verify  every file size and every slice checksum; exit 0 when all hold, 2 otherwise\n";
+    "  verify  every file size and every slice checksum; exit 0 when all hold, 2 otherwise\n"
+    "  export  every parameter, whole and f32, into OUT_DIR/model.safetensors (created if\n"
+    "          missing); a GPT-2-shaped model gets Hugging Face GPT-2 names and\n"
+    "          OUT_DIR/config.json (load with GPT2LMHeadModel.from_pretrained(OUT_DIR)),\n"
+    "          any other model keel's names (checkpoints/EXPORT.md)\n";
 
 // A checkpoint directory from what the user typed.
 std::string resolve(const std::string& path) {
@@ -38,7 +64,8 @@ std::string resolve(const std::string& path) {
   }
   // Not a checkpoint: let read_manifest name what is missing.
   KEEL_CHECK(fs::is_directory(path, ec), kUsage, path,
-             ": no such directory (expected a checkpoint directory or a run directory)");
+             fs::exists(path, ec) ? ": not a directory" : ": no such directory",
+             " (expected a checkpoint directory or a run directory)");
   return path;
 }
 
@@ -89,6 +116,179 @@ int verify(const std::string& dir) {
   return 0;
 }
 
+// ---- export ------------------------------------------------------------------------------------
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors and keel's shards are little-endian; export copies floats as they are");
+
+// A file written under a temporary name beside `path` and renamed over it by commit(); the
+// temporary is removed if commit() is never reached (an error part-way leaves nothing behind).
+class StagedFile {
+ public:
+  explicit StagedFile(std::string path) : path_(std::move(path)) {
+    tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    KEEL_CHECK(fd_ >= 0, kIo, tmp_, ": cannot create: ", std::strerror(errno));
+  }
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+  ~StagedFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  void write(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    for (size_t done = 0; done < n;) {
+      const ssize_t w = ::write(fd_, p + done, n - done);
+      if (w < 0 && errno == EINTR) continue;
+      KEEL_CHECK(w > 0, kIo, tmp_, ": write failed: ", std::strerror(w < 0 ? errno : ENOSPC));
+      done += static_cast<size_t>(w);
+    }
+    bytes_ += static_cast<int64_t>(n);
+  }
+  // fsync, rename over `path`, fsync the directory.
+  void commit() {
+    KEEL_CHECK(::fsync(fd_) == 0, kIo, tmp_, ": fsync failed: ", std::strerror(errno));
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    KEEL_CHECK(rc == 0, kIo, tmp_, ": write failed: ", std::strerror(errno));
+    KEEL_CHECK(::rename(tmp_.c_str(), path_.c_str()) == 0, kIo, path_,
+               ": cannot rename the temporary file into place: ", std::strerror(errno));
+    committed_ = true;
+    const int dfd = ::open(fs::path(path_).parent_path().c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+  int64_t bytes_ = 0;
+};
+
+// A float as the shortest decimal that reads back as it (1e-05f -> 1e-05, not 9.99999974e-06).
+double shortest_decimal(float f) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), f);
+  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+}
+
+// The safetensors header (github.com/huggingface/safetensors, "Format"): a JSON object mapping each
+// tensor's name to its dtype, shape and [begin, end) byte offsets in the data that follows (back
+// to back, no holes), plus "__metadata__" (string -> string); padded with spaces to a multiple
+// of 8 bytes so the data is aligned. The file is the header's length (u64, little-endian), the
+// header, the data.
+std::string safetensors_header(const ExportPlan& plan,
+                               const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json h;
+  h["__metadata__"] = metadata;
+  int64_t offset = 0;
+  for (const ExportTensor& t : plan.tensors) {
+    const int64_t bytes = keel::shape_numel(t.shape) * static_cast<int64_t>(sizeof(float));
+    h[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string s = h.dump();
+  s.append((8 - s.size() % 8) % 8, ' ');
+  return s;
+}
+
+// Hugging Face GPT2Config (transformers/models/gpt2/configuration_gpt2.py) for keel's model.
+std::string gpt2_config_json(const Gpt2Config& g) {
+  const nlohmann::ordered_json c = {
+      {"model_type", "gpt2"},
+      {"architectures", {"GPT2LMHeadModel"}},
+      {"vocab_size", g.vocab_size},
+      {"n_positions", g.n_positions},
+      {"n_embd", g.n_embd},
+      {"n_layer", g.n_layer},
+      {"n_head", g.n_head},
+      {"n_inner", g.n_inner},
+      {"activation_function", g.activation_function},
+      {"layer_norm_epsilon", shortest_decimal(g.layer_norm_epsilon)},
+      // keel scales q.k by 1/sqrt(head_dim) and nothing else.
+      {"scale_attn_weights", true},
+      {"scale_attn_by_inverse_layer_idx", false},
+      {"reorder_and_upcast_attn", false},
+      // keel trains without dropout.
+      {"resid_pdrop", 0.0},
+      {"embd_pdrop", 0.0},
+      {"attn_pdrop", 0.0},
+      {"tie_word_embeddings", true},
+      // keel's vocabulary has no special tokens (GPT2Config's default 50256 may not even exist).
+      {"bos_token_id", nullptr},
+      {"eos_token_id", nullptr},
+      {"torch_dtype", "float32"}};
+  return c.dump(2) + "\n";
+}
+
+int export_checkpoint(const std::string& dir, const std::string& out_dir) {
+  const keel::ckpt::Manifest m = keel::read_manifest(dir);
+  const ExportPlan plan = keel::plan_export(dir, m);
+  std::error_code ec;
+  const bool existed = fs::exists(out_dir, ec);
+  if (existed) {
+    KEEL_CHECK(fs::is_directory(out_dir, ec), kUsage, out_dir,
+               ": exists and is not a directory (OUT_DIR is the directory model.safetensors is "
+               "written to)");
+  } else {
+    fs::create_directories(out_dir, ec);
+    KEEL_CHECK(!ec, kIo, out_dir, ": cannot create: ", ec.message());
+  }
+  const bool gpt2 = plan.naming == ExportNaming::kGpt2;
+  const std::string model_path = out_dir + "/model.safetensors";
+  const std::string config_path = out_dir + "/config.json";
+  int64_t params = 0, bytes = 0;
+  bool removed_config = false;
+  try {
+    const std::map<std::string, std::string> metadata = {
+        {"format", "pt"},  // transformers refuses a safetensors file without it
+        {"keel.step", std::to_string(m.step())},
+        {"keel.checkpoint_format_version", std::to_string(m.format_version())},
+        {"keel.source", fs::absolute(dir).lexically_normal().string()},
+        {"keel.naming", gpt2 ? "gpt2" : "keel"},
+        {"keel.vocab_size", std::to_string(m.config().model().vocab_size())}};
+    const std::string header = safetensors_header(plan, metadata);
+    StagedFile file(model_path);
+    const uint64_t header_len = header.size();
+    file.write(&header_len, sizeof(header_len));
+    file.write(header.data(), header.size());
+    for (const ExportTensor& t : plan.tensors) {
+      const std::vector<float> values = keel::export_values(dir, m, t);
+      file.write(values.data(), values.size() * sizeof(float));
+      params += static_cast<int64_t>(values.size());
+    }
+    file.commit();
+    bytes = file.bytes();
+    if (gpt2) {
+      keel::write_file_atomic(config_path, gpt2_config_json(plan.gpt2));
+    } else if (fs::exists(config_path, ec)) {
+      // An earlier GPT-2 export's config.json would describe tensors this file no longer has.
+      fs::remove(config_path, ec);
+      KEEL_CHECK(!ec, kIo, config_path,
+                 ": cannot remove the config.json of an earlier export: ", ec.message());
+      removed_config = true;
+    }
+  } catch (...) {
+    if (!existed) fs::remove(out_dir, ec);  // only when still empty
+    throw;
+  }
+  if (!gpt2) {
+    std::printf("keel names, no config.json%s: not GPT-2-shaped: %s\n",
+                removed_config ? " (removed the earlier one)" : "", plan.not_gpt2.c_str());
+  }
+  const std::string what = gpt2 ? " (GPT-2 names) and " + config_path : " (keel names)";
+  std::printf("exported step %lld of %s: %zu tensors, %lld parameters, %lld bytes -> %s%s\n",
+              static_cast<long long>(m.step()), dir.c_str(), plan.tensors.size(),
+              static_cast<long long>(params), static_cast<long long>(bytes), model_path.c_str(),
+              what.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,9 +298,10 @@ int main(int argc, char** argv) {
       std::printf("%s", kUsage);
       return 0;
     }
-    KEEL_CHECK(argc == 3 && (cmd == "info" || cmd == "verify"), kUsage,
-               "expected 'info PATH' or 'verify PATH' (see --help)");
+    KEEL_CHECK((argc == 3 && (cmd == "info" || cmd == "verify")) || (argc == 4 && cmd == "export"),
+               kUsage, "expected 'info PATH', 'verify PATH' or 'export PATH OUT_DIR' (see --help)");
     const std::string dir = resolve(argv[2]);
+    if (cmd == "export") return export_checkpoint(dir, argv[3]);
     return cmd == "info" ? info(dir) : verify(dir);
   } catch (const keel::Error& e) {
     std::fprintf(stderr, "keel-ckpt: %s: %s\n", keel::error_kind_name(e.kind()), e.what());

@@ -11,6 +11,10 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgtest-dev
   libxxhash-dev              # XXH3: data fingerprints, checkpoint checksums
+  nlohmann-json3-dev         # keel-ckpt export: the safetensors header and config.json
+  python3-venv python3-pip   # tests/run's venv for the export test (safetensors, transformers)
+  python3-torch              # PyTorch for that venv (--system-site-packages): the export test
+                             # loads the exported model with transformers and compares logits
 )
 
 missing=()

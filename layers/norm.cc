@@ -28,7 +28,7 @@ kernels::NormShape Norm::shape(int64_t B) const {
 void Norm::forward(const float* x, float* y, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
   kernels::norm_forward(op_, shape(B), y, x, ps_.param(w_), b_ >= 0 ? ps_.param(b_) : nullptr,
-                        mean_.f32(), rstd_.f32(), 1e-5f);
+                        mean_.f32(), rstd_.f32(), kBlockNormEps);
 }
 
 void Norm::backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B) {

@@ -10,6 +10,10 @@
 
 namespace keel {
 
+// Epsilon of the block and final norms, added to the variance (LayerNorm) or the mean square
+// (RMSNorm) inside the square root. keel-ckpt export writes it as GPT-2's layer_norm_epsilon.
+inline constexpr float kBlockNormEps = 1e-5f;
+
 class Norm {
  public:
   Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);

@@ -1,0 +1,296 @@
+// keel-ckpt export through the real binaries, checked by tests/launch/export_check.py with the
+// real safetensors and transformers libraries:
+//   - a GPT-2-shaped model trained at TP2xDP2 with ZeRO-1 exports Hugging Face GPT-2 names and a
+//     config.json; GPT2LMHeadModel.from_pretrained(OUT_DIR) loads it with no missing or unexpected
+//     weights and its logits on fixed tokens equal keel's to 1e-5 (absolute), every exported
+//     tensor equals the checkpoint's parameter bit for bit in GPT-2's layout, and the vocabulary
+//     padding of the TP2 layout (300 -> 384 rows) is gone;
+//   - a model GPT-2 cannot express (RMS QK-norm, RMSNorm, untied head) exports keel's names with
+//     the same bit-for-bit values, no config.json, and a line naming each field that decided it;
+//   - bad input (not a checkpoint, a flipped byte in a parameter slice, OUT_DIR a regular file,
+//     a missing argument) exits 2 with one line naming the file and the reason, and leaves no
+//     model.safetensors, no temporary file, and an earlier export untouched.
+// keel's side of each comparison is the checkpoint loaded by load_checkpoint into a one-process
+// model: its parameters (written out raw) and its logits on the same tokens.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoints/checkpoint.h"
+#include "checkpoints/train_state.h"
+#include "framework/optim/optimizer.h"
+#include "layers/gpt.h"
+#include "parallel/zero_partition.h"
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::command_line;
+using testing::CommandResult;
+using testing::read_file;
+using testing::run_command;
+using testing::shell_quote;
+using testing::TempDir;
+
+// Not a multiple of 64 x 2: the TP2 layout stores 384 vocabulary rows and export keeps 300.
+constexpr int kVocab = 300;
+constexpr int kBatch = 2, kSeqLen = 16;
+
+// A small job; `extra` picks the model. A large init_std and learning rate make every weight
+// and bias matter to the logits (a misplaced bias or a wrong GELU shows far above 1e-5).
+std::vector<std::string> job(const std::string& run_dir, std::vector<std::string> extra) {
+  std::vector<std::string> args = {"--set",     "model.vocab_size=" + std::to_string(kVocab),
+                                   "--set",     "model.seq_len=" + std::to_string(kSeqLen),
+                                   "--set",     "model.d_model=32",
+                                   "--set",     "model.n_heads=4",
+                                   "--set",     "model.init_std=0.2",
+                                   "--set",     "train.global_batch=4",
+                                   "--set",     "data.builtin_bytes=50000",
+                                   "--set",     "train.eval_every=0",
+                                   "--set",     "train.sample_chars=0",
+                                   "--set",     "train.threads=1",
+                                   "--set",     "optim.lr=1e-2",
+                                   "--set",     "optim.warmup_steps=0",
+                                   "--run-dir", run_dir};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// keel-train on `ranks` processes (1: no mpiexec).
+CommandResult train(const TempDir& dir, int ranks, const std::vector<std::string>& args) {
+  std::string cmd = command_line(KEEL_TRAIN_BIN, args);
+  if (ranks > 1) {
+    cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " +
+          shell_quote(KEEL_MPIEXEC) + " -n " + std::to_string(ranks) +
+          " --oversubscribe --bind-to none " + cmd;
+  }
+  return run_command(cmd, dir);
+}
+
+CommandResult ckpt(const TempDir& dir, const std::vector<std::string>& args) {
+  return run_command(command_line(KEEL_CKPT_BIN, args), dir);
+}
+
+// Runs export_check.py; a missing venv is a failure, never a skip.
+CommandResult check_export(const TempDir& dir, const std::string& naming, const std::string& out,
+                           const std::string& ref) {
+  const bool have_python = fs::exists(KEEL_TEST_PYTHON);
+  EXPECT_TRUE(have_python) << KEEL_TEST_PYTHON
+                           << " is missing: run tests/run, which makes the venv this test needs";
+  if (!have_python) return {};
+  const std::string script = std::string(KEEL_SOURCE_DIR) + "/tests/launch/export_check.py";
+  return run_command(command_line(KEEL_TEST_PYTHON, {script, naming, out, ref}), dir);
+}
+
+// Writes keel's side into `ref`: the checkpoint in `ckpt_dir` loaded into a one-process model,
+// its parameters (ref.txt lists "param NAME DIMS..."; param_<i>.f32 holds the i-th), fixed tokens
+// (tokens.i32, [B, T], "tokens B T" in ref.txt) and the model's logits on them (logits.f32, [B, T,
+// vocab_size]).
+void write_reference(const std::string& ckpt_dir, const std::string& ref) {
+  fs::create_directories(ref);
+  const ckpt::Manifest m = read_manifest(ckpt_dir);
+  config::KeelConfig cfg = m.config();
+  const int64_t V = cfg.model().vocab_size();
+  // One process stores exactly vocab_size rows; the writer's layout padded them. A model of the
+  // padded vocabulary loads the checkpoint as it is, and for tokens < V its first V logits are
+  // the model's (the padding rows are never looked up).
+  int64_t rows = 0;
+  for (const ckpt::TensorRecord& t : m.tensors()) {
+    if (t.name() == "wte" && t.kind() == ckpt::PARAM) rows = t.shape(0);
+  }
+  ASSERT_GT(rows, V) << "the test wants a padded vocabulary";
+  cfg.mutable_model()->set_vocab_size(static_cast<int32_t>(rows));
+  cfg.mutable_parallel()->set_tp(1);
+  cfg.mutable_parallel()->set_zero_stage(0);
+  std::unique_ptr<Communicator> tp_holder, dp_holder;
+  const Topology topo = Topology::single(tp_holder, dp_holder);
+  GPT model(cfg, topo, kBatch);
+  ParamStore& ps = model.params();
+  AdamW opt(cfg.optim(), ps.total_elems(), {{0, ps.total_elems(), true}});
+  TrainState state(ps, opt, ZeroPartition(ps.total_elems(), 1, 0, false));
+  load_checkpoint(ckpt_dir, state);
+
+  std::string listing = "vocab " + std::to_string(V) + "\n";
+  for (int id = 0; id < ps.size(); ++id) {
+    const ParamInfo& info = ps.info(id);
+    // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on `" " + std::to_string(d)`.
+    listing += "param ";
+    listing += info.spec.name;
+    for (int64_t d : info.spec.logical) {
+      listing += ' ';
+      listing += std::to_string(d);
+    }
+    listing += '\n';
+    testing::write_file(ref + "/param_" + std::to_string(id) + ".f32",
+                        std::string(reinterpret_cast<const char*>(ps.param(id)),
+                                    static_cast<size_t>(info.numel()) * sizeof(float)));
+  }
+  listing += "tokens " + std::to_string(kBatch) + " " + std::to_string(kSeqLen) + "\n";
+  testing::write_file(ref + "/ref.txt", listing);
+
+  std::vector<int32_t> tokens(kBatch * kSeqLen);
+  for (int i = 0; i < kBatch * kSeqLen; ++i) tokens[i] = (i * 67 + 5) % V;
+  tokens[3] = static_cast<int32_t>(V - 1);  // the last real row
+  model.forward(tokens.data(), nullptr, kBatch);
+  std::vector<float> logits;
+  for (int i = 0; i < kBatch * kSeqLen; ++i) {
+    logits.insert(logits.end(), model.logits() + i * rows, model.logits() + i * rows + V);
+  }
+  testing::write_file(ref + "/tokens.i32", std::string(reinterpret_cast<const char*>(tokens.data()),
+                                                       tokens.size() * sizeof(int32_t)));
+  testing::write_file(ref + "/logits.f32", std::string(reinterpret_cast<const char*>(logits.data()),
+                                                       logits.size() * sizeof(float)));
+}
+
+// Names in `dir` other than `keep` (temporary files, half-written exports).
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.push_back(e.path().filename());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(CkptExport, Gpt2ShapedModelLoadsInTransformersWithKeelsLogits) {
+  TempDir dir("keel_export_gpt2");
+  const std::string run = dir.file("run"), out = dir.file("hf"), ref = dir.file("ref");
+  const CommandResult t =
+      train(dir, 4,
+            job(run, {"--set", "model.qk_norm=NONE", "--set", "model.n_layers=2", "--set",
+                      "model.d_ff=48", "--set", "model.max_positions=24", "--set", "train.steps=4",
+                      "--set", "checkpoint.every=2", "--set", "parallel.tp=2", "--set",
+                      "parallel.zero_stage=1"}));
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  const std::string step4 = run + "/checkpoints/step_00000004";
+
+  const CommandResult e = ckpt(dir, {"export", run, out});  // the run directory: LATEST
+  ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+  // 2 embeddings + 12 per block + ln_f's 2; the tied LM head has no tensor of its own.
+  EXPECT_EQ(e.out, "exported step 4 of " + step4 + ": 28 tensors, " + "25440 parameters, " +
+                       std::to_string(fs::file_size(out + "/model.safetensors")) + " bytes -> " +
+                       out + "/model.safetensors (GPT-2 names) and " + out + "/config.json\n");
+  EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors"}));
+
+  write_reference(step4, ref);
+  const CommandResult c = check_export(dir, "gpt2", out, ref);
+  ASSERT_EQ(c.exit_code, 0) << c.out << c.err;
+  std::printf("%s", c.out.c_str());
+  // The script asserts the bound itself; read the figure back so a script that stopped
+  // comparing cannot pass.
+  const size_t at = c.out.find("max |logit difference| = ");
+  ASSERT_NE(at, std::string::npos) << c.out;
+  const double diff = std::stod(c.out.substr(at + 25));
+  EXPECT_LE(diff, 1e-5);
+  RecordProperty("max_logit_abs_diff", std::to_string(diff));
+}
+
+TEST(CkptExport, OtherModelsExportKeelNamesAndSayWhy) {
+  TempDir dir("keel_export_keel");
+  const std::string run = dir.file("run"), out = dir.file("out"), ref = dir.file("ref");
+  const CommandResult t =
+      train(dir, 2,
+            job(run, {"--set", "model.qk_norm=RMS", "--set", "model.qk_norm_scope=HEAD", "--set",
+                      "model.norm=RMSNORM", "--set", "model.tie_embeddings=false", "--set",
+                      "model.n_layers=1", "--set", "train.steps=2", "--set", "checkpoint.every=2",
+                      "--set", "parallel.tp=2"}));
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  const std::string step2 = run + "/checkpoints/step_00000002";
+  // An earlier GPT-2 export's config.json would describe tensors the new file does not have.
+  fs::create_directories(out);
+  testing::write_file(out + "/config.json", "{}\n");
+
+  const CommandResult e = ckpt(dir, {"export", step2, out});
+  ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+  EXPECT_EQ(e.out.substr(0, e.out.find('\n') + 1),
+            "keel names, no config.json (removed the earlier one): not GPT-2-shaped: "
+            "model.qk_norm=RMS (GPT-2 has no QK-norm); model.norm=RMSNORM (GPT-2 uses "
+            "LayerNorm); model.tie_embeddings=false (GPT-2 ties the LM head to the token "
+            "embedding)\n");
+  EXPECT_TRUE(contains(e.out, " (keel names)\n")) << e.out;
+  EXPECT_EQ(entries(out), (std::vector<std::string>{"model.safetensors"}));
+
+  write_reference(step2, ref);
+  const CommandResult c = check_export(dir, "keel", out, ref);
+  EXPECT_EQ(c.exit_code, 0) << c.out << c.err;
+}
+
+TEST(CkptExport, BadInputExits2AndLeavesNothingHalfWritten) {
+  TempDir dir("keel_export_errors");
+  const std::string run = dir.file("run"), out = dir.file("out");
+  const CommandResult t =
+      train(dir, 1,
+            job(run, {"--set", "model.qk_norm=NONE", "--set", "model.n_layers=1", "--set",
+                      "train.steps=1", "--set", "checkpoint.every=1"}));
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  const std::string step1 = run + "/checkpoints/step_00000001";
+  // Expects exit 2 and one stderr line starting `prefix` and holding `reason`.
+  auto refused = [&](const std::vector<std::string>& args, const std::string& prefix,
+                     const std::string& reason) {
+    const CommandResult r = ckpt(dir, args);
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_EQ(r.err.rfind(prefix, 0), 0u) << r.err;
+    EXPECT_TRUE(contains(r.err, reason)) << r.err;
+    EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line: " << r.err;
+    EXPECT_EQ(r.out, "");
+  };
+
+  // Not a checkpoint: an empty directory and a regular file. OUT_DIR is not even created.
+  fs::create_directories(dir.file("empty"));
+  refused({"export", dir.file("empty"), out},
+          "keel-ckpt: data error: " + dir.file("empty") + "/manifest.pb: ", "missing");
+  const std::string note = dir.write("note.txt", "hello\n");
+  refused({"export", note, out}, "keel-ckpt: usage error: " + note + ": not a directory", "");
+  EXPECT_FALSE(fs::exists(out));
+  refused({"export", step1}, "keel-ckpt: usage error: ", "export PATH OUT_DIR");
+
+  // OUT_DIR is a regular file: left as it was.
+  const std::string file_out = dir.write("out.txt", "keep me\n");
+  refused({"export", step1, file_out}, "keel-ckpt: usage error: " + file_out + ": ",
+          "is not a directory");
+  EXPECT_EQ(read_file(file_out), "keep me\n");
+
+  // A good export, then a flipped byte in a parameter slice: the second export fails on it and
+  // leaves the first one's file as it was, with no temporary beside it.
+  const CommandResult good = ckpt(dir, {"export", step1, out});
+  ASSERT_EQ(good.exit_code, 0) << good.out << good.err;
+  const std::string before = read_file(out + "/model.safetensors");
+  const ckpt::Manifest m = read_manifest(step1);
+  const ckpt::Slice* slice = nullptr;
+  for (const ckpt::TensorRecord& rec : m.tensors()) {
+    if (rec.name() == "blocks.0.mlp.fc.weight" && rec.kind() == ckpt::PARAM) {
+      slice = &rec.slices(0);
+    }
+  }
+  ASSERT_NE(slice, nullptr);
+  const std::string shard = step1 + "/" + slice->file();
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(slice->offset() + 5);
+    const char c = static_cast<char>(f.get());
+    f.seekp(slice->offset() + 5);
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  refused({"export", step1, out}, "keel-ckpt: data error: " + shard + ": tensor ",
+          "checksum mismatch");
+  EXPECT_EQ(read_file(out + "/model.safetensors"), before);
+  EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  // Into a new directory: nothing is left, not even the directory.
+  refused({"export", step1, dir.file("fresh")}, "keel-ckpt: data error: " + shard,
+          "checksum mismatch");
+  EXPECT_FALSE(fs::exists(dir.file("fresh")));
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Checks a `keel-ckpt export` directory against keel's own view of the checkpoint.
+
+usage: export_check.py gpt2|keel OUT_DIR REF_DIR
+
+OUT_DIR is what keel-ckpt export wrote. REF_DIR is what tests/launch/ckpt_export_test.cc wrote
+from the checkpoint loaded into a one-process keel model:
+  ref.txt        "vocab V", then "param NAME DIMS..." per parameter in order, then "tokens B T"
+  param_<i>.f32  the i-th parameter, raw little-endian float32
+  tokens.i32     [B, T] token ids
+  logits.f32     [B, T, V] keel's logits on those tokens
+
+Checks, for both namings:
+  - the file against the safetensors format itself (8-byte little-endian header length, a JSON
+    header padded with spaces to a multiple of 8, string-only __metadata__, F32 tensors whose
+    data_offsets tile the data exactly), then loaded by the real `safetensors` library;
+  - every tensor bit for bit against keel's parameter, mapped here independently of keel's code
+    (keel names: as stored, vocabulary padding dropped; GPT-2 names: Conv1D weights transposed);
+  - the vocabulary padding is gone (the reference has more rows than vocab_size).
+gpt2 also: config.json's fields, GPT2LMHeadModel.from_pretrained(OUT_DIR) with no missing,
+unexpected or mismatched weights and the LM head tied to wte, and its logits on the same tokens
+against keel's: max absolute difference <= 1e-5 (printed). As a control that the comparison can
+tell, the same weights with the erf GELU must differ by more than that.
+Exit status 0 when every check holds, 1 otherwise (each failure printed).
+"""
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+TOLERANCE = 1e-5  # absolute, on logits
+failures = []
+
+
+def check(cond, message):
+    if not cond:
+        failures.append(message)
+        print("FAIL: " + message)
+    return cond
+
+
+def read_reference(ref_dir):
+    params, vocab, tokens_shape = {}, None, None
+    with open(os.path.join(ref_dir, "ref.txt")) as f:
+        index = 0
+        for line in f:
+            parts = line.split()
+            if parts[0] == "vocab":
+                vocab = int(parts[1])
+            elif parts[0] == "tokens":
+                tokens_shape = (int(parts[1]), int(parts[2]))
+            elif parts[0] == "param":
+                shape = tuple(int(d) for d in parts[2:])
+                data = np.fromfile(os.path.join(ref_dir, "param_%d.f32" % index), dtype="<f4")
+                params[parts[1]] = data.reshape(shape)
+                index += 1
+    return vocab, tokens_shape, params
+
+
+def check_format(path):
+    """The file against the format (github.com/huggingface/safetensors README, "Format")."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n]
+    data = raw[8 + n :]
+    check(n % 8 == 0, "header length %d is not a multiple of 8" % n)
+    check(header[:1] == b"{", "header does not begin with '{'")
+    text = header.decode("utf-8")
+    check(text.rstrip(" ").endswith("}"), "header padding is not spaces")
+    h = json.loads(text)
+    meta = h.pop("__metadata__", None)
+    check(isinstance(meta, dict), "no __metadata__")
+    meta = meta or {}
+    check(all(isinstance(v, str) for v in meta.values()), "__metadata__ values must be strings")
+    for key in ("format", "keel.step", "keel.checkpoint_format_version", "keel.source"):
+        check(key in meta, "__metadata__ lacks %s" % key)
+    check(meta.get("format") == "pt", "__metadata__ format is not 'pt' (transformers wants it)")
+    end = 0
+    for name, e in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, stop = e["data_offsets"]
+        check(e["dtype"] == "F32", "%s: dtype %s" % (name, e["dtype"]))
+        check(begin == end, "%s: data_offsets start at %d, not %d" % (name, begin, end))
+        size = 4 * int(np.prod(e["shape"]))
+        check(stop - begin == size, "%s: %d bytes for shape %s" % (name, stop - begin, e["shape"]))
+        end = stop
+    check(end == len(data), "tensors cover %d bytes of %d of data" % (end, len(data)))
+    return meta
+
+
+def expected_keel(vocab, ref):
+    out = {}
+    for name, t in ref.items():
+        out[name] = t[:vocab] if name in ("wte", "lm_head.weight") else t
+    return out
+
+
+def expected_gpt2(vocab, ref):
+    out = {"transformer.wte.weight": ref["wte"][:vocab], "transformer.wpe.weight": ref["wpe"]}
+    layers = 0
+    while "blocks.%d.ln1.weight" % layers in ref:
+        layers += 1
+    for l in range(layers):
+        k, h = "blocks.%d." % l, "transformer.h.%d." % l
+        qkv = ref[k + "attn.qkv.weight"]  # [3, H, D, C]
+        out[h + "ln_1.weight"] = ref[k + "ln1.weight"]
+        out[h + "ln_1.bias"] = ref[k + "ln1.bias"]
+        out[h + "attn.c_attn.weight"] = qkv.reshape(-1, qkv.shape[-1]).T  # Conv1D: [in, out]
+        out[h + "attn.c_attn.bias"] = ref[k + "attn.qkv.bias"].reshape(-1)
+        out[h + "attn.c_proj.weight"] = ref[k + "attn.proj.weight"].T
+        out[h + "attn.c_proj.bias"] = ref[k + "attn.proj.bias"]
+        out[h + "ln_2.weight"] = ref[k + "ln2.weight"]
+        out[h + "ln_2.bias"] = ref[k + "ln2.bias"]
+        out[h + "mlp.c_fc.weight"] = ref[k + "mlp.fc.weight"].T
+        out[h + "mlp.c_fc.bias"] = ref[k + "mlp.fc.bias"]
+        out[h + "mlp.c_proj.weight"] = ref[k + "mlp.proj.weight"].T
+        out[h + "mlp.c_proj.bias"] = ref[k + "mlp.proj.bias"]
+    out["transformer.ln_f.weight"] = ref["ln_f.weight"]
+    out["transformer.ln_f.bias"] = ref["ln_f.bias"]
+    return out, layers
+
+
+def check_tensors(got, want):
+    extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    check(not extra and not missing, "tensor names differ: extra %s, missing %s" % (extra, missing))
+    for name in sorted(set(got) & set(want)):
+        g, w = got[name], np.ascontiguousarray(want[name])
+        same_kind = g.dtype == np.float32 and g.shape == w.shape
+        if check(same_kind, "%s: %s %s, want float32 %s" % (name, g.dtype, g.shape, w.shape)):
+            same = np.array_equal(g.view(np.uint32), w.view(np.uint32))
+            check(same, "%s: values differ from keel's (bitwise)" % name)
+
+
+def check_transformers(out_dir, vocab, tokens_shape, ref, layers, ref_dir):
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads = ref["blocks.0.attn.qkv.weight"].shape[1]
+    want = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+        "n_positions": ref["wpe"].shape[0], "n_embd": ref["wpe"].shape[1], "n_layer": layers,
+        "n_head": heads, "n_inner": ref["blocks.0.mlp.fc.weight"].shape[0],
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
+    }
+    for key, value in want.items():
+        check(cfg.get(key) == value, "config.json %s = %r, want %r" % (key, cfg.get(key), value))
+
+    model, info = GPT2LMHeadModel.from_pretrained(out_dir, output_loading_info=True)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        check(not info.get(key), "from_pretrained %s: %s" % (key, info.get(key)))
+    tied = model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    check(tied, "lm_head is not tied to wte")
+    model.eval()
+    tokens = np.fromfile(os.path.join(ref_dir, "tokens.i32"), dtype="<i4")
+    tokens = tokens.reshape(tokens_shape)
+    keel_logits = np.fromfile(os.path.join(ref_dir, "logits.f32"), dtype="<f4")
+    keel_logits = keel_logits.reshape(tokens_shape + (vocab,))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+    hf = logits(model)
+    check(hf.shape == keel_logits.shape, "logits %s, keel's %s" % (hf.shape, keel_logits.shape))
+    diff = float(np.max(np.abs(hf - keel_logits)))
+    largest = float(np.max(np.abs(keel_logits)))
+    print("max |logit difference| = %.3g (absolute; bound %g; max |logit| = %.3g)"
+          % (diff, TOLERANCE, largest))
+    check(diff <= TOLERANCE, "logits differ from keel's by %.3g > %g" % (diff, TOLERANCE))
+    # Control: the comparison tells the tanh GELU (keel's) from the erf one.
+    erf = GPT2LMHeadModel.from_pretrained(out_dir, activation_function="gelu")
+    erf.eval()
+    erf_diff = float(np.max(np.abs(logits(erf) - keel_logits)))
+    print("control: erf GELU differs by %.3g" % erf_diff)
+    check(erf_diff > 10 * TOLERANCE,
+          "the erf GELU's logits differ by only %.3g: the comparison cannot tell" % erf_diff)
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[1] not in ("gpt2", "keel"):
+        sys.exit(__doc__)
+    naming, out_dir, ref_dir = sys.argv[1:]
+    vocab, tokens_shape, ref = read_reference(ref_dir)
+    check(ref["wte"].shape[0] > vocab, "the reference has no vocabulary padding to drop")
+    path = os.path.join(out_dir, "model.safetensors")
+    meta = check_format(path)
+    check(meta.get("keel.naming") == naming, "keel.naming = %r" % meta.get("keel.naming"))
+    from safetensors.numpy import load_file
+
+    got = load_file(path)
+    if naming == "keel":
+        config = os.path.join(out_dir, "config.json")
+        check(not os.path.exists(config), "config.json written for a non-GPT-2 model")
+        check_tensors(got, expected_keel(vocab, ref))
+    else:
+        want, layers = expected_gpt2(vocab, ref)
+        check_tensors(got, want)
+        check_transformers(out_dir, vocab, tokens_shape, ref, layers, ref_dir)
+    print("%d tensors checked, %d failures" % (len(got), len(failures)))
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
