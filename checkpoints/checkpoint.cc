@@ -686,16 +686,27 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
                  " is not in the checkpoint (the model config changed?)");
       const ckpt::TensorRecord& rec = *it->second;
       const Shape shape(rec.shape().begin(), rec.shape().end());
-      KEEL_CHECK(shape == info.spec.logical, kData, dir, "/manifest.pb: ", what, " has shape ",
-                 shape_str(shape), " in the checkpoint but ", shape_str(info.spec.logical),
+      KEEL_CHECK(loadable_shape(info.spec, shape), kData, dir, "/manifest.pb: ", what,
+                 " has shape ", shape_str(shape), " in the checkpoint but ",
+                 shape_str(info.spec.logical),
                  " in this config (a shape-determining model field changed)");
       // What this rank needs: its TP block, and of it [need_begin, need_begin + need_n).
       const Block tb = block_of(info);
       const int64_t need_begin = kind == ckpt::PARAM ? 0 : p.moments.offset - p.values.offset;
-      const int64_t need_n = kind == ckpt::PARAM ? p.values.n : p.moments.n;
+      int64_t need_n = kind == ckpt::PARAM ? p.values.n : p.moments.n;
       if (need_n == 0) continue;
       target.assign(static_cast<size_t>(p.values.n), 0.0f);
-      gather_block(reader, dir, rec, info.spec.shard_dim, tb, need_begin, need_n, target.data());
+      if (shape[0] < info.spec.logical[0]) {
+        // Padded rows the checkpoint lacks stay zero: read only the rows it has. Dim 0 is the
+        // outermost, so they are a prefix of this rank's block.
+        const int64_t row = p.values.n / info.local[0];
+        const int64_t first = tb.dim == 0 ? tb.begin : 0;
+        const int64_t have = std::clamp<int64_t>(shape[0] - first, 0, info.local[0]) * row;
+        need_n = std::max<int64_t>(0, std::min(need_begin + need_n, have) - need_begin);
+      }
+      if (need_n > 0) {
+        gather_block(reader, dir, rec, info.spec.shard_dim, tb, need_begin, need_n, target.data());
+      }
       if (kind == ckpt::PARAM) {
         state.write_values(p, target.data());
       } else {
@@ -713,6 +724,15 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
     state.guard.skipped.push_back({r.first_sample(), r.n(), r.step()});
   }
   return m;
+}
+
+bool loadable_shape(const ParamSpec& spec, const Shape& stored) {
+  if (stored == spec.logical) return true;
+  if (spec.valid_rows <= 0 || stored.size() != spec.logical.size() || stored.empty()) return false;
+  for (size_t i = 1; i < stored.size(); ++i) {
+    if (stored[i] != spec.logical[i]) return false;
+  }
+  return stored[0] >= spec.valid_rows;
 }
 
 std::vector<float> read_logical_tensor(const std::string& dir, const ckpt::Manifest& m,

@@ -121,6 +121,10 @@ class AsyncCheckpointWriter {
   std::thread thread_;
 };
 
+// Whether a checkpoint tensor of shape `stored` loads into parameter `spec`: the same shape, or,
+// for a vocab-padded parameter (spec.valid_rows > 0), one that differs only in its padded rows.
+bool loadable_shape(const ParamSpec& spec, const Shape& stored);
+
 // Reads `dir`/manifest.pb. Throws kData naming the file when it is missing, unreadable, not a
 // manifest, or of a format version newer than kCheckpointFormatVersion.
 ckpt::Manifest read_manifest(const std::string& dir);

@@ -129,7 +129,7 @@ std::string Trainer::check_checkpoint(const std::string& dir) const {
     if (it == shapes.end()) {
       return "it has no tensor " + p.info->spec.name + " (the model config changed)";
     }
-    if (it->second != p.info->spec.logical) {
+    if (!loadable_shape(p.info->spec, it->second)) {
       return "tensor " + p.info->spec.name + " has shape " + shape_str(it->second) + " there but " +
              shape_str(p.info->spec.logical) +
              " in this config (a shape-determining model field changed)";

@@ -106,7 +106,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   const ModelDims& d = ctx_.dims;
 
   // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
-  wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+  wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
   wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
   for (int64_t l = 0; l < d.L; ++l) {
     const int first = ps_.size();
@@ -116,7 +116,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   const int head_first = ps_.size();
   ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
   if (!d.tied) {
-    lm_head_ = ps_.add({"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+    lm_head_ = ps_.add(
+        {"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
   }
   head_params_ = {head_first, ps_.size()};
   // The arena is padded to a multiple of dp so ZeRO-1 can split it evenly.

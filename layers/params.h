@@ -24,6 +24,10 @@ struct ParamSpec {
   // Replicated across TP ranks but each rank's gradient covers only its heads (a gain shared by
   // all heads): the gradient is all-reduced over TP once per step.
   bool tp_partial_grad = false;
+  // > 0: dim 0 is padded past this many rows for the TP layout (Note [vocab padding]); rows from
+  // here on never affect the loss, so a checkpoint with another padding loads (rows it lacks are
+  // zero, rows beyond this model's are dropped).
+  int64_t valid_rows = 0;
 };
 
 struct ParamInfo {
