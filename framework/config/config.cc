@@ -92,6 +92,7 @@ checkpoint {
   every: 0
   keep: 3
   keep_every: 0
+  async: false
 }
 spike {
   enabled: false
