@@ -97,6 +97,10 @@ checkpoint {
 spike {
   enabled: false
 }
+alert {
+  command: ""
+  timeout_s: 10
+}
 debug {
   inject_spike_at_step: 0
   inject_nan_at_step: 0
@@ -639,6 +643,12 @@ void validate(KeelConfig& cfg) {
              "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
              " must be >= 0 (0: never)");
   // Fields whose feature is not built yet: accepting them would look as if they did something.
+  KEEL_CHECK(cfg.alert().timeout_s() > 0 && cfg.alert().timeout_s() <= 3600, kConfig,
+             "alert.timeout_s=", cfg.alert().timeout_s(),
+             " must be in (0, 3600] seconds (a hook still running after it is killed)");
+  KEEL_CHECK(cfg.alert().command().empty(), kConfig,
+             "alert.command: alert hooks are not built yet (they need the spike guard; leave it "
+             "empty)");
   KEEL_CHECK(!cfg.spike().enabled(), kConfig,
              "spike.enabled=true: the spike guard is not built yet (leave it false)");
   KEEL_CHECK(cfg.debug().inject_spike_at_step() == 0, kConfig,
