@@ -424,6 +424,15 @@ ckpt::Manifest manifest_header(const TrainState& state, const config::KeelConfig
     s->set_n(r.n);
     s->set_step(r.step);
   }
+  const GuardState& g = state.guard;
+  ckpt::GuardRecord* gr = m.mutable_guard();
+  for (double v : g.loss_history) gr->add_loss_history(v);
+  for (double v : g.grad_history) gr->add_grad_history(v);
+  gr->set_streak(g.streak);
+  gr->set_streak_first(g.streak_first);
+  gr->set_streak_first_sample(g.streak_first_sample);
+  for (int64_t s : g.rewinds) gr->add_rewinds(s);
+  gr->set_cooldown_from(g.cooldown_from);
   for (const StateParam& p : state.tensors()) {
     for (ckpt::TensorKind kind : kKinds) {
       ckpt::TensorRecord* rec = m.add_tensors();
@@ -438,7 +447,8 @@ ckpt::Manifest manifest_header(const TrainState& state, const config::KeelConfig
 
 // Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
 void commit(ckpt::Manifest m, int world_size, const config::Checkpoint& policy,
-            const CheckpointStore& store, const std::string& tmp, const SaveHook& on_phase) {
+            const CheckpointStore& store, const std::string& tmp, const SaveHook& on_phase,
+            const Pinned& pinned) {
   if (on_phase) on_phase(SavePhase::kBeforeManifest, m.step());
   std::map<std::pair<std::string, int>, ckpt::TensorRecord*> records;
   for (ckpt::TensorRecord& rec : *m.mutable_tensors()) records[{rec.name(), rec.kind()}] = &rec;
@@ -475,7 +485,7 @@ void commit(ckpt::Manifest m, int world_size, const config::Checkpoint& policy,
   if (on_phase) on_phase(SavePhase::kBeforeLatest, step);
   store.set_latest(step);
   if (had_old) fs::remove_all(old, ec);
-  store.retain(policy.keep(), policy.keep_every());
+  store.retain(policy.keep(), policy.keep_every(), pinned);
 }
 
 // Every rank learns whether any rank failed; the ranks that did not fail throw a line naming
@@ -515,7 +525,7 @@ void make_tmp_dir(const Topology& topo, const CheckpointStore& store, const std:
 // commits `header`; every rank learns the outcome. A failure removes `tmp` (rank 0).
 void finish_save(const Topology& topo, const config::Checkpoint& policy,
                  const CheckpointStore& store, const std::string& tmp, ckpt::Manifest header,
-                 std::string err, const SaveHook& on_phase) {
+                 std::string err, const SaveHook& on_phase, const Pinned& pinned) {
   const int64_t step = header.step();
   auto cleanup = [&] {
     std::error_code ec;
@@ -529,7 +539,7 @@ void finish_save(const Topology& topo, const config::Checkpoint& policy,
   }
   if (topo.world_rank == 0) {
     try {
-      commit(std::move(header), topo.world_size, policy, store, tmp, on_phase);
+      commit(std::move(header), topo.world_size, policy, store, tmp, on_phase, pinned);
     } catch (const Error& e) {
       err = e.what();
     }
@@ -545,7 +555,7 @@ void finish_save(const Topology& topo, const config::Checkpoint& policy,
 }  // namespace
 
 void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-                     const CheckpointStore& store, const SaveHook& on_phase) {
+                     const CheckpointStore& store, const SaveHook& on_phase, const Pinned& pinned) {
   const std::string tmp = store.path_of(state.step) + ".tmp";
   make_tmp_dir(topo, store, tmp, state.step);
   const std::vector<PlannedSlice> plan = plan_my_shard(state, topo);
@@ -564,14 +574,20 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
   } catch (const Error& e) {
     err = e.what();
   }
-  finish_save(topo, cfg.checkpoint(), store, tmp, manifest_header(state, cfg, topo), err, on_phase);
+  finish_save(topo, cfg.checkpoint(), store, tmp, manifest_header(state, cfg, topo), err, on_phase,
+              pinned);
 }
 
 // ---- async save ------------------------------------------------------------------------------
 
 AsyncCheckpointWriter::AsyncCheckpointWriter(const config::KeelConfig& cfg, const Topology& topo,
-                                             const CheckpointStore& store, SaveHook on_phase)
-    : cfg_(cfg), topo_(topo), store_(store), on_phase_(std::move(on_phase)) {}
+                                             const CheckpointStore& store, SaveHook on_phase,
+                                             Pinned pinned)
+    : cfg_(cfg),
+      topo_(topo),
+      store_(store),
+      on_phase_(std::move(on_phase)),
+      pinned_(std::move(pinned)) {}
 
 AsyncCheckpointWriter::~AsyncCheckpointWriter() {
   // Not committed: the .tmp directory stays for the next start to remove.
@@ -625,7 +641,8 @@ int64_t AsyncCheckpointWriter::finish() {
   if (thread_.joinable()) thread_.join();
   pending_ = false;
   const int64_t step = header_.step();
-  finish_save(topo_, cfg_.checkpoint(), store_, tmp_, std::move(header_), error_, on_phase_);
+  finish_save(topo_, cfg_.checkpoint(), store_, tmp_, std::move(header_), error_, on_phase_,
+              pinned_);
   return step;
 }
 
@@ -719,10 +736,20 @@ ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state) {
   state.step = m.step();
   state.sampler.next_sample = m.next_sample();
   state.optimizer().set_t(m.adam_t());
-  state.guard.skipped.clear();
+  state.guard = GuardState{};
   for (const ckpt::SkippedRange& r : m.skipped()) {
     state.guard.skipped.push_back({r.first_sample(), r.n(), r.step()});
   }
+  const ckpt::GuardRecord& gr = m.guard();
+  GuardState& g = state.guard;
+  g.loss_history.assign(gr.loss_history().begin(), gr.loss_history().end());
+  g.grad_history.assign(gr.grad_history().begin(), gr.grad_history().end());
+  g.streak = gr.streak();
+  g.streak_first = gr.streak_first();
+  g.streak_first_sample = gr.streak_first_sample();
+  g.rewinds.assign(gr.rewinds().begin(), gr.rewinds().end());
+  // A checkpoint without a guard record (none written yet) has no cool-down.
+  g.cooldown_from = m.has_guard() ? gr.cooldown_from() : -1;
   return m;
 }
 

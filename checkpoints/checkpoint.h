@@ -70,8 +70,13 @@ enum class SavePhase {
 // kShardHalfWritten under checkpoint.async.
 using SaveHook = std::function<void(SavePhase, int64_t step)>;
 
+// `pinned`: checkpoints retention must keep whatever the policy says (the spike guard's rewind
+// targets); called on rank 0 at the commit.
+using Pinned = std::function<bool(int64_t step)>;
+
 void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
-                     const CheckpointStore& store, const SaveHook& on_phase = {});
+                     const CheckpointStore& store, const SaveHook& on_phase = {},
+                     const Pinned& pinned = {});
 
 // Note [async checkpoint]: checkpoint.async splits a save in two. begin() (collective) creates
 // step_N.tmp, snapshots this rank's slices into host memory through the state's device-neutral
@@ -84,7 +89,7 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
 class AsyncCheckpointWriter {
  public:
   AsyncCheckpointWriter(const config::KeelConfig& cfg, const Topology& topo,
-                        const CheckpointStore& store, SaveHook on_phase = {});
+                        const CheckpointStore& store, SaveHook on_phase = {}, Pinned pinned = {});
   ~AsyncCheckpointWriter();  // joins the thread; an unfinished save is not committed
   AsyncCheckpointWriter(const AsyncCheckpointWriter&) = delete;
   AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
@@ -109,6 +114,7 @@ class AsyncCheckpointWriter {
   const Topology& topo_;
   const CheckpointStore& store_;
   SaveHook on_phase_;
+  Pinned pinned_;
   ckpt::Manifest header_;        // the manifest as of begin(), without slices
   std::string tmp_;              // step_N.tmp
   std::vector<float> snapshot_;  // this rank's slices back to back

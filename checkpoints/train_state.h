@@ -32,8 +32,18 @@ struct SkippedRange {
   bool operator==(const SkippedRange&) const = default;
 };
 
+// The spike guard's state (launch/spike_guard.h): saved in every checkpoint so that a resumed
+// run decides exactly as the uninterrupted one would, and never replays skipped data.
 struct GuardState {
   std::vector<SkippedRange> skipped;
+  std::vector<double> loss_history;  // the last spike.window healthy steps' values, oldest first
+  std::vector<double> grad_history;
+  int64_t streak = 0;                // consecutive anomalous steps up to now
+  int64_t streak_first = 0;          // the first step of that streak
+  uint64_t streak_first_sample = 0;  // the first training sample of that step
+  std::vector<int64_t> rewinds;      // the steps at which the guard rewound
+  int64_t cooldown_from = -1;        // learning-rate cool-down after this step; -1: none
+  bool operator==(const GuardState&) const = default;
 };
 
 // One parameter as the state walker shows it: its registry entry (logical name, global shape,

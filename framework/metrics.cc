@@ -42,12 +42,14 @@ JsonObject& JsonObject::add(const std::string& key, int64_t v) {
   fields_.emplace_back(key, std::to_string(v));
   return *this;
 }
+// JSON has no NaN or infinity: a non-finite value is written as null (the trainer names which
+// values were non-finite in a "nonfinite" field beside them).
 JsonObject& JsonObject::add(const std::string& key, double v) {
-  fields_.emplace_back(key, fmt("%.17g", v));
+  fields_.emplace_back(key, std::isfinite(v) ? fmt("%.17g", v) : std::string("null"));
   return *this;
 }
 JsonObject& JsonObject::add_f(const std::string& key, float v) {
-  fields_.emplace_back(key, fmt("%.9g", v));
+  fields_.emplace_back(key, std::isfinite(v) ? fmt("%.9g", v) : std::string("null"));
   return *this;
 }
 JsonObject& JsonObject::add(const std::string& key, const std::string& v) {

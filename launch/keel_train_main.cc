@@ -157,6 +157,15 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   }
   trainer.run();
   if (trainer.stopped_by_signal() != 0) return 0;  // the trainer said where it saved
+  if (trainer.halted()) {
+    if (mpi.world_rank() == 0) {
+      std::fprintf(stderr,
+                   "keel-train: halted by the spike guard at step %lld (see %s/alerts.jsonl); "
+                   "the run directory's newest checkpoint is the last good state\n",
+                   static_cast<long long>(trainer.steps_done()), args.run_dir.c_str());
+    }
+    return 3;
+  }
   if (const auto failed = trainer.failed_checkpoint()) {
     if (mpi.world_rank() == 0) {
       std::fprintf(stderr,

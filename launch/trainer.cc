@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -43,7 +44,8 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
       opts_(std::move(opts)),
       data_(Dataset::open(cfg)),
       sampler_(data_, cfg),
-      faults_(cfg.debug(), topo.world_rank) {
+      faults_(cfg.debug(), topo.world_rank),
+      guard_(cfg.spike()) {
   const auto& t = cfg_.train();
   const uint64_t train_fp = fingerprint(data_.train());
   const uint64_t val_fp = data_.has_val() ? fingerprint(data_.val()) : 0;
@@ -91,7 +93,8 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   if (!opts_.run_dir.empty()) {
     store_ = std::make_unique<CheckpointStore>(opts_.run_dir + "/checkpoints");
     if (cfg_.checkpoint().async()) {
-      async_ = std::make_unique<AsyncCheckpointWriter>(cfg_, topo_, *store_, save_hook());
+      async_ = std::make_unique<AsyncCheckpointWriter>(
+          cfg_, topo_, *store_, save_hook(), [this](int64_t s) { return pinned_for_rewind(s); });
     }
   }
   resumed_from_ = resume();
@@ -104,6 +107,10 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
     open_metrics(resumed_from_);
   }
+  // The guard's alerts: RUN/alerts.jsonl (continued on resume), stderr, alert.command.
+  alerts_ = std::make_unique<AlertSink>(
+      opts_.run_dir, cfg_.alert(), topo_.world_rank == 0,
+      resumed_from_ ? AlertFileMode::kAppend : AlertFileMode::kTruncate);
 }
 
 void Trainer::say(const std::string& line) const {
@@ -263,7 +270,8 @@ void Trainer::save_checkpoint() {
     return;
   }
   const double t0 = omp_get_wtime();
-  keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook());
+  keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook(),
+                        [this](int64_t s) { return pinned_for_rewind(s); });
   saved_step_ = state_->step;
   failed_save_.reset();
   char line[256];
@@ -375,37 +383,242 @@ StepResult Trainer::step() {
   faults_.at(FaultPoint::kStepBegin, state_->step + 1);
   if (opts_.watchdog) opts_.watchdog->set_step(state_->step + 1);
   StepResult r = compute_gradients();
-  switch (decide(r)) {
-    case StepDecision::kApply:
-      apply_update(r);
-      break;
-  }
+  const StepDecision d = decide(r);
+  if (d == StepDecision::kApply) apply_update(r);
   r.step = ++state_->step;
+  if (d == StepDecision::kSkip) {
+    report(r, anomaly_name(r.guard.anomaly), "skip", "", 0, -1,
+           std::string(anomaly_name(r.guard.anomaly)) + ": update skipped (" +
+               std::to_string(state_->guard.streak) + " of spike.patience=" +
+               std::to_string(cfg_.spike().patience()) + " before a rewind)");
+  } else if (d == StepDecision::kRewind || d == StepDecision::kHalt) {
+    const bool halt = d == StepDecision::kHalt;
+    const bool restored = rewind(r, halt);
+    if (halt) {
+      // Without a checkpoint to restore, the state in memory is the last good one: every update
+      // of the streak was skipped.
+      if (!restored && store_) save_checkpoint();
+      finish_checkpoint();
+      halted_ = true;
+    } else if (restored) {
+      r.rewound = true;
+    } else {
+      report(r, anomaly_name(r.guard.anomaly), "skip", "", 0, -1,
+             std::string(anomaly_name(r.guard.anomaly)) + ": update skipped; no rewind (" +
+                 (store_ ? "no verified checkpoint at or before step " +
+                               std::to_string(state_->guard.streak_first -
+                                              cfg_.spike().rewind_margin())
+                         : std::string("no run directory")) +
+                 ")");
+    }
+  }
   r.seconds = omp_get_wtime() - t0;
   last_ = r;
   return r;
 }
 
-StepDecision Trainer::decide(const StepResult&) const {
-  // Every input of this decision is all-reduced, so every rank decides alike (DESIGN.md 5). The
-  // spike guard plugs in here (skip, rewind, halt).
+StepDecision Trainer::decide(StepResult& r) {
+  // Every input of this decision is all-reduced, so every rank decides alike (DESIGN.md 5).
+  r.guard = guard_.observe(state_->guard, state_->step + 1, r.first_sample, r.loss, r.grad_norm);
+  switch (r.guard.action) {
+    case GuardAction::kApply:
+      return StepDecision::kApply;
+    case GuardAction::kSkip:
+      return StepDecision::kSkip;
+    case GuardAction::kRewind:
+      // Retry a failed rewind only every spike.patience anomalous steps.
+      if ((state_->guard.streak - cfg_.spike().patience()) % cfg_.spike().patience() != 0) {
+        return StepDecision::kSkip;
+      }
+      return guard_.halt_due(state_->guard, state_->step + 1) ? StepDecision::kHalt
+                                                              : StepDecision::kRewind;
+  }
   return StepDecision::kApply;
+}
+
+std::optional<int64_t> Trainer::pick_rewind_target(int64_t limit) {
+  double verdict = -1.0;
+  if (topo_.world_rank == 0 && store_) {
+    for (int64_t s : store_->steps()) {
+      if (s > limit) continue;
+      const std::string dir = store_->path_of(s);
+      try {
+        if (check_checkpoint(dir).empty()) {
+          verdict = static_cast<double>(s);
+          break;
+        }
+        say("checkpoint " + dir + " cannot be rewound to (it does not fit this run)");
+      } catch (const Error& e) {
+        say("checkpoint " + dir + " is unusable: " + e.what() + "; trying the previous one");
+      }
+    }
+  }
+  if (topo_.world_comm && topo_.world_size > 1) {
+    if (topo_.world_rank != 0) verdict = -1e300;
+    topo_.world_comm->all_reduce(&verdict, 1, ReduceOp::kMax);
+  }
+  if (verdict < 0) return std::nullopt;
+  return static_cast<int64_t>(verdict);
+}
+
+bool Trainer::rewind(const StepResult& r, bool halt) {
+  finish_checkpoint();  // a save in flight is committed (and discarded below if it is newer)
+  const GuardState before = state_->guard;
+  const int64_t limit = before.streak_first - cfg_.spike().rewind_margin();
+  const std::optional<int64_t> target = store_ ? pick_rewind_target(limit) : std::nullopt;
+  if (!target) {
+    if (halt) {
+      report(r, "halt", "halt", "", 0, -1,
+             "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
+                 " rewinds within spike.rewind_window=" +
+                 std::to_string(cfg_.spike().rewind_window()) +
+                 " steps; no checkpoint to restore, the state of step " +
+                 std::to_string(state_->step) + " (every anomalous update skipped) is saved");
+    } else if (!said_cannot_rewind_) {
+      said_cannot_rewind_ = true;
+      report(r, "cannot_rewind", "skip", "", 0, -1,
+             store_ ? "cannot rewind: no verified checkpoint at or before step " +
+                          std::to_string(limit) +
+                          " (spike.rewind_margin=" + std::to_string(cfg_.spike().rewind_margin()) +
+                          "); updates stay skipped while the anomalies last"
+                    : std::string("cannot rewind: the run has no checkpoints (no run directory); "
+                                  "updates stay skipped while the anomalies last"));
+    }
+    return false;
+  }
+  const std::string dir = store_->path_of(*target);
+  load_checkpoint(dir, *state_);
+  GuardState& g = state_->guard;
+  // What the guard learned since the checkpoint stays: every skipped range and every rewind.
+  for (const SkippedRange& sk : before.skipped) {
+    if (std::find(g.skipped.begin(), g.skipped.end(), sk) == g.skipped.end()) {
+      g.skipped.push_back(sk);
+    }
+  }
+  g.rewinds = before.rewinds;
+  g.rewinds.push_back(r.step);
+  int64_t batches = 0;
+  const uint64_t batch = static_cast<uint64_t>(cfg_.train().global_batch());
+  if (!halt) {
+    // Skip from the checkpoint's position to spike.skip_batches batches past where the streak
+    // began; the range is part of the run state from here on.
+    const uint64_t from = state_->sampler.next_sample;
+    const uint64_t to =
+        before.streak_first_sample + static_cast<uint64_t>(cfg_.spike().skip_batches()) * batch;
+    if (to > from) {
+      g.skipped.push_back({from, to - from, r.step});
+      state_->sampler.next_sample = to;
+      batches = static_cast<int64_t>((to - from) / batch);
+    }
+    if (cfg_.spike().lr_scale() < 1.0 && cfg_.spike().cooldown_steps() > 0) {
+      g.cooldown_from = *target;
+    }
+  }
+  // Checkpoints newer than the target belong to the abandoned timeline: a resume must not pick
+  // them up.
+  int discarded = 0;
+  if (topo_.world_rank == 0) {
+    for (int64_t s : store_->steps()) {
+      if (s <= *target) continue;
+      std::error_code ec;
+      std::filesystem::remove_all(store_->path_of(s), ec);
+      if (!ec) ++discarded;
+    }
+    store_->set_latest(*target);
+  }
+  saved_step_ = *target;
+  const std::string where = " to " + dir + " (step " + std::to_string(*target) + ")";
+  const std::string also =
+      discarded ? "; discarded " + std::to_string(discarded) + " newer checkpoint(s)" : "";
+  if (halt) {
+    report(
+        r, "halt", "halt", dir, 0, *target,
+        "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
+            " rewinds within spike.rewind_window=" + std::to_string(cfg_.spike().rewind_window()) +
+            " steps: restored" + where + also + "; halting (exit 3)");
+  } else {
+    report(r, "rewind", "rewind", dir, batches, *target,
+           std::string(anomaly_name(r.guard.anomaly)) + " for " + std::to_string(before.streak) +
+               " steps from step " + std::to_string(before.streak_first) + ": rewound" + where +
+               ", skipping " + std::to_string(batches) + " batches of data" + also + " (rewind " +
+               std::to_string(g.rewinds.size()) + ")");
+  }
+  return true;
+}
+
+bool Trainer::pinned_for_rewind(int64_t step) const {
+  // A later anomaly (at step > now) rewinds to the newest checkpoint at or before
+  // (that step - rewind_margin): keep the newest at or before (now + 1 - margin) and all newer.
+  if (!guard_.enabled() || !store_) return false;
+  const int64_t limit = state_->step + 1 - cfg_.spike().rewind_margin();
+  for (int64_t s : store_->steps()) {
+    if (s <= limit) return step >= s;
+  }
+  return true;
+}
+
+void Trainer::report(const StepResult& r, const std::string& kind, const std::string& action,
+                     const std::string& checkpoint, int64_t batches_skipped, int64_t rewound_to,
+                     const std::string& message) {
+  Alert a;
+  a.step = r.step;
+  a.kind = kind;
+  a.loss = r.loss;
+  a.baseline = r.guard.baseline;
+  a.threshold = r.guard.threshold;
+  a.grad_norm = r.grad_norm;
+  a.action = action;
+  a.checkpoint = checkpoint;
+  a.batches_skipped = batches_skipped;
+  if (rewound_to >= 0) a.rewound_to = rewound_to;
+  a.rewinds = static_cast<int>(state_->guard.rewinds.size());
+  a.message = message;
+  if (alerts_) alerts_->emit(a);
 }
 
 StepResult Trainer::compute_gradients() {
   const int64_t global_batch = cfg_.train().global_batch();
   ParamStore& ps = model_->params();
   StepResult r;
-  r.lr = learning_rate(cfg_.optim(), state_->step, cfg_.train().steps());
+  const int64_t step = state_->step + 1;
+  const auto& dbg = cfg_.debug();
+  // Each injection fires once per step number: a step replayed after a rewind is not hit again
+  // (a real bad batch would have been skipped).
+  auto injected = [&](int32_t at, int64_t& fired) {
+    const bool due = at > 0 && (step == at || (dbg.inject_every() > 0 && step > at &&
+                                               (step - at) % dbg.inject_every() == 0));
+    if (!due || step <= fired) return false;
+    fired = step;
+    return true;
+  };
+  const bool inject_spike = injected(dbg.inject_spike_at_step(), spike_fired_);
+  const bool inject_nan = injected(dbg.inject_nan_at_step(), nan_fired_);
+  r.lr = static_cast<float>(learning_rate(cfg_.optim(), state_->step, cfg_.train().steps()) *
+                            guard_.lr_factor(state_->guard, step) *
+                            (inject_spike ? dbg.inject_factor() : 1.0));
   ps.zero_grads();
   // Global sample stream: this step's samples are [first, first + global_batch); DP rank d takes
-  // its contiguous slice, so the data a step sees does not depend on dp.
-  const uint64_t first = state_->sampler.next_sample;
+  // its contiguous slice, so the data a step sees does not depend on dp. Ranges the spike guard
+  // skipped are never read again, even after a rewind to before them.
+  uint64_t first = state_->sampler.next_sample;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (const SkippedRange& sk : state_->guard.skipped) {
+      if (first < sk.first_sample + sk.n &&
+          sk.first_sample < first + static_cast<uint64_t>(global_batch)) {
+        first = sk.first_sample + sk.n;
+        moved = true;
+      }
+    }
+  }
+  r.first_sample = first;
   const uint64_t per_rank = static_cast<uint64_t>(global_batch / topo_.dp);
   const uint64_t rank_first = first + static_cast<uint64_t>(topo_.dp_rank) * per_rank;
   // Each rank's loss is the mean over its micro-batches; summing gradients over DP ranks then
   // gives the global-batch mean.
-  const float loss_weight = 1.0f / static_cast<float>(accum_ * topo_.dp);
+  // debug.inject_nan_at_step: every gradient of the step becomes NaN (the loss stays finite).
+  const float loss_weight = inject_nan ? std::numeric_limits<float>::quiet_NaN()
+                                       : 1.0f / static_cast<float>(accum_ * topo_.dp);
   double stats[2] = {0.0, 0.0};  // ce, z summed over micro-batches
   for (int64_t m = 0; m < accum_; ++m) {
     sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
@@ -423,7 +636,7 @@ StepResult Trainer::compute_gradients() {
     stats[1] += st.z_loss;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
   }
-  state_->sampler.next_sample += static_cast<uint64_t>(global_batch);
+  state_->sampler.next_sample = first + static_cast<uint64_t>(global_batch);
   float* grads = ps.grads().f32();
   const ZeroPartition& part = state_->partition();
   {
@@ -526,6 +739,24 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
         .add_f("max_attn_logit", r.max_attn_logit)
         .add("epoch", epochs_done());
     if (val_loss) o.add("val_loss", *val_loss);
+    // JSON has no NaN: such values are written as null, and named here.
+    std::string nonfinite;
+    for (const auto& [name, v] : {std::pair<const char*, double>{"loss", r.loss},
+                                  {"z_loss", r.z_loss},
+                                  {"grad_norm", r.grad_norm},
+                                  {"max_attn_logit", r.max_attn_logit}}) {
+      if (!std::isfinite(v)) {
+        nonfinite += std::string(nonfinite.empty() ? "" : " ") + name + "=" +
+                     (std::isnan(v) ? "nan"
+                      : v > 0       ? "inf"
+                                    : "-inf");
+      }
+    }
+    if (!nonfinite.empty()) o.add("nonfinite", nonfinite);
+    if (r.guard.anomaly != Anomaly::kNone) {
+      o.add("anomaly", std::string(anomaly_name(r.guard.anomaly)));
+      o.add("guard", std::string(r.rewound ? "rewind" : halted_ ? "halt" : "skip"));
+    }
     metrics_->write(o);
   }
   if (!opts_.progress || topo_.world_rank != 0) return;
@@ -561,8 +792,8 @@ void Trainer::run() {
     const StepResult r = step();
     window_seconds_ += r.seconds;
     window_tokens_ += tokens_per_step();
-    const bool last = r.step == t.steps();
-    const bool eval = t.eval_every() > 0 && (r.step % t.eval_every() == 0 || last);
+    const bool last = r.step == t.steps() && !r.rewound;
+    const bool eval = t.eval_every() > 0 && (r.step % t.eval_every() == 0 || last) && !r.rewound;
     std::optional<double> val;
     if (eval && data_.has_val()) val = evaluate();
     if (r.step % std::max(1, t.log_every()) == 0 || last || val) {
@@ -570,15 +801,26 @@ void Trainer::run() {
       window_seconds_ = 0.0;
       window_tokens_ = 0;
     }
-    if (store_ && every > 0 && (r.step % every == 0 || last)) save_checkpoint();
+    if (halted_) {
+      alerts_->drain();
+      return;
+    }
+    // No periodic save while the guard sees anomalies (the state may be what spiked), nor of a
+    // step the guard rewound from.
+    if (store_ && every > 0 && !r.rewound &&
+        ((r.step % every == 0 && state_->guard.streak == 0) || last)) {
+      save_checkpoint();
+    }
     const StepControl c = agree_on_control();
     if (async_ && async_->pending() && !c.writes_running) finish_checkpoint();
     if (c.stop_signal != 0) {
       stop_for_signal(c);
+      alerts_->drain();
       return;
     }
   }
   finish_checkpoint();
+  alerts_->drain();
 }
 
 void Trainer::stop_for_signal(const StepControl& c) {
@@ -599,7 +841,8 @@ void Trainer::stop_for_signal(const StepControl& c) {
   // The step's checkpoint, synchronously (the process is about to exit), unless it exists.
   if (saved_step_ != state_->step) {
     const double t0 = omp_get_wtime();
-    keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook());
+    keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook(),
+                          [this](int64_t s) { return pinned_for_rewind(s); });
     saved_step_ = state_->step;
     failed_save_.reset();
     std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",

@@ -20,7 +20,9 @@
 #include "framework/data/sampler.h"
 #include "framework/metrics.h"
 #include "framework/optim/optimizer.h"
+#include "launch/alerts.h"
 #include "launch/fault_injector.h"
+#include "launch/spike_guard.h"
 #include "layers/gpt.h"
 #include "parallel/grad_sync.h"
 #include "parallel/watchdog.h"
@@ -39,11 +41,17 @@ struct StepResult {
   double comm_exposed_s = 0.0;  // DP gradient sync time not hidden behind backward
   double comm_window_s = 0.0;   // from the first bucket's launch to the sync's end
   double backward_s = 0.0;      // time of the last micro-batch's backward (overlap window)
+  uint64_t first_sample = 0;    // the step's first training sample
+  GuardVerdict guard;           // the spike guard's verdict on the step
+  bool rewound = false;         // the guard rewound after this step (state_->step went back)
 };
 
 // What the decide phase chose for the step's gradients.
 enum class StepDecision {
-  kApply,  // clip and update (today's only choice; the spike guard adds skip, rewind, halt)
+  kApply,   // clip and update
+  kSkip,    // an anomalous step: no update (Note [spike guard])
+  kRewind,  // rewind to a checkpoint before the anomalies, skip their data
+  kHalt,    // too many rewinds: restore the last good checkpoint and stop (exit 3)
 };
 
 // Where a run starts (keel-train's --no-resume, --overwrite, --resume-from).
@@ -88,6 +96,8 @@ class Trainer {
   std::optional<int64_t> failed_checkpoint() const { return failed_save_; }
   // The stop signal that ended run() early (after saving), or 0.
   int stopped_by_signal() const { return stopped_by_signal_; }
+  // The spike guard halted the run (keel-train exits 3).
+  bool halted() const { return halted_; }
   // The step the run resumed from, when it did.
   std::optional<int64_t> resumed_from() const { return resumed_from_; }
   void run();         // train.steps steps with logging and evaluation
@@ -145,7 +155,19 @@ class Trainer {
   SaveHook save_hook() const;  // debug.fault_point's save points
   // The step's phases.
   StepResult compute_gradients();
-  StepDecision decide(const StepResult& r) const;
+  StepDecision decide(StepResult& r);
+  // Collective: the spike guard's rewind (or, with `halt`, the restore before halting) to the
+  // newest verified checkpoint at least spike.rewind_margin steps before the streak began.
+  // Returns false when there is none.
+  bool rewind(const StepResult& r, bool halt);
+  // Collective: rank 0 picks the newest checkpoint at or before `limit` that verifies and fits
+  // this run; every rank learns it.
+  std::optional<int64_t> pick_rewind_target(int64_t limit);
+  // Retention: the checkpoints the guard may still rewind to (Note [spike guard]).
+  bool pinned_for_rewind(int64_t step) const;
+  void report(const StepResult& r, const std::string& kind, const std::string& action,
+              const std::string& checkpoint, int64_t batches_skipped, int64_t rewound_to,
+              const std::string& message);
   void apply_update(const StepResult& r);
   void log_step(const StepResult& r, std::optional<double> val_loss);
   // Sum of squares of the gradients of `range` (this rank's partition slice; grads[0] is arena
@@ -166,6 +188,11 @@ class Trainer {
   int64_t saved_step_ = -1;                       // the newest step this run has saved
   std::optional<int64_t> failed_save_;
   int stopped_by_signal_ = 0;
+  SpikeGuard guard_;
+  std::unique_ptr<AlertSink> alerts_;
+  bool halted_ = false;
+  bool said_cannot_rewind_ = false;
+  int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at
   std::optional<int64_t> resumed_from_;
   int64_t start_step_ = 0;               // the step this process started at (for the ETA)
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)

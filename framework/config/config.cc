@@ -95,7 +95,20 @@ checkpoint {
   async: false
 }
 spike {
-  enabled: false
+  enabled: true
+  window: 100
+  warmup_steps: 100
+  sigma: 6
+  min_ratio: 0.25
+  grad_sigma: 10
+  grad_min_ratio: 4
+  patience: 2
+  rewind_margin: 10
+  skip_batches: 20
+  lr_scale: 1
+  cooldown_steps: 0
+  max_rewinds: 3
+  rewind_window: 1000
 }
 alert {
   command: ""
@@ -104,6 +117,8 @@ alert {
 debug {
   inject_spike_at_step: 0
   inject_nan_at_step: 0
+  inject_every: 0
+  inject_factor: 1000
   kill_rank: 0
   kill_at_step: 0
   fault: KILL
@@ -416,6 +431,31 @@ void validate_model(config::Model& m) {
   KEEL_CHECK(m.init_std() > 0, kConfig, "model.init_std=", m.init_std(), " must be > 0");
 }
 
+void validate_spike(const config::Spike& s) {
+  KEEL_CHECK(s.window() >= 5 && s.window() <= 100000, kConfig, "spike.window=", s.window(),
+             " must be in [5, 100000] steps");
+  KEEL_CHECK(s.warmup_steps() >= 0, kConfig, "spike.warmup_steps=", s.warmup_steps(),
+             " must be >= 0");
+  KEEL_CHECK(s.sigma() > 0 && s.grad_sigma() > 0, kConfig, "spike.sigma=", s.sigma(),
+             " and spike.grad_sigma=", s.grad_sigma(), " must be > 0");
+  KEEL_CHECK(s.min_ratio() >= 0 && s.grad_min_ratio() >= 0, kConfig,
+             "spike.min_ratio=", s.min_ratio(), " and spike.grad_min_ratio=", s.grad_min_ratio(),
+             " must be >= 0");
+  KEEL_CHECK(s.patience() >= 1, kConfig, "spike.patience=", s.patience(), " must be >= 1");
+  KEEL_CHECK(s.rewind_margin() >= 1, kConfig, "spike.rewind_margin=", s.rewind_margin(),
+             " must be >= 1 (a checkpoint of the first anomalous step holds what spiked)");
+  KEEL_CHECK(s.skip_batches() >= 0, kConfig, "spike.skip_batches=", s.skip_batches(),
+             " must be >= 0");
+  KEEL_CHECK(s.lr_scale() > 0 && s.lr_scale() <= 1, kConfig, "spike.lr_scale=", s.lr_scale(),
+             " must be in (0, 1] (1: no cool-down)");
+  KEEL_CHECK(s.cooldown_steps() >= 0, kConfig, "spike.cooldown_steps=", s.cooldown_steps(),
+             " must be >= 0");
+  KEEL_CHECK(s.max_rewinds() >= 0, kConfig, "spike.max_rewinds=", s.max_rewinds(),
+             " must be >= 0 (0: halt instead of the first rewind)");
+  KEEL_CHECK(s.rewind_window() >= 1, kConfig, "spike.rewind_window=", s.rewind_window(),
+             " must be >= 1 step");
+}
+
 void validate_train(const config::Train& t) {
   KEEL_CHECK(t.steps() > 0, kConfig, "train.steps=", t.steps(), " must be > 0");
   KEEL_CHECK(t.global_batch() > 0, kConfig, "train.global_batch=", t.global_batch(),
@@ -642,21 +682,14 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(cfg.debug().inject_nan_at_step() >= 0, kConfig,
              "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
              " must be >= 0 (0: never)");
-  // Fields whose feature is not built yet: accepting them would look as if they did something.
+  KEEL_CHECK(cfg.debug().inject_every() >= 0, kConfig,
+             "debug.inject_every=", cfg.debug().inject_every(), " must be >= 0 (0: inject once)");
+  KEEL_CHECK(cfg.debug().inject_factor() > 0, kConfig,
+             "debug.inject_factor=", cfg.debug().inject_factor(), " must be > 0");
+  validate_spike(cfg.spike());
   KEEL_CHECK(cfg.alert().timeout_s() > 0 && cfg.alert().timeout_s() <= 3600, kConfig,
              "alert.timeout_s=", cfg.alert().timeout_s(),
              " must be in (0, 3600] seconds (a hook still running after it is killed)");
-  KEEL_CHECK(cfg.alert().command().empty(), kConfig,
-             "alert.command: alert hooks are not built yet (they need the spike guard; leave it "
-             "empty)");
-  KEEL_CHECK(!cfg.spike().enabled(), kConfig,
-             "spike.enabled=true: the spike guard is not built yet (leave it false)");
-  KEEL_CHECK(cfg.debug().inject_spike_at_step() == 0, kConfig,
-             "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
-             ": spike injection is not built yet (it needs the spike guard; leave it 0)");
-  KEEL_CHECK(cfg.debug().inject_nan_at_step() == 0, kConfig,
-             "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
-             ": NaN injection is not built yet (it needs the spike guard; leave it 0)");
 }
 
 namespace {

@@ -49,7 +49,10 @@ TEST(Config, DefaultsValidateAndResolve) {
   EXPECT_FLOAT_EQ(cfg.optim().lr(), 3e-3f);
   EXPECT_DOUBLE_EQ(cfg.loss().z_loss(), 1e-4);
   EXPECT_EQ(cfg.checkpoint().keep(), 3);
-  EXPECT_FALSE(cfg.spike().enabled());
+  EXPECT_TRUE(cfg.spike().enabled());  // the spike guard is on by default
+  EXPECT_EQ(cfg.spike().window(), 100);
+  EXPECT_EQ(cfg.spike().patience(), 2);
+  EXPECT_DOUBLE_EQ(cfg.alert().timeout_s(), 10.0);
   // validate is idempotent.
   KeelConfig again = cfg;
   validate(again);
@@ -260,15 +263,22 @@ TEST(Config, IntegersAreDecimalOnly) {
 }
 
 // Until the feature behind a field exists, setting it is an error that says what is missing.
-TEST(Config, FieldsOfUnbuiltFeaturesAreRefused) {
+TEST(Config, SpikeGuardAndAlertFieldsAreValidated) {
   struct Case {
     std::string set, expected;
   };
   const std::vector<Case> cases = {
-      {"spike.enabled=true", "spike.enabled=true: the spike guard is not built yet"},
-      {"debug.inject_spike_at_step=5",
-       "debug.inject_spike_at_step=5: spike injection is not built"},
-      {"debug.inject_nan_at_step=5", "debug.inject_nan_at_step=5: NaN injection is not built"},
+      {"spike.window=2", "spike.window=2 must be in [5, 100000] steps"},
+      {"spike.patience=0", "spike.patience=0 must be >= 1"},
+      {"spike.sigma=0", "spike.sigma=0 and spike.grad_sigma=10 must be > 0"},
+      {"spike.min_ratio=-1", "spike.min_ratio=-1 and spike.grad_min_ratio=4 must be >= 0"},
+      {"spike.rewind_margin=0", "spike.rewind_margin=0 must be >= 1"},
+      {"spike.lr_scale=2", "spike.lr_scale=2 must be in (0, 1]"},
+      {"spike.max_rewinds=-1", "spike.max_rewinds=-1 must be >= 0"},
+      {"spike.rewind_window=0", "spike.rewind_window=0 must be >= 1 step"},
+      {"alert.timeout_s=0", "alert.timeout_s=0 must be in (0, 3600] seconds"},
+      {"debug.inject_every=-1", "debug.inject_every=-1 must be >= 0"},
+      {"debug.inject_factor=0", "debug.inject_factor=0 must be > 0"},
   };
   TempDir dir;
   for (const Case& c : cases) {
@@ -282,10 +292,8 @@ TEST(Config, FieldsOfUnbuiltFeaturesAreRefused) {
                                           field.substr(field.find('=') + 1) + " }\n");
     expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }), {c.expected});
   }
-  // Their defaults are accepted, and so are checkpoints (built).
-  EXPECT_NO_THROW(load_config("", {"spike.enabled=false", "checkpoint.every=100",
-                                   "checkpoint.keep=5", "checkpoint.keep_every=1000",
-                                   "debug.inject_spike_at_step=0", "debug.inject_nan_at_step=0"}));
+  EXPECT_NO_THROW(load_config("", {"spike.enabled=false", "debug.inject_spike_at_step=5",
+                                   "debug.inject_nan_at_step=7", "alert.command=cat"}));
 }
 
 TEST(Config, SampleCharsIsCapped) {

@@ -334,20 +334,33 @@ TEST_F(CheckpointResume, NoResumeRefusesToClobberUnlessOverwrite) {
 
 TEST_F(CheckpointResume, AStaleTemporaryIsRemovedAndRetentionKeepsThePolicy) {
   fs::create_directories(dir_.file("run") + "/checkpoints/step_00000003.tmp");
-  const CommandResult r = train("run", 1,
-                                {"--set", "checkpoint.every=1", "--set", "checkpoint.keep=2",
-                                 "--set", "checkpoint.keep_every=4"});
+  auto left = [&](const std::string& run) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir_.file(run) + "/checkpoints")) {
+      names.push_back(e.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> policy = {"--set", "checkpoint.every=1",
+                                           "--set", "checkpoint.keep=2",
+                                           "--set", "checkpoint.keep_every=4"};
+  std::vector<std::string> off = policy;
+  off.insert(off.end(), {"--set", "spike.enabled=false"});
+  const CommandResult r = train("run", 1, off);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("removed 1 unfinished checkpoint(s)"), std::string::npos) << r.out;
-  std::vector<std::string> left;
-  for (const auto& e : fs::directory_iterator(dir_.file("run") + "/checkpoints")) {
-    left.push_back(e.path().filename().string());
-  }
-  std::sort(left.begin(), left.end());
-  EXPECT_EQ(left,
+  EXPECT_EQ(left("run"),
             (std::vector<std::string>{"LATEST", "step_00000004", "step_00000008", "step_00000012",
                                       "step_00000016", "step_00000019", "step_00000020"}));
   EXPECT_EQ(read_file(dir_.file("run") + "/checkpoints/LATEST"), "step_00000020\n");
+  // With the spike guard on, retention also keeps what it may rewind to: an anomaly at step 21
+  // would go back to step 11 or before (spike.rewind_margin=10), so 11 and everything newer stay.
+  const CommandResult g = train("guarded", 1, policy);
+  ASSERT_EQ(g.exit_code, 0) << g.out << g.err;
+  std::vector<std::string> expected = {"LATEST", "step_00000004", "step_00000008"};
+  for (int s = 11; s <= 20; ++s) expected.push_back("step_000000" + std::to_string(s));
+  EXPECT_EQ(left("guarded"), expected);
 }
 
 }  // namespace

@@ -218,13 +218,11 @@ TEST_F(KeelTrainCli, SetValueThatIsAnOption) {
 }
 
 // Fields whose feature does not exist yet are refused, not silently ignored.
-TEST_F(KeelTrainCli, FieldsOfUnbuiltFeatures) {
-  expect_refused(train({"--set", "spike.enabled=true"}), "config",
-                 {"spike.enabled=true", "the spike guard is not built yet"});
-  expect_refused(train({"--set", "debug.inject_spike_at_step=1"}), "config",
-                 {"debug.inject_spike_at_step=1", "not built yet"});
-  expect_refused(train({"--set", "debug.inject_nan_at_step=1"}), "config",
-                 {"debug.inject_nan_at_step=1", "not built yet"});
+TEST_F(KeelTrainCli, BadSpikeGuardFields) {
+  expect_refused(train({"--set", "spike.patience=0"}), "config",
+                 {"spike.patience=0", "must be >= 1"});
+  expect_refused(train({"--set", "alert.timeout_s=-1"}), "config",
+                 {"alert.timeout_s=-1", "must be in (0, 3600] seconds"});
 }
 
 TEST_F(KeelTrainCli, ConfigFieldGivenTwice) {

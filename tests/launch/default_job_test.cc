@@ -3,7 +3,7 @@
 // corpus's byte-unigram entropy (a model that learned only byte frequencies sits at the full
 // unigram entropy) and above the corpus's exact entropy rate (no model can beat that floor; a
 // loss below it means validation leaks into training or the loss is computed wrongly).
-// Takes 1-2 minutes on 2 cores.
+// The spike guard, on by default, raises no alert on it. Takes 1-2 minutes on 2 cores.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -17,6 +17,7 @@
 #include "framework/kernels/gemm.h"
 #include "launch/trainer.h"
 #include "parallel/communicator.h"
+#include "tests/launch/launch_test_util.h"
 
 namespace keel {
 namespace {
@@ -35,7 +36,10 @@ TEST(DefaultJobTest, ValidationLossEndsBetweenEntropyRateAndHalfTheUnigramEntrop
 
   std::unique_ptr<Communicator> tp, dp;
   const Topology topo = Topology::single(tp, dp);
+  ASSERT_TRUE(cfg.spike().enabled()) << "the spike guard is on by default";
+  testing::TempDir dir("keel_default_job");
   TrainerOptions opts;
+  opts.run_dir = dir.file("run");
   opts.progress = true;  // one line per log step, into the test's log
   const double t0 = omp_get_wtime();
   Trainer trainer(cfg, topo, opts);
@@ -57,6 +61,8 @@ TEST(DefaultJobTest, ValidationLossEndsBetweenEntropyRateAndHalfTheUnigramEntrop
       static_cast<long long>(trainer.steps_done()), threads, elapsed, trainer.last().loss, val,
       0.5 * unigram, unigram, floor);
   EXPECT_EQ(trainer.steps_done(), cfg.train().steps());
+  // No false positive: the spike guard raised no alert on a healthy run.
+  EXPECT_EQ(testing::read_file(dir.file("run") + "/alerts.jsonl"), "");
   EXPECT_TRUE(std::isfinite(val));
   EXPECT_LT(val, 0.5 * unigram)
       << "the default job ended above half the corpus's byte-unigram entropy";

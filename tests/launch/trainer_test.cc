@@ -367,5 +367,59 @@ TEST(TrainerTest, AsyncSavesEqualSyncSaves) {
   EXPECT_EQ(read_file(dir.file("true") + "/checkpoints/LATEST"), "step_00000006\n");
 }
 
+// debug.inject_nan_at_step: the step's gradients are NaN; the guard skips the update, so the
+// parameters and AdamW's moments and step count are exactly those before the step, all finite;
+// the data still advanced.
+TEST(TrainerTest, AnInjectedNanIsNeverApplied) {
+  TempDir dir("keel_trainer_nan");
+  TrainerRun run(tiny_config({"debug.inject_nan_at_step=3", "train.log_every=1"}), dir.file("run"));
+  run->step();
+  run->step();
+  const std::vector<float> before = run.params();
+  const std::vector<float> m_before(run->optimizer().m().f32(),
+                                    run->optimizer().m().f32() + run->optimizer().m().numel());
+  const int64_t t_before = run->optimizer().t();
+  const uint64_t sample_before = run->state().sampler.next_sample;
+  const StepResult r = run->step();
+  EXPECT_TRUE(std::isnan(r.grad_norm));
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_EQ(r.guard.anomaly, Anomaly::kNonfiniteGrad);
+  EXPECT_TRUE(same_bits(run.params(), before));
+  EXPECT_EQ(
+      std::memcmp(run->optimizer().m().f32(), m_before.data(), m_before.size() * sizeof(float)), 0);
+  EXPECT_EQ(run->optimizer().t(), t_before);
+  EXPECT_EQ(run->steps_done(), 3);
+  EXPECT_EQ(run->state().sampler.next_sample, sample_before + 8);
+  for (float p : run.params()) ASSERT_TRUE(std::isfinite(p));
+  run->step();  // step 4 is healthy again and applies
+  EXPECT_FALSE(same_bits(run.params(), before));
+  EXPECT_EQ(run->optimizer().t(), t_before + 1);
+}
+
+// A non-finite value stays valid JSON in metrics.jsonl: null, named in "nonfinite", with the
+// guard's verdict beside it.
+TEST(TrainerTest, MetricsWriteNullForNonFiniteValues) {
+  TempDir dir("keel_trainer_nan_metrics");
+  {
+    TrainerRun run(tiny_config({"debug.inject_nan_at_step=3", "train.log_every=1"}),
+                   dir.file("run"));
+    run->run();
+  }
+  std::istringstream lines(read_file(dir.file("run") + "/metrics.jsonl"));
+  std::string line;
+  for (int i = 0; i < 3; ++i) std::getline(lines, line);
+  EXPECT_EQ(line.rfind("{\"step\": 3, ", 0), 0u) << line;
+  EXPECT_NE(line.find("\"grad_norm\": null,"), std::string::npos) << line;
+  EXPECT_NE(line.find("\"nonfinite\": \"grad_norm=nan\", \"anomaly\": \"nonfinite_grad\", "
+                      "\"guard\": \"skip\"}"),
+            std::string::npos)
+      << line;
+  EXPECT_EQ(line.find("nan,"), std::string::npos) << line;
+  const std::string alerts = read_file(dir.file("run") + "/alerts.jsonl");
+  EXPECT_NE(alerts.find("\"step\": 3, \"kind\": \"nonfinite_grad\", \"action\": \"skip\""),
+            std::string::npos)
+      << alerts;
+}
+
 }  // namespace
 }  // namespace keel

@@ -1,0 +1,209 @@
+// The spike guard through the real keel-train (Note [spike guard]): an injected spike (that
+// step's learning rate x 1000) is detected within spike.patience steps, alerted, rewound to a
+// checkpoint before it with the data skipped, and the run ends with a validation loss within 5%
+// of the same run without the injection; the same happens, with the same alerts, under
+// mpiexec -n 4 at TP2xDP2; a run killed after a rewind and resumed equals the uninterrupted one
+// bit for bit (the skipped range is never replayed); repeated spikes beyond spike.max_rewinds
+// halt with exit 3, an alert and a verified checkpoint; a healthy run raises nothing; the alert
+// hook gets each alert's JSON line.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::command_line;
+using testing::CommandResult;
+using testing::read_file;
+using testing::run_command;
+using testing::shell_quote;
+using testing::TempDir;
+
+const std::vector<std::string> kJob = {
+    "--set", "model.d_model=32",     "--set", "model.n_layers=2",
+    "--set", "model.n_heads=4",      "--set", "model.seq_len=32",
+    "--set", "train.global_batch=8", "--set", "train.steps=300",
+    "--set", "train.log_every=1",    "--set", "train.eval_every=300",
+    "--set", "train.eval_batches=8", "--set", "train.sample_chars=0",
+    "--set", "train.threads=1",      "--set", "checkpoint.every=20",
+    "--set", "checkpoint.keep=2",    "--set", "data.builtin_bytes=400000"};
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+// A JSON field's raw text ("kind" -> "\"rewind\"").
+std::string field(const std::string& json, const std::string& key) {
+  const size_t at = json.find("\"" + key + "\": ");
+  if (at == std::string::npos) return "";
+  const size_t begin = at + key.size() + 4;
+  size_t end = begin;
+  if (json[begin] == '"') {
+    end = json.find('"', begin + 1) + 1;
+  } else {
+    while (end < json.size() && json[end] != ',' && json[end] != '}') ++end;
+  }
+  return json.substr(begin, end - begin);
+}
+
+// "step kind action rewound_to batches_skipped" per alert: what every layout must agree on.
+std::string decisions(const std::string& alerts) {
+  std::string out;
+  for (const std::string& a : lines(alerts)) {
+    out += field(a, "step") + " " + field(a, "kind") + " " + field(a, "action") + " " +
+           field(a, "rewound_to") + " " + field(a, "batches_skipped") + "\n";
+  }
+  return out;
+}
+
+double final_val_loss(const std::string& metrics) {
+  double v = -1;
+  for (const std::string& l : lines(metrics)) {
+    const std::string f = field(l, "val_loss");
+    if (!f.empty()) v = std::stod(f);
+  }
+  return v;
+}
+
+class SpikeGuardRun : public ::testing::Test {
+ protected:
+  CommandResult train(const std::string& run, int ranks, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = kJob;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), {"--run-dir", dir_.file(run)});
+    std::string cmd = command_line(KEEL_TRAIN_BIN, args);
+    if (ranks > 1) {
+      cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " +
+            shell_quote(KEEL_MPIEXEC) + " -n " + std::to_string(ranks) +
+            " --oversubscribe --bind-to none " + cmd;
+    }
+    return run_command(cmd, dir_);
+  }
+  std::string file(const std::string& run, const std::string& name) const {
+    return read_file(dir_.file(run) + "/" + name);
+  }
+  static const std::vector<std::string> kSpike;
+  TempDir dir_{"keel_spike_run"};
+};
+const std::vector<std::string> SpikeGuardRun::kSpike = {"--set", "debug.inject_spike_at_step=200"};
+
+TEST_F(SpikeGuardRun, AnInjectedSpikeIsRewoundAndTheRunRecovers) {
+  const CommandResult clean = train("clean", 1);
+  ASSERT_EQ(clean.exit_code, 0) << clean.out << clean.err;
+  EXPECT_EQ(file("clean", "alerts.jsonl"), "") << "a healthy run raises no alert";
+
+  const CommandResult r = train("spiked", 1, kSpike);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> alerts = lines(file("spiked", "alerts.jsonl"));
+  ASSERT_EQ(alerts.size(), 2u) << file("spiked", "alerts.jsonl");
+  // Step 200's update is the spike; step 201's loss shows it (patience 2: skip, then rewind at
+  // 202) to the newest checkpoint at or before 201 - rewind_margin 10 = 191: step 180. The data
+  // from the checkpoint's position to 20 batches past step 201's first batch is skipped.
+  EXPECT_EQ(field(alerts[0], "step"), "201");
+  EXPECT_EQ(field(alerts[0], "kind"), "\"loss_spike\"");
+  EXPECT_EQ(field(alerts[0], "action"), "\"skip\"");
+  EXPECT_EQ(field(alerts[1], "step"), "202");
+  EXPECT_EQ(field(alerts[1], "kind"), "\"rewind\"");
+  EXPECT_EQ(field(alerts[1], "rewound_to"), "180");
+  EXPECT_EQ(field(alerts[1], "checkpoint"),
+            "\"" + dir_.file("spiked") + "/checkpoints/step_00000180\"");
+  EXPECT_EQ(field(alerts[1], "batches_skipped"), "40");  // steps 181..200 and 20 past them
+  EXPECT_NE(r.err.find("keel-train: ALERT step 202: loss_spike for 2 steps from step 201: "
+                       "rewound to " +
+                       dir_.file("spiked") + "/checkpoints/step_00000180 (step 180)"),
+            std::string::npos)
+      << r.err;
+  // The skipped range is in the run state of every later checkpoint.
+  const CommandResult info =
+      run_command(command_line(KEEL_CKPT_BIN, {"info", dir_.file("spiked")}), dir_);
+  EXPECT_NE(info.out.find("| skipped ranges 1"), std::string::npos) << info.out;
+  // Recovered: the final validation loss is within 5% of the clean run's.
+  const double a = final_val_loss(file("clean", "metrics.jsonl"));
+  const double b = final_val_loss(file("spiked", "metrics.jsonl"));
+  ASSERT_GT(a, 0);
+  ASSERT_GT(b, 0);
+  EXPECT_LT(std::abs(b - a), 0.05 * a) << "clean " << a << ", spiked " << b;
+
+  // TP2xDP2 takes the same decisions (every rank decides on all-reduced values; a rank that
+  // decided otherwise would leave the others in a collective).
+  const CommandResult t = train("tp2dp2", 4, {"--set", "parallel.tp=2", "--set", kSpike[1]});
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  EXPECT_EQ(decisions(file("tp2dp2", "alerts.jsonl")), decisions(file("spiked", "alerts.jsonl")));
+  const double c = final_val_loss(file("tp2dp2", "metrics.jsonl"));
+  EXPECT_NEAR(c, b, 1e-3 * b);
+
+  // Killed after the rewind (step 250) and resumed: every later step equals the uninterrupted
+  // run's bit for bit, so the skipped range was not replayed.
+  std::vector<std::string> kill = kSpike;
+  kill.insert(kill.end(), {"--set", "debug.kill_at_step=250", "--set", "debug.kill_rank=0"});
+  ASSERT_NE(train("resumed", 1, kill).exit_code, 0);
+  const CommandResult again = train("resumed", 1, kSpike);
+  ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_NE(again.out.find("at step 240"), std::string::npos) << again.out;
+  const std::vector<std::string> straight = lines(file("spiked", "metrics.jsonl"));
+  const std::vector<std::string> resumed = lines(file("resumed", "metrics.jsonl"));
+  ASSERT_EQ(resumed.size(), straight.size());
+  for (size_t i = resumed.size() - 60; i < resumed.size(); ++i) {  // steps 241..300
+    EXPECT_EQ(field(resumed[i], "loss"), field(straight[i], "loss")) << resumed[i];
+    EXPECT_EQ(field(resumed[i], "grad_norm"), field(straight[i], "grad_norm")) << resumed[i];
+  }
+  EXPECT_EQ(read_file(dir_.file("resumed") + "/checkpoints/step_00000300/shard_00000.bin"),
+            read_file(dir_.file("spiked") + "/checkpoints/step_00000300/shard_00000.bin"));
+}
+
+TEST_F(SpikeGuardRun, RepeatedSpikesHaltWithExit3) {
+  const CommandResult r =
+      train("halt", 1,
+            {"--set", "debug.inject_spike_at_step=150", "--set", "debug.inject_every=25", "--set",
+             "spike.max_rewinds=1", "--set", "spike.warmup_steps=100"});
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  const std::vector<std::string> alerts = lines(file("halt", "alerts.jsonl"));
+  ASSERT_FALSE(alerts.empty());
+  EXPECT_EQ(field(alerts.back(), "kind"), "\"halt\"");
+  EXPECT_EQ(field(alerts.back(), "rewinds"), "2");
+  const std::string latest = file("halt", "checkpoints/LATEST");
+  ASSERT_FALSE(latest.empty());
+  EXPECT_EQ(field(alerts.back(), "checkpoint"), "\"" + dir_.file("halt") + "/checkpoints/" +
+                                                    latest.substr(0, latest.size() - 1) + "\"");
+  EXPECT_EQ(run_command(command_line(KEEL_CKPT_BIN, {"verify", dir_.file("halt")}), dir_).exit_code,
+            0);
+  EXPECT_NE(r.err.find("keel-train: halted by the spike guard at step "), std::string::npos)
+      << r.err;
+}
+
+TEST_F(SpikeGuardRun, TheAlertHookGetsEachAlertsJson) {
+  const std::string got = dir_.file("hook.jsonl");
+  const CommandResult r =
+      train("hook", 1, {"--set", kSpike[1], "--set", "alert.command=cat >> " + got});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string alerts = file("hook", "alerts.jsonl");
+  EXPECT_FALSE(alerts.empty());
+  EXPECT_EQ(read_file(got), alerts);
+}
+
+TEST_F(SpikeGuardRun, WithoutCheckpointsItSkipsAndSaysOnceItCannotRewind) {
+  const CommandResult r = train("nockpt", 1, {"--set", "checkpoint.every=0", "--set", kSpike[1]});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> alerts = lines(file("nockpt", "alerts.jsonl"));
+  int cannot = 0;
+  for (const std::string& a : alerts) {
+    cannot += field(a, "kind") == "\"cannot_rewind\"";
+    EXPECT_EQ(field(a, "action"), "\"skip\"") << a;
+  }
+  EXPECT_EQ(cannot, 1) << file("nockpt", "alerts.jsonl");
+}
+
+}  // namespace
+}  // namespace keel
