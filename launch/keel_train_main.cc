@@ -3,12 +3,14 @@
 // layout; 3 halted by the spike guard; 1 any other failure (DESIGN.md).
 #include <mpi.h>
 #include <omp.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -93,6 +95,45 @@ std::string one_line(const char* message) {
   return s;
 }
 
+// RUN/plots/*.png from metrics.jsonl and alerts.jsonl through plot_run.py (copied beside this
+// binary by the build), with Debian's python3 and matplotlib. Never fails the run: without
+// python3, the script or matplotlib it says so in one line.
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+void plot_run(const std::string& run_dir) {
+  std::error_code ec;
+  const std::filesystem::path script =
+      std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "plot_run.py";
+  if (ec || !std::filesystem::exists(script, ec) || !std::filesystem::exists("/usr/bin/python3")) {
+    std::printf("keel-train: no plots (needs /usr/bin/python3 and %s)\n", script.c_str());
+    return;
+  }
+  const std::string cmd =
+      "/usr/bin/python3 " + shell_quote(script.string()) + " " + shell_quote(run_dir) + " 2>&1";
+  std::FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return;
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), p)) out += buf;
+  const int status = pclose(p);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 0) {
+    std::printf("keel-train: plots in %s/plots/ (loss, grad_norm, lr, max_attn_logit .png)\n",
+                run_dir.c_str());
+  } else if (rc == 3) {
+    std::printf(
+        "keel-train: no plots (matplotlib is not installed: apt-get install "
+        "python3-matplotlib)\n");
+  } else {
+    std::printf("keel-train: plot_run.py failed (exit %d): %s\n", rc,
+                one_line(out.c_str()).c_str());
+  }
+}
+
 int64_t count_logical_params(keel::GPT& model) {
   int64_t n = 0;
   const keel::ParamStore& ps = model.params();
@@ -163,6 +204,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
                    "keel-train: halted by the spike guard at step %lld (see %s/alerts.jsonl); "
                    "the run directory's newest checkpoint is the last good state\n",
                    static_cast<long long>(trainer.steps_done()), args.run_dir.c_str());
+      if (cfg.train().plot()) plot_run(args.run_dir);
     }
     return 3;
   }
@@ -184,8 +226,11 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     if (auto floor = trainer.dataset().entropy_rate_nats_per_token()) {
       std::printf(" (data entropy rate %.4f)", *floor);
     }
-    std::printf("\nkeel-train: outputs in %s/ (metrics.jsonl, config.pbtxt%s)\n",
-                args.run_dir.c_str(), cfg.checkpoint().every() > 0 ? ", checkpoints/" : "");
+    std::printf(
+        "\nkeel-train: outputs in %s/ (metrics.jsonl, alerts.jsonl, tensorboard/, "
+        "config.pbtxt%s)\n",
+        args.run_dir.c_str(), cfg.checkpoint().every() > 0 ? ", checkpoints/" : "");
+    if (cfg.train().plot()) plot_run(args.run_dir);
     std::fflush(stdout);  // the results are out before sampling starts
     if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {
       const std::string text = trainer.sample(cfg.train().sample_chars(), cfg.train().seed());

@@ -107,6 +107,9 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
     open_metrics(resumed_from_);
   }
+  if (!opts_.run_dir.empty() && topo_.world_rank == 0) {
+    tensorboard_ = std::make_unique<TensorBoardWriter>(opts_.run_dir + "/tensorboard");
+  }
   // The guard's alerts: RUN/alerts.jsonl (continued on resume), stderr, alert.command.
   alerts_ = std::make_unique<AlertSink>(
       opts_.run_dir, cfg_.alert(), topo_.world_rank == 0,
@@ -571,6 +574,15 @@ void Trainer::report(const StepResult& r, const std::string& kind, const std::st
   a.checkpoint = checkpoint;
   a.batches_skipped = batches_skipped;
   if (rewound_to >= 0) a.rewound_to = rewound_to;
+  if (opts_.interactive && topo_.world_rank == 0) std::printf("\n");  // off the redrawn line
+  if (tensorboard_) {
+    // alerts/<kind>: the value behind the event (the loss, or the gradient norm for a
+    // gradient-norm event); alerts/text: the human line.
+    const bool grad = kind == "grad_spike" || kind == "nonfinite_grad";
+    tensorboard_->scalar("alerts/" + kind, r.step, static_cast<float>(grad ? r.grad_norm : r.loss),
+                         a.time);
+    tensorboard_->text("alerts/text", r.step, alert_human_line(a), a.time);
+  }
   a.rewinds = static_cast<int>(state_->guard.rewinds.size());
   a.message = message;
   if (alerts_) alerts_->emit(a);
@@ -759,6 +771,17 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     }
     metrics_->write(o);
   }
+  if (tensorboard_) {
+    const double now = TensorBoardWriter::now();
+    tensorboard_->scalar("train/loss", r.step, static_cast<float>(r.loss), now);
+    tensorboard_->scalar("train/z_loss", r.step, static_cast<float>(r.z_loss), now);
+    tensorboard_->scalar("train/grad_norm", r.step, static_cast<float>(r.grad_norm), now);
+    tensorboard_->scalar("train/lr", r.step, r.lr, now);
+    tensorboard_->scalar("train/tokens_per_s", r.step, static_cast<float>(tps), now);
+    tensorboard_->scalar("train/max_attn_logit", r.step, r.max_attn_logit, now);
+    if (val_loss) tensorboard_->scalar("val/loss", r.step, static_cast<float>(*val_loss), now);
+    flush_tensorboard();
+  }
   if (!opts_.progress || topo_.world_rank != 0) return;
   const int64_t total = cfg_.train().steps();
   const double elapsed = omp_get_wtime() - run_t0_;
@@ -802,6 +825,7 @@ void Trainer::run() {
       window_tokens_ = 0;
     }
     if (halted_) {
+      flush_tensorboard();
       alerts_->drain();
       return;
     }
@@ -815,11 +839,12 @@ void Trainer::run() {
     if (async_ && async_->pending() && !c.writes_running) finish_checkpoint();
     if (c.stop_signal != 0) {
       stop_for_signal(c);
-      alerts_->drain();
-      return;
+      flush_tensorboard();
+      return;  // queued hooks are not waited for: the cluster's grace period is short
     }
   }
   finish_checkpoint();
+  flush_tensorboard();
   alerts_->drain();
 }
 
@@ -856,6 +881,15 @@ void Trainer::stop_for_signal(const StepControl& c) {
                 name, c.signalled_rank, static_cast<long long>(state_->step),
                 store_->path_of(state_->step).c_str());
   say(line);
+}
+
+void Trainer::flush_tensorboard() {
+  if (!tensorboard_) return;
+  tensorboard_->flush();
+  if (auto failure = tensorboard_->take_failure()) {
+    std::fprintf(stderr, "keel-train: %s\n", failure->c_str());
+    std::fflush(stderr);
+  }
 }
 
 std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {

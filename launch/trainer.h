@@ -20,6 +20,7 @@
 #include "framework/data/sampler.h"
 #include "framework/metrics.h"
 #include "framework/optim/optimizer.h"
+#include "framework/tensorboard/tensorboard.h"
 #include "launch/alerts.h"
 #include "launch/fault_injector.h"
 #include "launch/spike_guard.h"
@@ -190,6 +191,8 @@ class Trainer {
   int stopped_by_signal_ = 0;
   SpikeGuard guard_;
   std::unique_ptr<AlertSink> alerts_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0 with a run directory
+  void flush_tensorboard();                         // prints the writer's one failure line, once
   bool halted_ = false;
   bool said_cannot_rewind_ = false;
   int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at

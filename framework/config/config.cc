@@ -66,6 +66,7 @@ train {
   threads: 0
   sample_chars: 240
   micro_batch: 0  # global_batch / dp
+  plot: true
 }
 optim {
   lr: 3e-3

@@ -5,7 +5,8 @@
 // mpiexec -n 4 at TP2xDP2; a run killed after a rewind and resumed equals the uninterrupted one
 // bit for bit (the skipped range is never replayed); repeated spikes beyond spike.max_rewinds
 // halt with exit 3, an alert and a verified checkpoint; a healthy run raises nothing; the alert
-// hook gets each alert's JSON line.
+// hook gets each alert's JSON line; TensorBoard files hold the scalars and the guard's events, and
+// the plots are drawn.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/tensorboard/tensorboard.h"
 #include "tests/launch/launch_test_util.h"
 
 namespace keel {
@@ -125,6 +127,30 @@ TEST_F(SpikeGuardRun, AnInjectedSpikeIsRewoundAndTheRunRecovers) {
                        dir_.file("spiked") + "/checkpoints/step_00000180 (step 180)"),
             std::string::npos)
       << r.err;
+  // TensorBoard holds the run's scalars and the guard's events; the plots were drawn.
+  std::vector<TensorBoardEvent> events;
+  for (const auto& e : fs::directory_iterator(dir_.file("spiked") + "/tensorboard")) {
+    for (TensorBoardEvent& ev : read_tensorboard_events(e.path().string())) {
+      events.push_back(std::move(ev));
+    }
+  }
+  std::map<std::string, int> points;
+  int64_t rewind_step = -1;
+  for (const TensorBoardEvent& ev : events) {
+    for (const TensorBoardValue& v : ev.values) {
+      ++points[v.tag];
+      if (v.tag == "alerts/rewind") rewind_step = ev.step;
+    }
+  }
+  EXPECT_EQ(points["train/loss"], 322);  // 300 steps, 22 of them (181..202) twice
+  EXPECT_EQ(points["val/loss"], 1);
+  EXPECT_EQ(points["alerts/loss_spike"], 1);
+  EXPECT_EQ(points["alerts/text"], 2);
+  EXPECT_EQ(rewind_step, 202);
+  EXPECT_NE(r.out.find("keel-train: plots in " + dir_.file("spiked") + "/plots/"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(read_file(dir_.file("spiked") + "/plots/loss.png").substr(1, 3), "PNG");
   // The skipped range is in the run state of every later checkpoint.
   const CommandResult info =
       run_command(command_line(KEEL_CKPT_BIN, {"info", dir_.file("spiked")}), dir_);
