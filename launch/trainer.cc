@@ -390,7 +390,7 @@ StepResult Trainer::step() {
   if (d == StepDecision::kApply) apply_update(r);
   r.step = ++state_->step;
   if (d == StepDecision::kSkip) {
-    report(r, anomaly_name(r.guard.anomaly), "skip", "", 0, -1,
+    report(r, anomaly_name(r.guard.anomaly), "skip", "", -1,
            std::string(anomaly_name(r.guard.anomaly)) + ": update skipped (" +
                std::to_string(state_->guard.streak) + " of spike.patience=" +
                std::to_string(cfg_.spike().patience()) + " before a rewind)");
@@ -406,7 +406,7 @@ StepResult Trainer::step() {
     } else if (restored) {
       r.rewound = true;
     } else {
-      report(r, anomaly_name(r.guard.anomaly), "skip", "", 0, -1,
+      report(r, anomaly_name(r.guard.anomaly), "skip", "", -1,
              std::string(anomaly_name(r.guard.anomaly)) + ": update skipped; no rewind (" +
                  (store_ ? "no verified checkpoint at or before step " +
                                std::to_string(state_->guard.streak_first -
@@ -471,7 +471,7 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
   const std::optional<int64_t> target = store_ ? pick_rewind_target(limit) : std::nullopt;
   if (!target) {
     if (halt) {
-      report(r, "halt", "halt", "", 0, -1,
+      report(r, "halt", "halt", "", -1,
              "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
                  " rewinds within spike.rewind_window=" +
                  std::to_string(cfg_.spike().rewind_window()) +
@@ -479,7 +479,7 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
                  std::to_string(state_->step) + " (every anomalous update skipped) is saved");
     } else if (!said_cannot_rewind_) {
       said_cannot_rewind_ = true;
-      report(r, "cannot_rewind", "skip", "", 0, -1,
+      report(r, "cannot_rewind", "skip", "", -1,
              store_ ? "cannot rewind: no verified checkpoint at or before step " +
                           std::to_string(limit) +
                           " (spike.rewind_margin=" + std::to_string(cfg_.spike().rewind_margin()) +
@@ -535,12 +535,12 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
       discarded ? "; discarded " + std::to_string(discarded) + " newer checkpoint(s)" : "";
   if (halt) {
     report(
-        r, "halt", "halt", dir, 0, *target,
+        r, "halt", "halt", dir, *target,
         "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
             " rewinds within spike.rewind_window=" + std::to_string(cfg_.spike().rewind_window()) +
             " steps: restored" + where + also + "; halting (exit 3)");
   } else {
-    report(r, "rewind", "rewind", dir, batches, *target,
+    report(r, "rewind", "rewind", dir, *target,
            std::string(anomaly_name(r.guard.anomaly)) + " for " + std::to_string(before.streak) +
                " steps from step " + std::to_string(before.streak_first) + ": rewound" + where +
                ", skipping " + std::to_string(batches) + " batches of data" + also + " (rewind " +
@@ -561,7 +561,7 @@ bool Trainer::pinned_for_rewind(int64_t step) const {
 }
 
 void Trainer::report(const StepResult& r, const std::string& kind, const std::string& action,
-                     const std::string& checkpoint, int64_t batches_skipped, int64_t rewound_to,
+                     const std::string& checkpoint, int64_t rewound_to,
                      const std::string& message) {
   Alert a;
   a.step = r.step;
@@ -572,7 +572,11 @@ void Trainer::report(const StepResult& r, const std::string& kind, const std::st
   a.grad_norm = r.grad_norm;
   a.action = action;
   a.checkpoint = checkpoint;
-  a.batches_skipped = batches_skipped;
+  // So far in the run (a rewind's own count is in its message).
+  const uint64_t batch = static_cast<uint64_t>(cfg_.train().global_batch());
+  for (const SkippedRange& sk : state_->guard.skipped) {
+    a.batches_skipped += static_cast<int64_t>(sk.n / batch);
+  }
   if (rewound_to >= 0) a.rewound_to = rewound_to;
   if (opts_.interactive && topo_.world_rank == 0) std::printf("\n");  // off the redrawn line
   if (tensorboard_) {

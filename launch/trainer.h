@@ -167,8 +167,7 @@ class Trainer {
   // Retention: the checkpoints the guard may still rewind to (Note [spike guard]).
   bool pinned_for_rewind(int64_t step) const;
   void report(const StepResult& r, const std::string& kind, const std::string& action,
-              const std::string& checkpoint, int64_t batches_skipped, int64_t rewound_to,
-              const std::string& message);
+              const std::string& checkpoint, int64_t rewound_to, const std::string& message);
   void apply_update(const StepResult& r);
   void log_step(const StepResult& r, std::optional<double> val_loss);
   // Sum of squares of the gradients of `range` (this rank's partition slice; grads[0] is arena
