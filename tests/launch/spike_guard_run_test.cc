@@ -189,6 +189,28 @@ TEST_F(SpikeGuardRun, AnInjectedSpikeIsRewoundAndTheRunRecovers) {
             read_file(dir_.file("spiked") + "/checkpoints/step_00000300/shard_00000.bin"));
 }
 
+// spike.lr_scale / cooldown_steps: after the rewind to step 180, steps 181-190 run at 0.1 x the
+// schedule's learning rate ramping back to 1 x (the clean run's lr at the same step), then 1 x.
+TEST_F(SpikeGuardRun, CooldownAfterARewind) {
+  const CommandResult r = train("cool", 1,
+                                {"--set", kSpike[1], "--set", "train.steps=215", "--set",
+                                 "spike.lr_scale=0.1", "--set", "spike.cooldown_steps=10"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const CommandResult c = train("clean2", 1, {"--set", "train.steps=215"});
+  ASSERT_EQ(c.exit_code, 0) << c.out << c.err;
+  std::map<int, double> clean_lr, cool_lr;
+  for (const std::string& l : lines(file("clean2", "metrics.jsonl"))) {
+    clean_lr[std::stoi(field(l, "step"))] = std::stod(field(l, "lr"));
+  }
+  for (const std::string& l : lines(file("cool", "metrics.jsonl"))) {
+    cool_lr[std::stoi(field(l, "step"))] = std::stod(field(l, "lr"));  // the last line wins
+  }
+  for (int step = 181; step <= 192; ++step) {
+    const double factor = step <= 190 ? 0.1 + 0.9 * (step - 181) / 10.0 : 1.0;
+    EXPECT_NEAR(cool_lr.at(step), factor * clean_lr.at(step), 1e-6 * clean_lr.at(step)) << step;
+  }
+}
+
 TEST_F(SpikeGuardRun, RepeatedSpikesHaltWithExit3) {
   const CommandResult r =
       train("halt", 1,
