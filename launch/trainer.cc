@@ -475,8 +475,9 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
              "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
                  " rewinds within spike.rewind_window=" +
                  std::to_string(cfg_.spike().rewind_window()) +
-                 " steps; no checkpoint to restore, the state of step " +
-                 std::to_string(state_->step) + " (every anomalous update skipped) is saved");
+                 " steps; no checkpoint to restore: halting with the state of step " +
+                 std::to_string(state_->step) + " (every anomalous update skipped)" +
+                 (store_ ? ", saved" : ", not saved (no run directory)") + " (exit 3)");
     } else if (!said_cannot_rewind_) {
       said_cannot_rewind_ = true;
       report(r, "cannot_rewind", "skip", "", -1,
