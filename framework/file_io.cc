@@ -65,4 +65,18 @@ const char* file_type_name(mode_t mode) {
   return "not a plain file";
 }
 
+void append_whole(int fd, const std::string& path, std::string_view bytes, int64_t& size) {
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int err = w < 0 ? errno : ENOSPC;
+      if (::ftruncate(fd, size) == 0) ::lseek(fd, size, SEEK_SET);
+      KEEL_FAIL(kIo, path, ": write failed: ", std::strerror(err));
+    }
+    done += static_cast<size_t>(w);
+  }
+  size += static_cast<int64_t>(bytes.size());
+}
+
 }  // namespace keel

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "framework/error.h"
+#include "framework/file_io.h"
 
 namespace keel {
 
@@ -84,19 +85,7 @@ JsonlWriter::~JsonlWriter() {
 }
 void JsonlWriter::write(const JsonObject& obj) {
   if (fd_ < 0) return;
-  const std::string line = obj.str() + "\n";
-  for (size_t done = 0; done < line.size();) {
-    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int err = w < 0 ? errno : ENOSPC;
-      // Cut the partial line off, so readers never see half an object.
-      if (::ftruncate(fd_, size_) == 0) ::lseek(fd_, size_, SEEK_SET);
-      KEEL_FAIL(kIo, path_, ": write failed: ", std::strerror(err));
-    }
-    done += static_cast<size_t>(w);
-  }
-  size_ += static_cast<int64_t>(line.size());
+  append_whole(fd_, path_, obj.str() + "\n", size_);
 }
 
 }  // namespace keel

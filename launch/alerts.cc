@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "framework/error.h"
+#include "framework/file_io.h"
 
 extern char** environ;
 
@@ -300,20 +301,7 @@ void AlertSink::drain() {
   idle_.wait(lock, [this] { return queue_.empty() && !running_hook_; });
 }
 
-void AlertSink::append_line(const std::string& line) {
-  for (size_t done = 0; done < line.size();) {
-    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int err = w < 0 ? errno : ENOSPC;
-      // Cut the partial line off, so readers never see half an object.
-      if (::ftruncate(fd_, size_) == 0) ::lseek(fd_, size_, SEEK_SET);
-      KEEL_FAIL(kIo, path_, ": write failed: ", std::strerror(err));
-    }
-    done += static_cast<size_t>(w);
-  }
-  size_ += static_cast<int64_t>(line.size());
-}
+void AlertSink::append_line(const std::string& line) { append_whole(fd_, path_, line, size_); }
 
 void AlertSink::worker_loop() {
   std::unique_lock<std::mutex> lock(mu_);

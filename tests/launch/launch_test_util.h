@@ -76,4 +76,17 @@ inline std::string command_line(const std::string& program, const std::vector<st
   return line;
 }
 
+#if defined(KEEL_TRAIN_BIN) && defined(KEEL_MPIEXEC)
+// keel-train with `args` as a shell command line: on `ranks` ranks under mpiexec (as root,
+// oversubscribed, unbound, with `mpi_opts`), or directly when ranks is 1.
+inline std::string train_command(const std::vector<std::string>& args, int ranks,
+                                 const std::string& mpi_opts = "") {
+  const std::string cmd = command_line(KEEL_TRAIN_BIN, args);
+  if (ranks <= 1) return cmd;
+  return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " +
+         shell_quote(KEEL_MPIEXEC) + " -n " + std::to_string(ranks) +
+         " --oversubscribe --bind-to none " + (mpi_opts.empty() ? "" : mpi_opts + " ") + cmd;
+}
+#endif
+
 }  // namespace keel::testing

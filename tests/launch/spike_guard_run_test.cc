@@ -85,13 +85,7 @@ class SpikeGuardRun : public ::testing::Test {
     std::vector<std::string> args = kJob;
     args.insert(args.end(), extra.begin(), extra.end());
     args.insert(args.end(), {"--run-dir", dir_.file(run)});
-    std::string cmd = command_line(KEEL_TRAIN_BIN, args);
-    if (ranks > 1) {
-      cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " +
-            shell_quote(KEEL_MPIEXEC) + " -n " + std::to_string(ranks) +
-            " --oversubscribe --bind-to none " + cmd;
-    }
-    return run_command(cmd, dir_);
+    return run_command(testing::train_command(args, ranks), dir_);
   }
   std::string file(const std::string& run, const std::string& name) const {
     return read_file(dir_.file(run) + "/" + name);
