@@ -1,5 +1,6 @@
 // keel-bench: times training steps (forward, backward, clipping, AdamW) of named configs and
 // reports tokens/s, achieved GFLOP/s and the fraction of this machine's measured sgemm peak.
+// With --checkpoint it measures checkpoint throughput instead (launch/checkpoint_bench.h).
 //
 // FLOPs per training token (PaLM appendix B convention, the usual MFU accounting):
 //   6 * N_matmul + 12 * n_layers * seq_len * d_model
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/gemm.h"
+#include "launch/checkpoint_bench.h"
 #include "launch/trainer.h"
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
@@ -69,18 +72,61 @@ void usage() {
   std::printf(
       "usage: [mpirun -np N] keel-bench [--config S|M|all] [--steps N] [--warmup N]\n"
       "                  [--threads N] [--tp T] [--profile] [--set path=value]...\n"
+      "       [mpirun -np N] keel-bench --checkpoint [--config S|M|all] [--dir PATH]\n"
+      "                  [--rounds N] [--warmup N] [--threads N] [--tp T] [--set path=value]...\n"
       "Under mpirun the same global batch is split over dp = N / T ranks (tokens/s is the whole\n"
       "job's); --threads is per rank. Distributed runs also print the bytes each collective\n"
       "group moved per step and the share of DP all-reduce time not hidden behind backward.\n"
       "Prints per-config tokens/s, GFLOP/s and the fraction of the measured sgemm peak, and\n"
       "ends with one 'config=... tokens_per_s=... gflops=... peak_gflops=... peak_fraction=...'\n"
-      "line per config.\n");
+      "line per config.\n"
+      "\n"
+      "--checkpoint measures checkpoints of each config instead, in --rounds (default 5)\n"
+      "interleaved rounds: the disk's write and read speed for the checkpoint's bytes,\n"
+      "save_checkpoint's and load_checkpoint's GB/s, and the training time one synchronous and\n"
+      "one asynchronous save (checkpoint.async) cost, as a fraction of a step, when saving every\n"
+      "checkpoint.every (default 2) steps. Its files live in a fresh directory inside PATH\n"
+      "(default $TMPDIR or /tmp), removed at the end. It ends with one\n"
+      "'ckpt=disk|save|load|sync_cost|async_cost config=... ...' line per measurement.\n");
+}
+
+// What keel-bench measures.
+enum class BenchMode {
+  kSteps,       // training steps: tokens/s, GFLOP/s, fraction of the sgemm peak
+  kCheckpoint,  // --checkpoint: disk, save, load and the cost of saves (launch/checkpoint_bench.h)
+};
+
+// Whether `which` (--config) selects `name`.
+bool selected(const std::string& which, const char* name) {
+  return which == "all" || which == name;
+}
+
+// The named config with the benchmark's settings and the --set overrides, validated.
+KeelConfig bench_config(const Named& named, int steps, int warmup, int tp, BenchMode mode,
+                        const std::vector<std::string>& sets) {
+  KeelConfig cfg = keel::default_config();
+  keel::merge_config_text(named.text, std::string("config ") + named.name, cfg);
+  cfg.mutable_train()->set_eval_every(0);
+  cfg.mutable_train()->set_steps(steps + warmup);
+  cfg.mutable_optim()->set_warmup_steps(1);
+  cfg.mutable_optim()->set_lr(6e-4);  // keeps the few timed steps' losses sane
+  cfg.mutable_model()->set_d_ff(0);
+  cfg.mutable_model()->set_max_positions(0);
+  cfg.mutable_parallel()->set_tp(tp);
+  if (mode == BenchMode::kCheckpoint) {
+    cfg.mutable_checkpoint()->set_every(2);  // the cost arms' save interval
+  }
+  for (const auto& s : sets) keel::apply_set(s, cfg);
+  keel::validate(cfg);
+  return cfg;
 }
 
 int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   std::string which = "all";
-  int steps = 5, warmup = 2, threads = 2, tp = 1;
+  int steps = -1, warmup = 2, threads = 2, tp = 1, rounds = -1;  // -1: the mode's default
   bool profile = false;
+  BenchMode mode = BenchMode::kSteps;
+  std::string dir;
   std::vector<std::string> sets;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -111,6 +157,12 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
       tp = int_value();
     else if (a == "--profile")
       profile = true;
+    else if (a == "--checkpoint")
+      mode = BenchMode::kCheckpoint;
+    else if (a == "--dir")
+      dir = value();
+    else if (a == "--rounds")
+      rounds = int_value();
     else if (a == "--set")
       sets.push_back(value());
     else if (a == "-h" || a == "--help") {
@@ -119,13 +171,50 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     } else
       KEEL_FAIL(kUsage, "unknown option ", a, " (see --help)");
   }
+  const bool checkpoint = mode == BenchMode::kCheckpoint;
+  KEEL_CHECK(!checkpoint || steps < 0, kUsage,
+             "--steps: --checkpoint times checkpoint.every steps per save (--set "
+             "checkpoint.every=N)");
+  if (steps < 0) steps = 5;
   KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
   KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
   bool known = which == "all";
   for (const Named& named : kConfigs) known = known || which == named.name;
   KEEL_CHECK(known, kUsage, "--config ", which, ": no such benchmark config (S, M or all)");
+  if (checkpoint) {
+    KEEL_CHECK(!profile, kUsage,
+               "--profile times training steps; it does not go with --checkpoint");
+    KEEL_CHECK(rounds != 0, kUsage, "--rounds must be at least 1");
+    std::error_code ec;
+    KEEL_CHECK(dir.empty() || std::filesystem::is_directory(dir, ec), kUsage, "--dir ", dir,
+               ": no such directory");
+  } else {
+    KEEL_CHECK(dir.empty() && rounds < 0, kUsage, dir.empty() ? "--rounds" : "--dir",
+               " goes with --checkpoint");
+  }
   keel::kernels::set_num_threads(threads);
   const bool root = mpi.world_rank() == 0;
+  if (checkpoint) {
+    if (root) {
+      std::printf("keel-bench --checkpoint: %d rank(s) x %d threads; GB = 10^9 bytes\n",
+                  mpi.world_size(), threads);
+    }
+    keel::CheckpointBenchOptions opts;
+    opts.parent_dir = dir;
+    opts.warmup = warmup;
+    if (rounds > 0) opts.rounds = rounds;
+    std::vector<std::string> summaries;
+    for (const Named& named : kConfigs) {
+      if (!selected(which, named.name)) continue;
+      const KeelConfig cfg = bench_config(named, steps, warmup, tp, mode, sets);
+      keel::Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
+      for (std::string& line : keel::run_checkpoint_bench(named.name, cfg, dist.topology(), opts)) {
+        summaries.push_back(std::move(line));
+      }
+    }
+    for (const auto& s : summaries) std::printf("%s\n", s.c_str());
+    return 0;
+  }
   // The peak is measured on rank 0 alone (others wait), with this rank's thread count.
   double peak = 0.0;
   if (root) peak = measure_sgemm_peak();
@@ -140,19 +229,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   const double job_peak = peak * mpi.world_size();
   std::vector<std::string> summaries;
   for (const Named& named : kConfigs) {
-    if (which != "all" && which != named.name) continue;
-    std::vector<std::string> all_sets;
-    KeelConfig cfg = keel::default_config();
-    keel::merge_config_text(named.text, std::string("config ") + named.name, cfg);
-    cfg.mutable_train()->set_eval_every(0);
-    cfg.mutable_train()->set_steps(steps + warmup);
-    cfg.mutable_optim()->set_warmup_steps(1);
-    cfg.mutable_optim()->set_lr(6e-4);  // keeps the few timed steps' losses sane
-    cfg.mutable_model()->set_d_ff(0);
-    cfg.mutable_model()->set_max_positions(0);
-    cfg.mutable_parallel()->set_tp(tp);
-    for (const auto& s : sets) keel::apply_set(s, cfg);
-    keel::validate(cfg);
+    if (!selected(which, named.name)) continue;
+    const KeelConfig cfg = bench_config(named, steps, warmup, tp, mode, sets);
     keel::Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
     const keel::Topology& topo = dist.topology();
     keel::TrainerOptions opts;
