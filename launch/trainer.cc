@@ -824,7 +824,9 @@ void Trainer::run() {
     const bool eval = t.eval_every() > 0 && (r.step % t.eval_every() == 0 || last) && !r.rewound;
     std::optional<double> val;
     if (eval && data_.has_val()) val = evaluate();
-    if (r.step % std::max(1, t.log_every()) == 0 || last || val) {
+    // Every step the spike guard flagged is logged, whatever train.log_every says.
+    if (r.step % std::max(1, t.log_every()) == 0 || last || val ||
+        r.guard.anomaly != Anomaly::kNone) {
       log_step(r, val);
       window_seconds_ = 0.0;
       window_tokens_ = 0;
