@@ -107,7 +107,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
     open_metrics(resumed_from_);
   }
-  if (!opts_.run_dir.empty() && topo_.world_rank == 0) {
+  if (!opts_.run_dir.empty() && topo_.world_rank == 0 && cfg_.train().tensorboard()) {
     tensorboard_ = std::make_unique<TensorBoardWriter>(opts_.run_dir + "/tensorboard");
   }
   // The guard's alerts: RUN/alerts.jsonl (continued on resume), stderr, alert.command.

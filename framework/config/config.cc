@@ -67,6 +67,7 @@ train {
   sample_chars: 240
   micro_batch: 0  # global_batch / dp
   plot: true
+  tensorboard: true
 }
 optim {
   lr: 3e-3

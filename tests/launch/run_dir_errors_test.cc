@@ -28,11 +28,12 @@ using testing::TempDir;
 using testing::write_file;
 
 const std::vector<std::string> kTiny = {
-    "--set", "model.d_model=32",         "--set", "model.n_layers=1",
-    "--set", "model.n_heads=2",          "--set", "model.seq_len=16",
-    "--set", "train.global_batch=4",     "--set", "train.eval_every=0",
-    "--set", "train.sample_chars=0",     "--set", "train.log_every=1",
-    "--set", "data.builtin_bytes=20000", "--set", "train.threads=1"};
+    "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set",
+    "model.seq_len=16", "--set", "train.global_batch=4", "--set", "train.eval_every=0", "--set",
+    "train.sample_chars=0", "--set", "train.log_every=1", "--set", "data.builtin_bytes=20000",
+    "--set", "train.threads=1",
+    // Only metrics.jsonl and config.pbtxt compete for the tiny disks below.
+    "--set", "train.tensorboard=false", "--set", "train.plot=false"};
 
 class RunDirErrors : public ::testing::Test {
  protected:
