@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <string_view>
 
 #include "framework/error.h"
 #include "framework/file_io.h"
@@ -15,29 +16,92 @@ namespace keel {
 
 namespace {
 std::string fmt(const char* f, double v) {
-  if (std::isnan(v)) return "NaN";  // JSON has no NaN; Python's json and jq accept these tokens
-  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
   char buf[64];
   std::snprintf(buf, sizeof(buf), f, v);
   return buf;
 }
-std::string escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
+}  // namespace
+
+// Appends `s` as a JSON string (quoted): escapes quotes, backslashes and control characters, and
+// writes U+FFFD for each byte that does not start a valid UTF-8 sequence.
+void append_json_string(std::string& out, std::string_view s) {
+  out += '"';
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      switch (c) {
+        case '"':
+          out += "\\\"";
+          break;
+        case '\\':
+          out += "\\\\";
+          break;
+        case '\n':
+          out += "\\n";
+          break;
+        case '\r':
+          out += "\\r";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
+        default:
+          if (c < 0x20 || c == 0x7f) {
+            char buf[8];
+            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+            out += buf;
+          } else {
+            out += static_cast<char>(c);
+          }
+      }
+      ++i;
+      continue;
+    }
+    // A multi-byte sequence: its length from the lead byte, then continuation bytes, rejecting
+    // overlong forms, surrogates and code points past U+10FFFF.
+    size_t len = 0;
+    uint32_t cp = 0;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      cp = c & 0x07;
+    }
+    bool ok = len > 0 && i + len <= s.size();
+    for (size_t k = 1; ok && k < len; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      ok = (cc & 0xC0) == 0x80;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if (ok) {
+      ok = !(len == 3 && cp < 0x800) && !(len == 4 && cp < 0x10000) &&
+           !(cp >= 0xD800 && cp <= 0xDFFF) && cp <= 0x10FFFF;
+    }
+    if (ok) {
+      out.append(s.data() + i, len);
+      i += len;
     } else {
-      out += c;
+      out += "\\ufffd";
+      ++i;
     }
   }
-  return out;
+  out += '"';
 }
-}  // namespace
+
+void append_json_number(std::string& out, double v) {
+  if (!std::isfinite(v)) {
+    out += "null";
+    return;
+  }
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  out += buf;
+}
 
 JsonObject& JsonObject::add(const std::string& key, int64_t v) {
   fields_.emplace_back(key, std::to_string(v));
@@ -46,7 +110,13 @@ JsonObject& JsonObject::add(const std::string& key, int64_t v) {
 // JSON has no NaN or infinity: a non-finite value is written as null (the trainer names which
 // values were non-finite in a "nonfinite" field beside them).
 JsonObject& JsonObject::add(const std::string& key, double v) {
-  fields_.emplace_back(key, std::isfinite(v) ? fmt("%.17g", v) : std::string("null"));
+  std::string text;
+  append_json_number(text, v);
+  fields_.emplace_back(key, std::move(text));
+  return *this;
+}
+JsonObject& JsonObject::add_null(const std::string& key) {
+  fields_.emplace_back(key, "null");
   return *this;
 }
 JsonObject& JsonObject::add_f(const std::string& key, float v) {
@@ -54,9 +124,8 @@ JsonObject& JsonObject::add_f(const std::string& key, float v) {
   return *this;
 }
 JsonObject& JsonObject::add(const std::string& key, const std::string& v) {
-  std::string quoted = "\"";
-  quoted += escape(v);
-  quoted += '"';
+  std::string quoted;
+  append_json_string(quoted, v);
   fields_.emplace_back(key, std::move(quoted));
   return *this;
 }
@@ -64,9 +133,8 @@ std::string JsonObject::str() const {
   std::string s = "{";
   for (size_t i = 0; i < fields_.size(); ++i) {
     if (i) s += ", ";
-    s += '"';
-    s += escape(fields_[i].first);
-    s += "\": ";
+    append_json_string(s, fields_[i].first);
+    s += ": ";
     s += fields_[i].second;
   }
   s += '}';

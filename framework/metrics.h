@@ -7,17 +7,25 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
 namespace keel {
 
+// Appends `s` as a quoted JSON string: quotes, backslashes and control characters escaped, and
+// U+FFFD for each byte that does not start a valid UTF-8 sequence, so every line parses.
+void append_json_string(std::string& out, std::string_view s);
+// Appends v with %.17g (round trip), or null when it is not finite.
+void append_json_number(std::string& out, double v);
+
 class JsonObject {
  public:
   JsonObject& add(const std::string& key, int64_t v);
-  JsonObject& add(const std::string& key, double v);   // %.17g
-  JsonObject& add_f(const std::string& key, float v);  // %.9g
+  JsonObject& add(const std::string& key, double v);   // %.17g; null when not finite
+  JsonObject& add_f(const std::string& key, float v);  // %.9g; null when not finite
   JsonObject& add(const std::string& key, const std::string& v);
+  JsonObject& add_null(const std::string& key);
   std::string str() const;
 
  private:

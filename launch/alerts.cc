@@ -20,93 +20,13 @@
 
 #include "framework/error.h"
 #include "framework/file_io.h"
+#include "framework/metrics.h"
 
 extern char** environ;
 
 namespace keel {
 
 namespace {
-
-// Appends `s` as a JSON string (quoted): escapes quotes, backslashes and control characters, and
-// writes U+FFFD for each byte that does not start a valid UTF-8 sequence.
-void append_json_string(std::string& out, std::string_view s) {
-  out += '"';
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x80) {
-      switch (c) {
-        case '"':
-          out += "\\\"";
-          break;
-        case '\\':
-          out += "\\\\";
-          break;
-        case '\n':
-          out += "\\n";
-          break;
-        case '\r':
-          out += "\\r";
-          break;
-        case '\t':
-          out += "\\t";
-          break;
-        default:
-          if (c < 0x20 || c == 0x7f) {
-            char buf[8];
-            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-            out += buf;
-          } else {
-            out += static_cast<char>(c);
-          }
-      }
-      ++i;
-      continue;
-    }
-    // A multi-byte sequence: its length from the lead byte, then continuation bytes, rejecting
-    // overlong forms, surrogates and code points past U+10FFFF.
-    size_t len = 0;
-    uint32_t cp = 0;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-      cp = c & 0x1F;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      cp = c & 0x0F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      cp = c & 0x07;
-    }
-    bool ok = len > 0 && i + len <= s.size();
-    for (size_t k = 1; ok && k < len; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      ok = (cc & 0xC0) == 0x80;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    if (ok) {
-      ok = !(len == 3 && cp < 0x800) && !(len == 4 && cp < 0x10000) &&
-           !(cp >= 0xD800 && cp <= 0xDFFF) && cp <= 0x10FFFF;
-    }
-    if (ok) {
-      out.append(s.data() + i, len);
-      i += len;
-    } else {
-      out += "\\ufffd";
-      ++i;
-    }
-  }
-  out += '"';
-}
-
-void append_number(std::string& out, double v) {
-  if (!std::isfinite(v)) {
-    out += "null";
-    return;
-  }
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  out += buf;
-}
 
 // `s` on one line: control characters become spaces.
 std::string one_line(std::string s) {
@@ -172,31 +92,25 @@ double unix_time_now() {
 }
 
 std::string alert_json(const Alert& a) {
-  std::string s = "{\"time\": ";
-  append_number(s, a.time);
-  s += ", \"step\": " + std::to_string(a.step);
-  s += ", \"kind\": ";
-  append_json_string(s, a.kind);
-  s += ", \"action\": ";
-  append_json_string(s, a.action);
-  s += ", \"loss\": ";
-  append_number(s, a.loss);
-  s += ", \"baseline\": ";
-  append_number(s, a.baseline);
-  s += ", \"threshold\": ";
-  append_number(s, a.threshold);
-  s += ", \"grad_norm\": ";
-  append_number(s, a.grad_norm);
-  s += ", \"checkpoint\": ";
-  append_json_string(s, a.checkpoint);
-  s += ", \"rewound_to\": ";
-  s += a.rewound_to ? std::to_string(*a.rewound_to) : "null";
-  s += ", \"batches_skipped\": " + std::to_string(a.batches_skipped);
-  s += ", \"rewinds\": " + std::to_string(a.rewinds);
-  s += ", \"message\": ";
-  append_json_string(s, a.message);
-  s += '}';
-  return s;
+  JsonObject o;
+  o.add("time", a.time)
+      .add("step", a.step)
+      .add("kind", a.kind)
+      .add("action", a.action)
+      .add("loss", a.loss)
+      .add("baseline", a.baseline)
+      .add("threshold", a.threshold)
+      .add("grad_norm", a.grad_norm)
+      .add("checkpoint", a.checkpoint);
+  if (a.rewound_to) {
+    o.add("rewound_to", *a.rewound_to);
+  } else {
+    o.add_null("rewound_to");
+  }
+  o.add("batches_skipped", a.batches_skipped)
+      .add("rewinds", static_cast<int64_t>(a.rewinds))
+      .add("message", a.message);
+  return o.str();
 }
 
 std::string alert_human_line(const Alert& a) {
