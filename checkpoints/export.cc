@@ -1,9 +1,13 @@
-// keel-ckpt export's tensor plan: the GPT-2 check, the keel -> GPT-2 name and layout map, and the
-// values of each exported tensor. See export.h and checkpoints/EXPORT.md.
+// keel-ckpt export's tensor plan: which Hugging Face architecture a model is (every model field
+// classified for each), the keel -> GPT-2 / OLMo 2 / Qwen3 name and layout maps, and the values
+// of each exported tensor. See export.h and checkpoints/EXPORT.md.
 #include "checkpoints/export.h"
 
 #include <google/protobuf/descriptor.h>
+#include <google/protobuf/message.h>
 
+#include <array>
+#include <map>
 #include <set>
 
 #include "checkpoints/checkpoint.h"
@@ -15,22 +19,100 @@ namespace keel {
 
 namespace {
 
-// Every field of config::Model, by what it does to the function the model computes. A field
-// missing here makes gpt2_mismatch name it, so a new model field cannot slip into a GPT-2 export
-// unexamined.
-const std::set<std::string>& known_model_fields() {
-  static const std::set<std::string> fields = {
-      // GPT2Config expresses any value of these.
-      "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "max_positions",
-      // Initialisation only.
-      "init_std",
-      // Checked below.
-      "qk_norm", "qk_norm_scope", "tie_embeddings", "norm"};
-  return fields;
+constexpr size_t kArchCount = std::size(kHfArchitectures);
+
+size_t arch_index(ExportNaming arch) {
+  for (size_t i = 0; i < kArchCount; ++i) {
+    if (kHfArchitectures[i] == arch) return i;
+  }
+  KEEL_FAIL(kInternal, "not a Hugging Face architecture: ", naming_id(arch));
 }
 
-// Parameters keel stores with padded vocabulary rows (Note [export vocab rows]).
-bool vocab_padded(const std::string& name) { return name == "wte" || name == "lm_head.weight"; }
+// What one model field's value means for one architecture: either the architecture expresses any
+// value (its config.json carries it, or it only changes initialisation, or it means nothing given
+// the other fields the architecture needs), or it needs one value, with what the architecture
+// has instead.
+struct FieldRule {
+  std::string needs;  // empty: any value; else the value as text format writes it ("RMS", "true")
+  std::string why;    // what the architecture has, for the message
+
+  static FieldRule any() { return {}; }
+};
+
+// Every field of config::Model, for GPT-2, OLMo 2 and Qwen3 (kHfArchitectures' order). A field
+// missing here makes arch_mismatch name it for every architecture, so a new model field cannot
+// slip into a Hugging Face export unexamined.
+const std::map<std::string, std::array<FieldRule, kArchCount>>& field_rules() {
+  const FieldRule any = FieldRule::any();
+  static const std::map<std::string, std::array<FieldRule, kArchCount>> rules = {
+      // Each config.json expresses any value of these.
+      {"vocab_size", {any, any, any}},
+      {"seq_len", {any, any, any}},
+      {"d_model", {any, any, any}},
+      {"n_layers", {any, any, any}},
+      {"n_heads", {any, any, any}},
+      {"d_ff", {any, any, any}},
+      {"max_positions", {any, any, any}},
+      // Initialisation only.
+      {"init_std", {any, any, any}},
+      {"qk_norm",
+       {{{"NONE", "GPT-2 has no QK-norm"},
+         {"RMS", "OLMo 2 RMS-normalises q and k"},
+         {"RMS", "Qwen3 RMS-normalises q and k"}}}},
+      // GPT-2: meaningless without QK-norm, which GPT-2 needs.
+      {"qk_norm_scope",
+       {{any,
+         {"PROJECTION", "OLMo 2 normalises q and k over the whole projection, all heads at once"},
+         {"HEAD_SHARED", "Qwen3 normalises each head with one gain shared by all heads"}}}},
+      // OLMo 2 and Qwen3: tie_word_embeddings.
+      {"tie_embeddings", {{{"true", "GPT-2 ties the LM head to the token embedding"}, any, any}}},
+      {"norm",
+       {{{"LAYERNORM", "GPT-2 uses LayerNorm"},
+         {"RMSNORM", "OLMo 2 uses RMSNorm"},
+         {"RMSNORM", "Qwen3 uses RMSNorm"}}}},
+      {"position",
+       {{{"LEARNED", "GPT-2 learns absolute positions"},
+         {"ROPE", "OLMo 2 uses rotary positions"},
+         {"ROPE", "Qwen3 uses rotary positions"}}}},
+      // GPT-2: meaningless with learned positions; OLMo 2 and Qwen3: rope_theta.
+      {"rope_theta", {any, any, any}},
+      {"mlp",
+       {{{"GELU", "GPT-2's MLP is GELU"},
+         {"SWIGLU", "OLMo 2's MLP is SwiGLU"},
+         {"SWIGLU", "Qwen3's MLP is SwiGLU"}}}},
+      {"bias",
+       {{{"true", "GPT-2 has biases in every linear layer and norm"},
+         {"false", "OLMo 2 has no biases"},
+         {"false", "Qwen3 has no biases"}}}},
+      {"norm_placement",
+       {{{"PRE", "GPT-2 normalises each sublayer's input"},
+         {"POST_SUBLAYER", "OLMo 2 normalises each sublayer's output"},
+         {"PRE", "Qwen3 normalises each sublayer's input"}}}},
+  };
+  return rules;
+}
+
+// A scalar model field's value as text format writes it.
+std::string field_text(const config::Model& m, const google::protobuf::FieldDescriptor* f) {
+  const google::protobuf::Reflection* r = m.GetReflection();
+  using FD = google::protobuf::FieldDescriptor;
+  switch (f->cpp_type()) {
+    case FD::CPPTYPE_ENUM:
+      return std::string(r->GetEnum(m, f)->name());
+    case FD::CPPTYPE_BOOL:
+      return r->GetBool(m, f) ? "true" : "false";
+    case FD::CPPTYPE_INT32:
+      return std::to_string(r->GetInt32(m, f));
+    case FD::CPPTYPE_INT64:
+      return std::to_string(r->GetInt64(m, f));
+    case FD::CPPTYPE_FLOAT:
+      return std::to_string(r->GetFloat(m, f));
+    case FD::CPPTYPE_DOUBLE:
+      return std::to_string(r->GetDouble(m, f));
+    default:
+      KEEL_FAIL(kInternal, "model.", f->name(), ": a field kind keel-ckpt export cannot compare");
+  }
+}
 
 const ckpt::TensorRecord* find_param(const ckpt::Manifest& m, const std::string& name) {
   for (const ckpt::TensorRecord& t : m.tensors()) {
@@ -49,13 +131,16 @@ Shape vocab_shape(const ckpt::TensorRecord& t, int64_t V, const std::string& whe
   return {V, s[1]};
 }
 
+// Parameters keel stores with padded vocabulary rows (Note [export vocab rows]).
+bool vocab_padded(const std::string& name) { return name == "wte" || name == "lm_head.weight"; }
+
 ExportPlan keel_plan(const ckpt::Manifest& m, int64_t V, const std::string& where) {
   ExportPlan plan;
   plan.naming = ExportNaming::kKeel;
   for (const ckpt::TensorRecord& t : m.tensors()) {
     if (t.kind() != ckpt::PARAM) continue;
     if (vocab_padded(t.name())) {
-      plan.tensors.push_back({t.name(), vocab_shape(t, V, where), t.name(), ExportOp::kVocabRows});
+      plan.tensors.push_back({t.name(), vocab_shape(t, V, where), t.name(), ExportOp::kRows});
     } else {
       plan.tensors.push_back({t.name(), shape_of(t), t.name(), ExportOp::kCopy});
     }
@@ -63,27 +148,66 @@ ExportPlan keel_plan(const ckpt::Manifest& m, int64_t V, const std::string& wher
   return plan;
 }
 
+// One exported tensor of a Hugging Face plan, with the shape its keel source must have.
+struct Entry {
+  std::string source, name;
+  Shape source_shape, shape;
+  ExportOp op;
+  int64_t row_begin = 0;
+};
+
+// The plan's tensors: `vocab` entries take the first V rows of a [>= V, C] source; every source
+// must exist with its expected shape, and every parameter of the checkpoint must be used.
+void add_entries(ExportPlan& plan, const std::vector<Entry>& entries, const ckpt::Manifest& m,
+                 const ModelDims& d, const std::string& where) {
+  std::set<std::string> used;
+  for (const Entry& e : entries) {
+    const ckpt::TensorRecord* t = find_param(m, e.source);
+    KEEL_CHECK(t, kData, where, ": tensor ", e.source,
+               " (param) is not in the checkpoint, though its config has it");
+    if (vocab_padded(e.source)) {
+      const Shape shape = vocab_shape(*t, d.V, where);
+      KEEL_CHECK(shape[1] == d.C, kData, where, ": tensor ", e.source, " has shape ",
+                 shape_str(shape_of(*t)), ", not [>= ", d.V, ", model.d_model=", d.C, "]");
+    } else {
+      KEEL_CHECK(shape_of(*t) == e.source_shape, kData, where, ": tensor ", e.source, " has shape ",
+                 shape_str(shape_of(*t)), " in the checkpoint but ", shape_str(e.source_shape),
+                 " in its config");
+    }
+    plan.tensors.push_back({e.name, e.shape, e.source, e.op, e.row_begin});
+    used.insert(e.source);
+  }
+  for (const ckpt::TensorRecord& t : m.tensors()) {
+    KEEL_CHECK(t.kind() != ckpt::PARAM || used.count(t.name()), kData, where, ": tensor ", t.name(),
+               " (param) has no place in the ", naming_title(plan.naming), " model of its config");
+  }
+}
+
+HfConfig hf_config(const ModelDims& d, const char* activation) {
+  return {.vocab_size = d.V,
+          .max_positions = d.P,
+          .hidden_size = d.C,
+          .num_layers = d.L,
+          .num_heads = d.H,
+          .head_dim = d.D,
+          .intermediate_size = d.F,
+          .activation = activation,
+          .norm_eps = kBlockNormEps,
+          .rope_theta = d.rope_theta,
+          .tie_word_embeddings = d.tied,
+          .initializer_range = d.init_std};
+}
+
 ExportPlan gpt2_plan(const ckpt::Manifest& m, const ModelDims& d, const std::string& where) {
   ExportPlan plan;
   plan.naming = ExportNaming::kGpt2;
-  plan.gpt2 = {.vocab_size = d.V,
-               .n_positions = d.P,
-               .n_embd = d.C,
-               .n_layer = d.L,
-               .n_head = d.H,
-               .n_inner = d.F,
-               // kernels::gelu_scalar: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which is
-               // transformers' NewGELUActivation.
-               .activation_function = "gelu_new",
-               .layer_norm_epsilon = kBlockNormEps};
-  // keel source -> (GPT-2 name, the source's expected shape, op, exported shape).
-  struct Entry {
-    std::string source, name;
-    Shape source_shape, shape;
-    ExportOp op;
-  };
+  // kernels::gelu_scalar: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which is
+  // transformers' NewGELUActivation ("gelu_new").
+  plan.hf = hf_config(d, "gelu_new");
   const int64_t C = d.C, F = d.F, HD = d.H * d.D;
+  // wte first, as GPT-2 lists it; the LM head is tied to it (no tensor of its own).
   std::vector<Entry> entries;
+  entries.push_back({"wte", "transformer.wte.weight", {}, {d.V, C}, ExportOp::kRows});
   entries.push_back({"wpe", "transformer.wpe.weight", {d.P, C}, {d.P, C}, ExportOp::kCopy});
   auto norm = [&](const std::string& keel, const std::string& hf) {
     entries.push_back({keel + ".weight", hf + ".weight", {C}, {C}, ExportOp::kCopy});
@@ -118,67 +242,139 @@ ExportPlan gpt2_plan(const ckpt::Manifest& m, const ModelDims& d, const std::str
     entries.push_back({k + ".mlp.proj.bias", h + ".mlp.c_proj.bias", {C}, {C}, ExportOp::kCopy});
   }
   norm("ln_f", "transformer.ln_f");
+  add_entries(plan, entries, m, d, where);
+  return plan;
+}
 
-  // wte first, as GPT-2 lists it; the LM head is tied to it (no tensor of its own).
-  const ckpt::TensorRecord* wte = find_param(m, "wte");
-  KEEL_CHECK(wte, kData, where, ": tensor wte (param) is not in the checkpoint");
-  const Shape wte_shape = vocab_shape(*wte, d.V, where);
-  KEEL_CHECK(wte_shape[1] == C, kData, where, ": tensor wte has shape ", shape_str(shape_of(*wte)),
-             ", not [>= ", d.V, ", model.d_model=", C, "]");
-  plan.tensors.push_back({"transformer.wte.weight", wte_shape, "wte", ExportOp::kVocabRows});
-  std::set<std::string> used = {"wte"};
-  for (const Entry& e : entries) {
-    const ckpt::TensorRecord* t = find_param(m, e.source);
-    KEEL_CHECK(t, kData, where, ": tensor ", e.source,
-               " (param) is not in the checkpoint, though its config has it");
-    KEEL_CHECK(shape_of(*t) == e.source_shape, kData, where, ": tensor ", e.source, " has shape ",
-               shape_str(shape_of(*t)), " in the checkpoint but ", shape_str(e.source_shape),
-               " in its config");
-    plan.tensors.push_back({e.name, e.shape, e.source, e.op});
-    used.insert(e.source);
+// OLMo 2 and Qwen3 share Llama's names; they differ in where the block norms sit and in the
+// QK-norm gains' shape. Both use nn.Linear's [out, in], keel's layout, so nothing is transposed.
+ExportPlan llama_like_plan(ExportNaming arch, const ckpt::Manifest& m, const ModelDims& d,
+                           const std::string& where) {
+  ExportPlan plan;
+  plan.naming = arch;
+  plan.hf = hf_config(d, "silu");
+  const bool olmo2 = arch == ExportNaming::kOlmo2;
+  const int64_t C = d.C, F = d.F, HD = d.H * d.D;
+  std::vector<Entry> entries;
+  entries.push_back({"wte", "model.embed_tokens.weight", {}, {d.V, C}, ExportOp::kRows});
+  // OLMo 2 normalises the whole projection: keel's PROJECTION gains [H, D] are its [H D] gains,
+  // heads in order. Qwen3 normalises each head with one [D] gain: keel's HEAD_SHARED gain.
+  const Shape qk_gain = olmo2 ? Shape{d.H, d.D} : Shape{d.D};
+  const Shape qk_gain_hf = olmo2 ? Shape{HD} : Shape{d.D};
+  for (int64_t l = 0; l < d.L; ++l) {
+    const std::string k = "blocks." + std::to_string(l);
+    const std::string h = "model.layers." + std::to_string(l);
+    // qkv.weight [3, H, D, C] viewed as [3 H D, C]: rows [0, HD) are q (heads in order, D rows
+    // each, as q_proj's output is split into heads), then k, then v.
+    const char* qkv_names[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+                               ".self_attn.v_proj.weight"};
+    for (int64_t i = 0; i < 3; ++i) {
+      entries.push_back({k + ".attn.qkv.weight",
+                         h + qkv_names[i],
+                         {3, d.H, d.D, C},
+                         {HD, C},
+                         ExportOp::kRows,
+                         i * HD});
+    }
+    entries.push_back({k + ".attn.proj.weight",
+                       h + ".self_attn.o_proj.weight",
+                       {C, HD},
+                       {C, HD},
+                       ExportOp::kCopy});
+    entries.push_back({k + ".attn.q_norm.weight", h + ".self_attn.q_norm.weight", qk_gain,
+                       qk_gain_hf, ExportOp::kCopy});
+    entries.push_back({k + ".attn.k_norm.weight", h + ".self_attn.k_norm.weight", qk_gain,
+                       qk_gain_hf, ExportOp::kCopy});
+    // keel's mlp.gate is gate_proj (through the activation), mlp.fc is up_proj, mlp.proj down_proj.
+    entries.push_back(
+        {k + ".mlp.gate.weight", h + ".mlp.gate_proj.weight", {F, C}, {F, C}, ExportOp::kCopy});
+    entries.push_back(
+        {k + ".mlp.fc.weight", h + ".mlp.up_proj.weight", {F, C}, {F, C}, ExportOp::kCopy});
+    entries.push_back(
+        {k + ".mlp.proj.weight", h + ".mlp.down_proj.weight", {C, F}, {C, F}, ExportOp::kCopy});
+    // keel's ln1 and ln2 are the attention and MLP sublayers' norms wherever they sit: before
+    // the sublayer (Qwen3: input_layernorm, post_attention_layernorm, the norm between attention
+    // and MLP) or after it (OLMo 2: post_attention_layernorm, post_feedforward_layernorm).
+    const std::string ln1 = olmo2 ? ".post_attention_layernorm" : ".input_layernorm";
+    const std::string ln2 = olmo2 ? ".post_feedforward_layernorm" : ".post_attention_layernorm";
+    entries.push_back({k + ".ln1.weight", h + ln1 + ".weight", {C}, {C}, ExportOp::kCopy});
+    entries.push_back({k + ".ln2.weight", h + ln2 + ".weight", {C}, {C}, ExportOp::kCopy});
   }
-  for (const ckpt::TensorRecord& t : m.tensors()) {
-    KEEL_CHECK(t.kind() != ckpt::PARAM || used.count(t.name()), kData, where, ": tensor ", t.name(),
-               " (param) has no place in a GPT-2-shaped model of its config");
-  }
+  entries.push_back({"ln_f.weight", "model.norm.weight", {C}, {C}, ExportOp::kCopy});
+  // Tied: no tensor of its own, as save_pretrained writes it (tie_word_embeddings in config.json).
+  if (!d.tied)
+    entries.push_back({"lm_head.weight", "lm_head.weight", {}, {d.V, C}, ExportOp::kRows});
+  add_entries(plan, entries, m, d, where);
   return plan;
 }
 
 }  // namespace
 
-std::string gpt2_mismatch(const config::Model& m) {
-  std::vector<std::string> why;
-  if (m.qk_norm() != config::NONE) {
-    why.push_back("model.qk_norm=" + config::QkNorm_Name(m.qk_norm()) + " (GPT-2 has no QK-norm)");
+const char* naming_id(ExportNaming n) {
+  switch (n) {
+    case ExportNaming::kKeel:
+      return "keel";
+    case ExportNaming::kGpt2:
+      return "gpt2";
+    case ExportNaming::kOlmo2:
+      return "olmo2";
+    case ExportNaming::kQwen3:
+      return "qwen3";
   }
-  if (m.norm() != config::LAYERNORM) {
-    why.push_back("model.norm=" + config::NormKind_Name(m.norm()) + " (GPT-2 uses LayerNorm)");
+  return "?";
+}
+
+const char* naming_title(ExportNaming n) {
+  switch (n) {
+    case ExportNaming::kKeel:
+      return "keel";
+    case ExportNaming::kGpt2:
+      return "GPT-2";
+    case ExportNaming::kOlmo2:
+      return "OLMo 2";
+    case ExportNaming::kQwen3:
+      return "Qwen3";
   }
-  if (!m.tie_embeddings()) {
-    why.push_back("model.tie_embeddings=false (GPT-2 ties the LM head to the token embedding)");
-  }
+  return "?";
+}
+
+std::string arch_mismatch(ExportNaming arch, const config::Model& m) {
+  const size_t a = arch_index(arch);
+  std::string out;
+  auto add = [&](const std::string& why) { out += (out.empty() ? "" : "; ") + why; };
   const google::protobuf::Descriptor* desc = config::Model::descriptor();
   for (int i = 0; i < desc->field_count(); ++i) {
-    const std::string name(desc->field(i)->name());
-    if (!known_model_fields().count(name)) {
-      why.push_back("model." + name + " (a field keel-ckpt export does not know)");
+    const google::protobuf::FieldDescriptor* f = desc->field(i);
+    const std::string name(f->name());
+    const auto it = field_rules().find(name);
+    if (it == field_rules().end()) {
+      add("model." + name + " (a field keel-ckpt export does not know)");
+      continue;
     }
+    const FieldRule& rule = it->second[a];
+    if (rule.needs.empty()) continue;
+    const std::string value = field_text(m, f);
+    if (value != rule.needs) add("model." + name + "=" + value + " (" + rule.why + ")");
   }
-  std::string out;
-  for (const std::string& w : why) out += (out.empty() ? "" : "; ") + w;
   return out;
 }
 
 ExportPlan plan_export(const std::string& dir, const ckpt::Manifest& m) {
   const std::string where = dir + "/manifest.pb";
   const ModelDims d = ModelDims::from(m.config().model(), 1, Topology{});
-  const std::string why = gpt2_mismatch(m.config().model());
-  if (!why.empty()) {
-    ExportPlan plan = keel_plan(m, d.V, where);
-    plan.not_gpt2 = why;
-    return plan;
+  std::vector<std::pair<ExportNaming, std::string>> mismatches;
+  for (ExportNaming arch : kHfArchitectures) {
+    const std::string why = arch_mismatch(arch, m.config().model());
+    if (!why.empty()) {
+      mismatches.emplace_back(arch, why);
+      continue;
+    }
+    return arch == ExportNaming::kGpt2 ? gpt2_plan(m, d, where)
+                                       : llama_like_plan(arch, m, d, where);
   }
-  return gpt2_plan(m, d, where);
+  ExportPlan plan = keel_plan(m, d.V, where);
+  plan.mismatches = std::move(mismatches);
+  return plan;
 }
 
 std::vector<float> export_values(const std::string& dir, const ckpt::Manifest& m,
@@ -189,10 +385,12 @@ std::vector<float> export_values(const std::string& dir, const ckpt::Manifest& m
     case ExportOp::kCopy:
       KEEL_ASSERT(static_cast<int64_t>(src.size()) == n);
       return src;
-    case ExportOp::kVocabRows:
-      KEEL_ASSERT(static_cast<int64_t>(src.size()) >= n);
-      src.resize(static_cast<size_t>(n));
-      return src;
+    case ExportOp::kRows: {
+      KEEL_ASSERT(t.shape.size() == 2);
+      const int64_t begin = t.row_begin * t.shape[1];
+      KEEL_ASSERT(begin >= 0 && static_cast<int64_t>(src.size()) >= begin + n);
+      return std::vector<float>(src.begin() + begin, src.begin() + begin + n);
+    }
     case ExportOp::kTranspose: {
       KEEL_ASSERT(t.shape.size() == 2 && static_cast<int64_t>(src.size()) == n);
       const int64_t rows = t.shape[1], cols = t.shape[0];  // of the source matrix

@@ -1,8 +1,9 @@
 // What `keel-ckpt export` writes: every parameter of a checkpoint as one whole f32 tensor, under
-// keel's own names and layouts, or, when the model is GPT-2-shaped, under Hugging Face GPT-2's
-// names and layouts so that transformers' GPT2LMHeadModel computes the same logits (see
-// checkpoints/EXPORT.md). This file decides names, shapes and values; the command serialises
-// them (safetensors, config.json) in launch/keel_ckpt_main.cc.
+// the names and layouts of the Hugging Face architecture the model matches exactly (GPT-2,
+// OLMo 2 or Qwen3), so that transformers computes the same logits, or under keel's own names when
+// none matches (see checkpoints/EXPORT.md). This file decides names, shapes, values and the
+// config.json values; the command serialises them (safetensors, config.json) in
+// launch/keel_ckpt_main.cc.
 //
 // Note [export vocab rows]: the token embedding (and an untied LM head) is stored with the
 // vocabulary padded to Vp rows for the TP layout that wrote it (Note [vocab padding] in
@@ -13,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoints/manifest.pb.h"
@@ -22,14 +24,30 @@
 namespace keel {
 
 enum class ExportNaming {
-  kKeel,  // keel's logical names and layouts (layers/*.cc); any model
-  kGpt2,  // Hugging Face GPT2LMHeadModel's names and layouts; GPT-2-shaped models only
+  kKeel,   // keel's logical names and layouts (layers/*.cc); any model
+  kGpt2,   // Hugging Face GPT2LMHeadModel
+  kOlmo2,  // Hugging Face Olmo2ForCausalLM
+  kQwen3,  // Hugging Face Qwen3ForCausalLM
 };
+
+// The Hugging Face architectures export can write, in the order it reports on them. At most one
+// matches a model: GPT-2 needs learned positions, OLMo 2 and Qwen3 RoPE, and OLMo 2 normalises
+// each sublayer's output where Qwen3 normalises its input.
+inline constexpr ExportNaming kHfArchitectures[] = {ExportNaming::kGpt2, ExportNaming::kOlmo2,
+                                                    ExportNaming::kQwen3};
+
+// "keel", "gpt2", "olmo2", "qwen3": the safetensors metadata `keel.naming` and, for the Hugging
+// Face architectures, config.json's model_type.
+const char* naming_id(ExportNaming n);
+// "keel", "GPT-2", "OLMo 2", "Qwen3": for messages.
+const char* naming_title(ExportNaming n);
 
 // How an exported tensor is made from a checkpoint parameter.
 enum class ExportOp {
   kCopy,       // the stored elements in order, under `shape` (same count; may flatten)
-  kVocabRows,  // the first shape[0] rows (Note [export vocab rows])
+  kRows,       // rows [row_begin, row_begin + shape[0]) of the source viewed as a matrix
+               // [elements / shape[1], shape[1]]: the vocabulary rows (Note [export vocab rows]),
+               // or q, k or v out of the fused qkv weight
   kTranspose,  // the source as a matrix [rows, last dim] -> [last dim, rows] (keel's linear
                // weights are [out, in]; GPT-2's Conv1D weights are [in, out])
 };
@@ -39,38 +57,45 @@ struct ExportTensor {
   Shape shape;         // its shape there
   std::string source;  // the checkpoint's parameter (kind PARAM) it is made from
   ExportOp op = ExportOp::kCopy;
+  int64_t row_begin = 0;  // kRows only
 };
 
-// The fields of Hugging Face's GPT2Config that keel's model sets; everything else GPT2LMHeadModel
-// needs is fixed (see checkpoints/EXPORT.md).
-struct Gpt2Config {
-  int64_t vocab_size = 0;   // model.vocab_size (padding dropped)
-  int64_t n_positions = 0;  // model.max_positions, or seq_len when 0
-  int64_t n_embd = 0;
-  int64_t n_layer = 0;
-  int64_t n_head = 0;
-  int64_t n_inner = 0;              // model.d_ff, or 4 d_model when 0
-  std::string activation_function;  // keel's GELU is the tanh form: "gelu_new"
-  float layer_norm_epsilon = 0.0f;  // keel's block and final norms' epsilon
+// The values of a Hugging Face config.json that come from keel's model; the keys each
+// architecture fixes are written by keel-ckpt (checkpoints/EXPORT.md lists them all).
+struct HfConfig {
+  int64_t vocab_size = 0;         // model.vocab_size (padding dropped)
+  int64_t max_positions = 0;      // model.max_positions, or seq_len when 0
+  int64_t hidden_size = 0;        // model.d_model
+  int64_t num_layers = 0;         // model.n_layers
+  int64_t num_heads = 0;          // model.n_heads (also the key/value heads: keel has no GQA)
+  int64_t head_dim = 0;           // d_model / n_heads
+  int64_t intermediate_size = 0;  // model.d_ff (4 d_model when 0 in an unvalidated GELU config)
+  std::string activation;         // GPT-2: "gelu_new" (tanh GELU); OLMo 2, Qwen3: "silu"
+  float norm_eps = 0.0f;          // every norm's epsilon (kBlockNormEps)
+  double rope_theta = 0.0;        // model.rope_theta (OLMo 2, Qwen3)
+  bool tie_word_embeddings = true;
+  float initializer_range = 0.0f;  // model.init_std; initialisation only
 };
 
 struct ExportPlan {
   ExportNaming naming = ExportNaming::kKeel;
-  // kKeel: why the model is not GPT-2-shaped, naming each model field that keeps it so
-  // ("model.qk_norm=RMS (GPT-2 has no QK-norm); ...").
-  std::string not_gpt2;
-  std::vector<ExportTensor> tensors;  // in the checkpoint's registration order
-  Gpt2Config gpt2;                    // kGpt2 only
+  // kKeel: for each of kHfArchitectures in order, why the model is not it (arch_mismatch).
+  std::vector<std::pair<ExportNaming, std::string>> mismatches;
+  std::vector<ExportTensor> tensors;  // Hugging Face names: wte first, then layer by layer;
+                                      // keel names: the checkpoint's registration order
+  HfConfig hf;                        // Hugging Face namings only
 };
 
-// Why `m` is not GPT-2-shaped: every model field whose value GPT-2 cannot express, joined by
-// "; ", and every model field this exporter does not know (a field added to keel.proto since
-// counts as a difference until it is classified here). Empty: GPT-2-shaped.
-std::string gpt2_mismatch(const config::Model& m);
+// Why `m` is not the Hugging Face architecture `arch` (not kKeel): every model field whose value
+// `arch` cannot express ("model.qk_norm=RMS (GPT-2 has no QK-norm)"), joined by "; ", and every
+// model field this exporter does not know (a field added to keel.proto since counts as a
+// difference for every architecture until export.cc classifies it). Empty: `m` is `arch`.
+std::string arch_mismatch(ExportNaming arch, const config::Model& m);
 
-// The tensors to export from the checkpoint in `dir` with manifest `m`. Throws kData naming the
-// manifest and the tensor when the checkpoint's parameters do not match its own config (a missing
-// parameter, a stray one, a shape other than the model's).
+// The tensors to export from the checkpoint in `dir` with manifest `m`: the matching Hugging Face
+// architecture's, else keel's. Throws kData naming the manifest and the tensor when the
+// checkpoint's parameters do not match its own config (a missing parameter, a stray one, a shape
+// other than the model's).
 ExportPlan plan_export(const std::string& dir, const ckpt::Manifest& m);
 
 // The values of `t` (row-major, t.shape), assembled from the checkpoint in `dir` and checked

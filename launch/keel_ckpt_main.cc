@@ -4,8 +4,9 @@
 //   keel-ckpt verify PATH   every file size and every slice's XXH3 checksum and coverage
 //   keel-ckpt export PATH OUT_DIR
 //                           every parameter, whole and f32, into OUT_DIR/model.safetensors: under
-//                           Hugging Face GPT-2's names with OUT_DIR/config.json when the model is
-//                           GPT-2-shaped, under keel's names otherwise (checkpoints/EXPORT.md)
+//                           the names of the Hugging Face architecture the model matches exactly
+//                           (GPT-2, OLMo 2, Qwen3) with OUT_DIR/config.json, under keel's names
+//                           otherwise (checkpoints/EXPORT.md)
 // PATH is a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN, in
 // which case LATEST picks it. Exit codes: 0 fine; 2 bad usage or a bad checkpoint (one line
 // naming the file, the tensor and the reason); 1 anything else (an I/O failure writing OUT_DIR).
@@ -38,7 +39,7 @@ namespace fs = std::filesystem;
 using keel::ExportNaming;
 using keel::ExportPlan;
 using keel::ExportTensor;
-using keel::Gpt2Config;
+using keel::HfConfig;
 
 const char* kUsage =
     "usage: keel-ckpt info PATH | keel-ckpt verify PATH | keel-ckpt export PATH OUT_DIR\n"
@@ -47,9 +48,11 @@ const char* kUsage =
     "  info    step, tokens, writer layout, data fingerprints, tensors and their slices\n"
     "  verify  every file size and every slice checksum; exit 0 when all hold, 2 otherwise\n"
     "  export  every parameter, whole and f32, into OUT_DIR/model.safetensors (created if\n"
-    "          missing); a GPT-2-shaped model gets Hugging Face GPT-2 names and\n"
-    "          OUT_DIR/config.json (load with GPT2LMHeadModel.from_pretrained(OUT_DIR)),\n"
-    "          any other model keel's names (checkpoints/EXPORT.md)\n";
+    "          missing); a model that is exactly GPT-2, OLMo 2 or Qwen3 gets that Hugging Face\n"
+    "          architecture's names and OUT_DIR/config.json (load with\n"
+    "          AutoModelForCausalLM.from_pretrained(OUT_DIR)), any other model keel's names\n"
+    "          and a line per architecture saying which options prevent it\n"
+    "          (checkpoints/EXPORT.md)\n";
 
 // A checkpoint directory from what the user typed.
 std::string resolve(const std::string& path) {
@@ -198,18 +201,18 @@ std::string safetensors_header(const ExportPlan& plan,
 }
 
 // Hugging Face GPT2Config (transformers/models/gpt2/configuration_gpt2.py) for keel's model.
-std::string gpt2_config_json(const Gpt2Config& g) {
-  const nlohmann::ordered_json c = {
+nlohmann::ordered_json gpt2_config(const HfConfig& g) {
+  return {
       {"model_type", "gpt2"},
       {"architectures", {"GPT2LMHeadModel"}},
       {"vocab_size", g.vocab_size},
-      {"n_positions", g.n_positions},
-      {"n_embd", g.n_embd},
-      {"n_layer", g.n_layer},
-      {"n_head", g.n_head},
-      {"n_inner", g.n_inner},
-      {"activation_function", g.activation_function},
-      {"layer_norm_epsilon", shortest_decimal(g.layer_norm_epsilon)},
+      {"n_positions", g.max_positions},
+      {"n_embd", g.hidden_size},
+      {"n_layer", g.num_layers},
+      {"n_head", g.num_heads},
+      {"n_inner", g.intermediate_size},
+      {"activation_function", g.activation},
+      {"layer_norm_epsilon", shortest_decimal(g.norm_eps)},
       // keel scales q.k by 1/sqrt(head_dim) and nothing else.
       {"scale_attn_weights", true},
       {"scale_attn_by_inverse_layer_idx", false},
@@ -219,10 +222,63 @@ std::string gpt2_config_json(const Gpt2Config& g) {
       {"embd_pdrop", 0.0},
       {"attn_pdrop", 0.0},
       {"tie_word_embeddings", true},
+      {"initializer_range", shortest_decimal(g.initializer_range)},
       // keel's vocabulary has no special tokens (GPT2Config's default 50256 may not even exist).
       {"bos_token_id", nullptr},
       {"eos_token_id", nullptr},
       {"torch_dtype", "float32"}};
+}
+
+// Hugging Face Olmo2Config / Qwen3Config (transformers/models/{olmo2,qwen3}/configuration_*.py).
+nlohmann::ordered_json llama_like_config(ExportNaming arch, const HfConfig& g) {
+  const bool qwen3 = arch == ExportNaming::kQwen3;
+  nlohmann::ordered_json c = {
+      {"model_type", keel::naming_id(arch)},
+      {"architectures", {qwen3 ? "Qwen3ForCausalLM" : "Olmo2ForCausalLM"}},
+      {"vocab_size", g.vocab_size},
+      {"hidden_size", g.hidden_size},
+      {"intermediate_size", g.intermediate_size},
+      {"num_hidden_layers", g.num_layers},
+      {"num_attention_heads", g.num_heads},
+      // keel has no grouped-query attention: every head has its own k and v.
+      {"num_key_value_heads", g.num_heads},
+  };
+  // Qwen3Config's head_dim defaults to 128 whatever the width; OLMo 2 derives it from
+  // hidden_size / num_attention_heads, which is keel's.
+  if (qwen3) c["head_dim"] = g.head_dim;
+  c["hidden_act"] = g.activation;
+  c["max_position_embeddings"] = g.max_positions;
+  // transformers < 5 reads rope_theta (and rope_scaling); 5 reads rope_parameters.
+  c["rope_theta"] = g.rope_theta;
+  c["rope_scaling"] = nullptr;
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", g.rope_theta}};
+  // One epsilon for the block, final and QK norms, as keel (checkpoints/EXPORT.md).
+  c["rms_norm_eps"] = shortest_decimal(g.norm_eps);
+  // keel's qkv and output projections have no bias (model.bias=false).
+  c["attention_bias"] = false;
+  c["attention_dropout"] = 0.0;
+  if (qwen3) {
+    // Full causal attention in every layer.
+    c["use_sliding_window"] = false;
+    c["sliding_window"] = nullptr;
+    c["max_window_layers"] = g.num_layers;
+  }
+  c["tie_word_embeddings"] = g.tie_word_embeddings;
+  c["initializer_range"] = shortest_decimal(g.initializer_range);
+  // keel's vocabulary has no special tokens (Olmo2Config's pad 1 and eos 50279 are its
+  // tokenizer's).
+  c["pad_token_id"] = nullptr;
+  c["bos_token_id"] = nullptr;
+  c["eos_token_id"] = nullptr;
+  c["use_cache"] = true;
+  c["torch_dtype"] = "float32";
+  return c;
+}
+
+std::string config_json(const ExportPlan& plan) {
+  const nlohmann::ordered_json c = plan.naming == ExportNaming::kGpt2
+                                       ? gpt2_config(plan.hf)
+                                       : llama_like_config(plan.naming, plan.hf);
   return c.dump(2) + "\n";
 }
 
@@ -239,7 +295,7 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
     fs::create_directories(out_dir, ec);
     KEEL_CHECK(!ec, kIo, out_dir, ": cannot create: ", ec.message());
   }
-  const bool gpt2 = plan.naming == ExportNaming::kGpt2;
+  const bool hf = plan.naming != ExportNaming::kKeel;
   const std::string model_path = out_dir + "/model.safetensors";
   const std::string config_path = out_dir + "/config.json";
   int64_t params = 0, bytes = 0;
@@ -250,7 +306,7 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
         {"keel.step", std::to_string(m.step())},
         {"keel.checkpoint_format_version", std::to_string(m.format_version())},
         {"keel.source", fs::absolute(dir).lexically_normal().string()},
-        {"keel.naming", gpt2 ? "gpt2" : "keel"},
+        {"keel.naming", keel::naming_id(plan.naming)},
         {"keel.vocab_size", std::to_string(m.config().model().vocab_size())}};
     const std::string header = safetensors_header(plan, metadata);
     StagedFile file(model_path);
@@ -264,10 +320,11 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
     }
     file.commit();
     bytes = file.bytes();
-    if (gpt2) {
-      keel::write_file_atomic(config_path, gpt2_config_json(plan.gpt2));
+    if (hf) {
+      keel::write_file_atomic(config_path, config_json(plan));
     } else if (fs::exists(config_path, ec)) {
-      // An earlier GPT-2 export's config.json would describe tensors this file no longer has.
+      // An earlier Hugging Face export's config.json would describe tensors this file no longer
+      // has.
       fs::remove(config_path, ec);
       KEEL_CHECK(!ec, kIo, config_path,
                  ": cannot remove the config.json of an earlier export: ", ec.message());
@@ -277,11 +334,15 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
     if (!existed) fs::remove(out_dir, ec);  // only when still empty
     throw;
   }
-  if (!gpt2) {
-    std::printf("keel names, no config.json%s: not GPT-2-shaped: %s\n",
-                removed_config ? " (removed the earlier one)" : "", plan.not_gpt2.c_str());
+  if (!hf) {
+    std::printf("keel names, no config.json%s: no Hugging Face architecture matches exactly\n",
+                removed_config ? " (removed the earlier one)" : "");
+    for (const auto& [arch, why] : plan.mismatches) {
+      std::printf("  not %s: %s\n", keel::naming_title(arch), why.c_str());
+    }
   }
-  const std::string what = gpt2 ? " (GPT-2 names) and " + config_path : " (keel names)";
+  const std::string what = std::string(" (") + keel::naming_title(plan.naming) + " names)" +
+                           (hf ? " and " + config_path : "");
   std::printf("exported step %lld of %s: %zu tensors, %lld parameters, %lld bytes -> %s%s\n",
               static_cast<long long>(m.step()), dir.c_str(), plan.tensors.size(),
               static_cast<long long>(params), static_cast<long long>(bytes), model_path.c_str(),

@@ -1,5 +1,6 @@
-// QK-norm attention: projection, per-head (or per-projection) normalisation of q and k, causal
-// attention, output projection. Shapes are written as [rows, columns] of row-major buffers.
+// QK-norm attention: projection, per-head (or per-projection) normalisation of q and k, rotary
+// position embedding of q and k (position == ROPE), causal attention, output projection.
+// Shapes are written as [rows, columns] of row-major buffers.
 #include "layers/attention.h"
 
 #include <cmath>
@@ -7,6 +8,7 @@
 #include "framework/error.h"
 #include "framework/kernels/attention.h"
 #include "framework/kernels/gemm.h"
+#include "framework/kernels/rope.h"
 #include "parallel/tp_regions.h"
 
 namespace keel {
@@ -33,7 +35,9 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
   const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
   qkv_w_ =
       ps.add({prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal, d.init_std, true});
-  qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
+  if (d.bias) {
+    qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
+  }
   if (d.qk_norm == config::RMS || d.qk_norm == config::LAYER) {
     // HEAD_SHARED: one [D] gain for all heads (replicated under TP); HEAD and PROJECTION: [H, D]
     // sharded with the heads.
@@ -46,7 +50,8 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
     };
     q_norm_w_ = ps.add(spec(".q_norm.weight", 1.0f));
     k_norm_w_ = ps.add(spec(".k_norm.weight", 1.0f));
-    if (d.qk_norm == config::LAYER) {
+    // LAYER's bias follows model.bias like every other bias (without it, LAYER still centres).
+    if (d.qk_norm == config::LAYER && d.bias) {
       q_norm_b_ = ps.add(spec(".q_norm.bias", 0.0f));
       k_norm_b_ = ps.add(spec(".k_norm.bias", 0.0f));
     }
@@ -59,7 +64,7 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
   }
   proj_w_ =
       ps.add({prefix + ".proj.weight", {d.C, d.H * d.D}, 1, ParamInit::kNormal, resid_std, true});
-  proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+  if (d.bias) proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
 }
 
 void Attention::allocate(const LayerContext& ctx) {
@@ -113,23 +118,27 @@ void Attention::qk_scales(float* out) const {
   }
 }
 
+float* Attention::param_or_null(int id) const { return id >= 0 ? ps_.param(id) : nullptr; }
+float* Attention::grad_or_null(int id) const { return id >= 0 ? ps_.grad(id) : nullptr; }
+
 float Attention::forward(const float* x, float* y, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param(qkv_b_), BT, d.C, 3 * HD);
+    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), param_or_null(qkv_b_), BT, d.C,
+                            3 * HD);
   }
-  const float* q = qkv_.f32();
-  const float* k = qkv_.f32() + HD;
+  float* q = qkv_.f32();
+  float* k = qkv_.f32() + HD;
   int64_t ldqk = 3 * HD;
   if (d.qk_norm != config::NONE) {
     ProfileScope p(prof, "qk_norm");
     const kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
     const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
-    auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
+    auto w = [&](int id) { return param_or_null(id); };
     if (d.qk_scope == config::PROJECTION) {
       // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
       // partial sums, never the activations.
@@ -155,6 +164,15 @@ float Attention::forward(const float* x, float* y, int64_t B) {
     k = qk_.f32() + HD;
     ldqk = 2 * HD;
   }
+  if (d.position == config::ROPE) {
+    // q and k are rotated after QK-norm (OLMo 2, Qwen3), in place in the buffer attention reads:
+    // qk_ with QK-norm, else q and k inside qkv_. The norm's backward reads only qkv_'s raw q, k
+    // and the saved statistics, and the QKV projection's backward reads x, so nothing needs the
+    // unrotated values. A row's q heads and k heads are adjacent, so one call rotates both as
+    // 2 Hl heads.
+    ProfileScope p(prof, "rope");
+    kernels::rope_forward(*ctx_.rope, q, q, B, d.T, 2 * d.Hl, d.D, ldqk);
+  }
   qk_scales(scales_.f32());
   float max_logit = 0.0f;
   {
@@ -166,7 +184,7 @@ float Attention::forward(const float* x, float* y, int64_t B) {
   {
     ProfileScope p(prof, "matmul.attn_proj");
     // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
-    const float* bias = d.tp_rank == 0 ? ps_.param(proj_b_) : nullptr;
+    const float* bias = d.tp_rank == 0 ? param_or_null(proj_b_) : nullptr;
     kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
   {
@@ -183,18 +201,19 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.attn_proj");
-    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad(proj_b_), dy,
+    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), grad_or_null(proj_b_), dy,
                              att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
   float* dqkv = sc.dqkv.f32();
+  const int64_t ldqk = normed ? 2 * HD : 3 * HD;
+  float* dq = normed ? sc.dqk.f32() : dqkv;
+  float* dk = normed ? sc.dqk.f32() + HD : dqkv + HD;
   {
     ProfileScope p(prof, "attention");
-    const int64_t ldqk = normed ? 2 * HD : 3 * HD;
+    // q, k as the forward's attention read them (rotated with ROPE).
     const float* q = normed ? qk_.f32() : qkv_.f32();
     const float* k = normed ? qk_.f32() + HD : qkv_.f32() + HD;
-    float* dq = normed ? sc.dqk.f32() : dqkv;
-    float* dk = normed ? sc.dqk.f32() + HD : dqkv + HD;
     kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD, sc.attn_threads};
     // dq/dk use ldq/ldk, dv uses ldv (3 HD, inside dqkv).
     float* dscale = nullptr;
@@ -209,13 +228,19 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
       for (int64_t h = 0; h < d.Hl; ++h) g[d.qk_scope == config::HEAD ? h : 0] += dscale[h];
     }
   }
+  if (d.position == config::ROPE) {
+    // dq, dk are gradients w.r.t. the rotated q, k; the transposed rotation gives them w.r.t. the
+    // (normalised) q, k before RoPE, in place. dk follows dq in the same rows, as in forward.
+    ProfileScope p(prof, "rope");
+    kernels::rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
+  }
   if (normed) {
     ProfileScope p(prof, "qk_norm");
     // Gradients flow from the normalised q, k (stride 2 HD) to the raw ones inside dqkv.
     kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
-    auto w = [&](int id) { return id >= 0 ? ps_.param(id) : nullptr; };
-    auto g = [&](int id) { return id >= 0 ? ps_.grad(id) : nullptr; };
+    auto w = [&](int id) { return param_or_null(id); };
+    auto g = [&](int id) { return grad_or_null(id); };
     // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
     if (d.qk_scope == config::PROJECTION) {
       Communicator& tp = *ctx_.topo->tp_comm;
@@ -243,7 +268,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   }
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad(qkv_b_), dqkv, x,
+    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), grad_or_null(qkv_b_), dqkv, x,
                              ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
   {

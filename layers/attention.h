@@ -2,6 +2,8 @@
 // The QKV projection is column-parallel by whole heads: its logical weight is [3, H, D, C] sharded
 // on H, so a rank holds q, k and v of heads [r H/tp, (r+1) H/tp) and runs QK-norm locally.
 // The output projection [C, H D] is row-parallel (sharded on its input dimension).
+// position == ROPE rotates q and k after QK-norm, per local head (whole heads: no communication).
+// bias == false drops qkv.bias, proj.bias and LAYER QK-norm's q_norm.bias / k_norm.bias.
 #pragma once
 
 #include <string>
@@ -24,14 +26,17 @@ class Attention {
  private:
   void qk_scales(float* out) const;  // [Hl] logit scale per local head
   kernels::NormShape qk_norm_shape(int64_t B) const;
+  float* param_or_null(int id) const;  // nullptr for an absent parameter (id -1)
+  float* grad_or_null(int id) const;
 
   ParamStore& ps_;
   const LayerContext& ctx_;
-  int qkv_w_, qkv_b_, proj_w_, proj_b_;
+  int qkv_w_, qkv_b_ = -1, proj_w_, proj_b_ = -1;  // biases: -1 when model.bias is false
   int q_norm_w_ = -1, q_norm_b_ = -1, k_norm_w_ = -1, k_norm_b_ = -1, qk_scale_ = -1;
   // activations
-  Tensor qkv_;                                // [BT, 3 Hl D] projection output (q, k raw; v)
-  Tensor qk_;                                 // [BT, 2 Hl D] QK-normalised q, k (unused for NONE)
+  // [BT, 3 Hl D] projection output: q, k raw (rotated in place with ROPE and QK-norm NONE), v
+  Tensor qkv_;
+  Tensor qk_;  // [BT, 2 Hl D] QK-normalised (then rotated, ROPE) q, k; unused for NONE
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
   Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
   Tensor probs_;              // [B, Hl, T, T]

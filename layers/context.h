@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "framework/config/keel.pb.h"
+#include "framework/kernels/rope.h"
 #include "framework/profiler.h"
 #include "framework/tensor.h"
 #include "parallel/communicator.h"
@@ -25,8 +26,14 @@ struct ModelDims {
   config::NormKind norm;
   bool tied;
   float init_std;
+  config::Position position;  // LEARNED: wpe table; ROPE: rotary q, k after QK-norm
+  double rope_theta;
+  config::MlpKind mlp;  // GELU, SWIGLU, GEGLU
+  bool bias;            // biases in linear layers and LayerNorms
+  bool post_norm;       // norm_placement == POST_SUBLAYER: x + norm(f(x))
   static ModelDims from(const config::Model& m, int64_t micro_batch, const Topology& topo);
   int64_t BT() const { return B * T; }
+  bool gated_mlp() const { return mlp == config::SWIGLU || mlp == config::GEGLU; }
 };
 
 // Backward temporaries shared by all blocks (one block runs backward at a time).
@@ -35,7 +42,9 @@ struct Scratch {
   Tensor datt;     // [BT, Hl D]  gradient w.r.t. the attention output
   Tensor dqkv;     // [BT, 3 Hl D]
   Tensor dqk;      // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
-  Tensor dh;       // [BT, Fl]
+  Tensor dh;       // [BT, Fl]    gradient w.r.t. the MLP hidden (GELU input; gated: up output)
+  Tensor dgate;    // [BT, Fl]    gated MLPs: gradient w.r.t. the gate projection's output
+  Tensor dsub;     // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
   Tensor attn_ws;  // attention backward workspace, sized for attn_threads OpenMP threads
   int attn_threads = 1;
   Tensor dscale;  // [Hl] per-head gradient of the attention scale
@@ -46,6 +55,8 @@ struct LayerContext {
   const Topology* topo = nullptr;
   Scratch* scratch = nullptr;
   Profiler* profiler = nullptr;
+  // position == ROPE: cos/sin for positions [0, T), built once by GPT and shared by every layer.
+  const kernels::RopeTable* rope = nullptr;
 };
 
 }  // namespace keel

@@ -51,6 +51,11 @@ ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Top
   d.norm = m.norm();
   d.tied = m.tie_embeddings();
   d.init_std = m.init_std();
+  d.position = m.position();
+  d.rope_theta = m.rope_theta();
+  d.mlp = m.mlp();
+  d.bias = m.bias();
+  d.post_norm = m.norm_placement() == config::POST_SUBLAYER;
   return d;
 }
 
@@ -77,7 +82,19 @@ void Block::allocate(const LayerContext& ctx) {
 
 float Block::forward(const float* x, int64_t B) {
   const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
-  // The attention and MLP outputs pass through out_ before the residual adds.
+  if (ctx_.dims.post_norm) {
+    // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)). n1_, n2_ keep the sublayer outputs (the
+    // norms' inputs, which their backward reads); the norm outputs pass through out_.
+    const float max_logit = attn_.forward(x, n1_.f32(), B);
+    ln1_.forward(n1_.f32(), out_.f32(), B);
+    kernels::add(r1_.f32(), x, out_.f32(), n);
+    mlp_.forward(r1_.f32(), n2_.f32(), B);
+    ln2_.forward(n2_.f32(), out_.f32(), B);
+    kernels::add_inplace(out_.f32(), r1_.f32(), n);
+    return max_logit;
+  }
+  // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)). n1_, n2_ keep the norm outputs (the sublayer
+  // inputs); the attention and MLP outputs pass through out_ before the residual adds.
   ln1_.forward(x, n1_.f32(), B);
   const float max_logit = attn_.forward(n1_.f32(), out_.f32(), B);
   kernels::add(r1_.f32(), x, out_.f32(), n);
@@ -89,6 +106,19 @@ float Block::forward(const float* x, int64_t B) {
 
 void Block::backward(const float* x, float* dres, int64_t B) {
   float* dn = ctx_.scratch->dn.f32();
+  if (ctx_.dims.post_norm) {
+    // A sublayer's input gradient is all-reduced over TP before it joins the residual gradient,
+    // so it is written to dsub and added, never accumulated into dres by the sublayer.
+    const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
+    float* dsub = ctx_.scratch->dsub.f32();
+    ln2_.backward(n2_.f32(), dres, dn, /*accumulate=*/false, B);
+    mlp_.backward(r1_.f32(), dn, dsub, B);
+    kernels::add_inplace(dres, dsub, n);
+    ln1_.backward(n1_.f32(), dres, dn, /*accumulate=*/false, B);
+    attn_.backward(x, dn, dsub, B);
+    kernels::add_inplace(dres, dsub, n);
+    return;
+  }
   mlp_.backward(n2_.f32(), dres, dn, B);
   ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
   attn_.backward(n1_.f32(), dres, dn, B);
@@ -107,7 +137,10 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
 
   // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
   wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
-  wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
+  // RoPE encodes positions in attention: no position table.
+  if (d.position != config::ROPE) {
+    wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
+  }
   for (int64_t l = 0; l < d.L; ++l) {
     const int first = ps_.size();
     blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
@@ -122,6 +155,10 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   head_params_ = {head_first, ps_.size()};
   // The arena is padded to a multiple of dp so ZeRO-1 can split it evenly.
   ps_.allocate(topo.tp_rank, topo.tp, topo.dp);
+  if (d.position == config::ROPE) {
+    rope_ = kernels::make_rope_table(d.T, d.D, d.rope_theta);
+    ctx_.rope = &rope_;
+  }
 
   for (auto& b : blocks_) b->allocate(ctx_);
   ln_f_->allocate(ctx_);
@@ -140,6 +177,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dqkv = Tensor::zeros({BT, 3 * HD});
   if (d.qk_norm != config::NONE) scratch_.dqk = Tensor::zeros({BT, 2 * HD});
   scratch_.dh = Tensor::zeros({BT, d.Fl});
+  if (d.gated_mlp()) scratch_.dgate = Tensor::zeros({BT, d.Fl});
+  if (d.post_norm) scratch_.dsub = Tensor::zeros({BT, C});
   kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
   scratch_.attn_threads = omp_get_max_threads();
   scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
@@ -162,7 +201,7 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
     kernels::embedding_forward(x0_.f32(), tokens, BT, ps_.param(wte_), d.v_begin, d.Vl, C);
     // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
     tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C);
-    kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
+    if (wpe_ >= 0) kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
   }
   LossStats stats;
   const float* x = x0_.f32();
@@ -228,10 +267,10 @@ void GPT::backward(float loss_weight) {
   {
     ProfileScope p(&profiler_, "embedding");
     kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl, C);
-    kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+    if (wpe_ >= 0) kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
   }
   notify(wte_, wte_ + 1);
-  notify(wpe_, wpe_ + 1);
+  if (wpe_ >= 0) notify(wpe_, wpe_ + 1);
 }
 
 }  // namespace keel

@@ -1,5 +1,6 @@
-// The GPT model: token + learned position embedding, n_layers pre-norm blocks (QK-norm attention,
-// GELU MLP), final norm, LM head (tied to the token embedding or not) and the loss:
+// The GPT model: token embedding (+ a learned position embedding, or RoPE inside attention),
+// n_layers blocks (QK-norm attention, GELU or gated MLP; norms before each sublayer, or after it
+// as OLMo 2), final norm, LM head (tied to the token embedding or not) and the loss:
 // mean token cross-entropy plus z-loss  z_coef * mean(logsumexp(logits)^2), reported separately.
 // Forward saves what backward needs; backward accumulates parameter gradients (+=), so several
 // micro-batches accumulate into one optimizer step.
@@ -32,7 +33,9 @@ class Block {
   Norm ln1_, ln2_;
   Attention attn_;
   Mlp mlp_;
-  Tensor n1_, r1_, n2_, out_;  // [BT, C] each
+  // [BT, C] each. Pre-norm: n1 = ln1(x), n2 = ln2(r1); post-norm: n1 = attn(x), n2 = mlp(r1);
+  // r1 = the residual stream between the sublayers.
+  Tensor n1_, r1_, n2_, out_;
 };
 
 struct LossStats {
@@ -73,7 +76,8 @@ class GPT {
   LayerContext ctx_;
   ParamStore ps_;
   double z_coef_;
-  int wte_, wpe_, lm_head_ = -1;
+  int wte_, wpe_ = -1, lm_head_ = -1;  // wpe_: LEARNED positions only
+  kernels::RopeTable rope_;            // ROPE: cos/sin for positions [0, T), shared by the layers
   std::vector<std::unique_ptr<Block>> blocks_;
   std::unique_ptr<Norm> ln_f_;
   Tensor tokens_, targets_;    // [BT] int32 copies of the last batch

@@ -40,21 +40,28 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double Hl = H / tp, Fl = F / tp, Vl = Vp / tp, HD = Hl * D;
   const bool layer_norm = m.norm() == config::LAYERNORM;
   const bool qk_on = m.qk_norm() != config::NONE;
+  const bool bias = m.bias();
+  const bool gated = m.mlp() == config::SWIGLU || m.mlp() == config::GEGLU;
+  const bool rope = m.position() == config::ROPE;
+  const bool post_norm = m.norm_placement() == config::POST_SUBLAYER;
+  auto bias_of = [&](double elems) { return bias ? padded(elems) : 0.0; };
 
   // ---- parameters: this rank's slice of each tensor (layers/*.cc constructors)
-  const double norm_params = (layer_norm ? 2 : 1) * padded(C);
+  const double norm_params = padded(C) + (layer_norm ? bias_of(C) : 0);
   double qk_params = 0;
   if (m.qk_norm() == config::RMS || m.qk_norm() == config::LAYER) {
     const double gain = padded(m.qk_norm_scope() == config::HEAD_SHARED ? D : Hl * D);
-    qk_params = (m.qk_norm() == config::LAYER ? 4 : 2) * gain;
+    qk_params = (m.qk_norm() == config::LAYER && bias ? 4 : 2) * gain;
   } else if (m.qk_norm() == config::L2) {
     qk_params = padded(m.qk_norm_scope() == config::HEAD ? Hl : 1);
   }
   const double attn_params =
-      padded(3 * HD * C) + padded(3 * HD) + qk_params + padded(C * HD) + padded(C);
-  const double mlp_params = padded(Fl * C) + padded(Fl) + padded(C * Fl) + padded(C);
+      padded(3 * HD * C) + bias_of(3 * HD) + qk_params + padded(C * HD) + bias_of(C);
+  // up (fc) and, gated, gate: [Fl, C] each; down (proj): [C, Fl].
+  const double mlp_params =
+      (gated ? 2 : 1) * (padded(Fl * C) + bias_of(Fl)) + padded(C * Fl) + bias_of(C);
   const double block_params = 2 * norm_params + attn_params + mlp_params;
-  double arena = padded(Vl * C) + padded(P * C) + L * block_params + norm_params;
+  double arena = padded(Vl * C) + (rope ? 0 : padded(P * C)) + L * block_params + norm_params;
   if (!m.tie_embeddings()) arena += padded(Vl * C);
   arena = std::ceil(arena / (16.0 * dp)) * (16.0 * dp);  // padded so ZeRO-1 splits it evenly
 
@@ -71,14 +78,17 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   double attn = 3 * BT * HD + B * Hl * T * T + BT * HD + Hl;  // qkv, probs, att, scales
   if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;           // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
-  const double norms = 2 * 2 * BT;                        // ln1, ln2: mean and rstd
-  const double mlp = 2 * BT * Fl;                         // pre-activation, GELU output
+  const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
+  // GELU: pre-activation and output; gated: up, gate and their product.
+  const double mlp = (gated ? 3 : 2) * BT * Fl;
   const double block = 4 * BT * C + norms + attn + mlp;   // n1, r1, n2, out
   double model = 2 * BT + 3 * BT * C + BT * Vl + 3 * BT;  // tokens, targets; x0, xf, dres; logits
   model += 2 * BT;                                        // ln_f mean and rstd
-  // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, the per-thread T x T
-  // attention workspace and dscale.
-  model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
+  if (rope) model += T * D;                               // the cos/sin table: [T, D / 2] each
+  // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, dgate (gated), dsub
+  // (post-norm), the per-thread T x T attention workspace and dscale.
+  model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;
+  if (post_norm) model += BT * C;
   model += std::max(1, threads) * 2 * T * T + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch
   e.activations = (L * block + model + trainer) * kFloat;

@@ -1,4 +1,4 @@
-// GELU MLP forward/backward.
+// MLP forward/backward, GELU or gated (SwiGLU, GEGLU).
 #include "layers/mlp.h"
 
 #include <cmath>
@@ -11,15 +11,23 @@ namespace keel {
 
 Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : ps_(ps), ctx_(ctx) {
   const ModelDims& d = ctx.dims;
+  gated_ = d.gated_mlp();
+  if (d.mlp == config::GEGLU) act_ = kernels::GluAct::kGelu;
   const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
   fc_w_ = ps.add({prefix + ".fc.weight", {d.F, d.C}, 0, ParamInit::kNormal, d.init_std, true});
-  fc_b_ = ps.add({prefix + ".fc.bias", {d.F}, 0, ParamInit::kConstant, 0.0f});
+  if (d.bias) fc_b_ = ps.add({prefix + ".fc.bias", {d.F}, 0, ParamInit::kConstant, 0.0f});
+  if (gated_) {
+    gate_w_ =
+        ps.add({prefix + ".gate.weight", {d.F, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+    if (d.bias) gate_b_ = ps.add({prefix + ".gate.bias", {d.F}, 0, ParamInit::kConstant, 0.0f});
+  }
   proj_w_ = ps.add({prefix + ".proj.weight", {d.C, d.F}, 1, ParamInit::kNormal, resid_std, true});
-  proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+  if (d.bias) proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
 }
 
 void Mlp::allocate(const LayerContext& ctx) {
   h_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
+  if (gated_) a_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
   g_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
 }
 
@@ -29,16 +37,23 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param(fc_b_), BT, d.C, d.Fl);
+    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), param_or_null(fc_b_), BT, d.C, d.Fl);
+    if (gated_) {
+      kernels::linear_forward(a_.f32(), x, ps_.param(gate_w_), param_or_null(gate_b_), BT, d.C,
+                              d.Fl);
+    }
   }
-  {
+  if (gated_) {
+    ProfileScope p(prof, "glu");
+    kernels::glu_forward(act_, g_.f32(), a_.f32(), h_.f32(), BT * d.Fl);
+  } else {
     ProfileScope p(prof, "gelu");
     kernels::gelu_forward(g_.f32(), h_.f32(), BT * d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
-    const float* bias = d.tp_rank == 0 ? ps_.param(proj_b_) : nullptr;
+    const float* bias = d.tp_rank == 0 ? param_or_null(proj_b_) : nullptr;
     kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
   {
@@ -54,17 +69,27 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_proj");
-    kernels::linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad(proj_b_), dy, g_.f32(),
+    kernels::linear_backward(dh, false, ps_.grad(proj_w_), grad_or_null(proj_b_), dy, g_.f32(),
                              ps_.param(proj_w_), BT, d.Fl, d.C);
   }
-  {
+  float* da = gated_ ? ctx_.scratch->dgate.f32() : nullptr;
+  if (gated_) {
+    ProfileScope p(prof, "glu");
+    // dh: d(act(a) * h) in, d(h) out (in place); da: d(a).
+    kernels::glu_backward(act_, da, dh, dh, a_.f32(), h_.f32(), BT * d.Fl);
+  } else {
     ProfileScope p(prof, "gelu");
     kernels::gelu_backward(dh, h_.f32(), dh, BT * d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad(fc_b_), dh, x, ps_.param(fc_w_),
-                             BT, d.C, d.Fl);
+    kernels::linear_backward(dx, false, ps_.grad(fc_w_), grad_or_null(fc_b_), dh, x,
+                             ps_.param(fc_w_), BT, d.C, d.Fl);
+    if (gated_) {
+      // Both projections read x: their input gradients add up before the one all-reduce.
+      kernels::linear_backward(dx, true, ps_.grad(gate_w_), grad_or_null(gate_b_), da, x,
+                               ps_.param(gate_w_), BT, d.C, d.Fl);
+    }
   }
   {
     ProfileScope p(prof, "tp.all_reduce");

@@ -1,9 +1,13 @@
-// GELU MLP: up projection column-parallel ([F, C] sharded on F), down projection row-parallel
-// ([C, F] sharded on F), so the GELU runs on this rank's d_ff columns with no communication.
+// MLP: GELU  y = down(gelu(up(x)))  or gated (SwiGLU, GEGLU)  y = down(act(gate(x)) * up(x)).
+// The up (fc) and gate projections are column-parallel ([F, C] sharded on F), the down projection
+// (proj) row-parallel ([C, F] sharded on F), so the activation and the gating run on this rank's
+// d_ff columns with no communication: one all-reduce after the down projection forward and one
+// for the input gradient backward, gated or not.
 #pragma once
 
 #include <string>
 
+#include "framework/kernels/glu.h"
 #include "layers/context.h"
 #include "layers/params.h"
 
@@ -17,11 +21,18 @@ class Mlp {
   void backward(const float* x, const float* dy, float* dx, int64_t B);  // dx[BT, C] (=)
 
  private:
+  float* param_or_null(int id) const { return id >= 0 ? ps_.param(id) : nullptr; }
+  float* grad_or_null(int id) const { return id >= 0 ? ps_.grad(id) : nullptr; }
+
   ParamStore& ps_;
   const LayerContext& ctx_;
-  int fc_w_, fc_b_, proj_w_, proj_b_;
-  Tensor h_;  // [BT, Fl] pre-activation
-  Tensor g_;  // [BT, Fl] GELU output
+  bool gated_;
+  kernels::GluAct act_ = kernels::GluAct::kSilu;  // gated only
+  // fc: the up projection; gate: gated MLPs only. Biases: -1 when model.bias is false.
+  int fc_w_, fc_b_ = -1, gate_w_ = -1, gate_b_ = -1, proj_w_, proj_b_ = -1;
+  Tensor h_;  // [BT, Fl] GELU: pre-activation; gated: up projection output
+  Tensor a_;  // [BT, Fl] gated: gate projection output (pre-activation)
+  Tensor g_;  // [BT, Fl] GELU output / act(a) * h: the down projection's input
 };
 
 }  // namespace keel

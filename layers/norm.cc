@@ -8,7 +8,8 @@ Norm::Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
   const ModelDims& d = ctx.dims;
   w_ = ps.add({prefix + ".weight", {d.C}, -1, ParamInit::kConstant, 1.0f});
   if (d.norm == config::LAYERNORM) {
-    b_ = ps.add({prefix + ".bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
+    // model.bias false: a LayerNorm with gain only (it still subtracts the mean).
+    if (d.bias) b_ = ps.add({prefix + ".bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
     op_ = kernels::NormOp::kLayer;
   } else {
     op_ = kernels::NormOp::kRms;

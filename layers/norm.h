@@ -1,5 +1,5 @@
-// Block and final norms (LayerNorm with gain and bias, or RMSNorm with gain), replicated
-// under TP. Owns its saved statistics.
+// Block and final norms (LayerNorm with gain and, when model.bias, bias; or RMSNorm with gain),
+// replicated under TP. Owns its saved statistics.
 #pragma once
 
 #include <string>
@@ -26,7 +26,7 @@ class Norm {
   kernels::NormShape shape(int64_t B) const;
   ParamStore& ps_;
   const LayerContext& ctx_;
-  int w_, b_ = -1;
+  int w_, b_ = -1;  // b_: LayerNorm with model.bias only
   kernels::NormOp op_;
   Tensor mean_, rstd_;
 };

@@ -42,13 +42,18 @@ model {
   d_model: 128
   n_layers: 4
   n_heads: 4
-  d_ff: 0  # 4 x d_model
+  d_ff: 0  # 4 x d_model (GELU); 8/3 x d_model rounded up to 64 (SWIGLU, GEGLU)
   qk_norm: RMS
   qk_norm_scope: HEAD_SHARED
   tie_embeddings: true
   norm: LAYERNORM
   max_positions: 0  # seq_len
   init_std: 0.02
+  position: LEARNED
+  rope_theta: 10000
+  mlp: GELU
+  bias: true
+  norm_placement: PRE
 }
 parallel {
   tp: 1
@@ -420,10 +425,20 @@ void validate_model(config::Model& m) {
   KEEL_CHECK(m.qk_norm() != config::L2 || m.seq_len() >= 2, kConfig, "model.seq_len=", m.seq_len(),
              " must be >= 2 with model.qk_norm=L2 (its scale starts at log2(seq_len^2 - seq_len))");
   if (m.d_ff() == 0) {
-    const int64_t d_ff = 4 * static_cast<int64_t>(m.d_model());
+    // GELU: 4 x d_model. Gated MLPs have three matrices instead of two, so 8/3 x d_model keeps the
+    // parameter count (Shazeer 2020, Llama), rounded up to a multiple of 64 for the GEMMs.
+    const int64_t c = m.d_model();
+    const int64_t d_ff = m.mlp() == config::GELU ? 4 * c : (8 * c / 3 + 63) / 64 * 64;
     KEEL_CHECK(d_ff <= std::numeric_limits<int32_t>::max(), kConfig, "model.d_model=", m.d_model(),
-               " is too large for model.d_ff=4 x d_model");
+               " is too large for the automatic model.d_ff");
     m.set_d_ff(static_cast<int32_t>(d_ff));
+  }
+  if (m.position() == config::ROPE) {
+    KEEL_CHECK(m.rope_theta() > 1, kConfig, "model.rope_theta=", m.rope_theta(),
+               " must be > 1 with model.position=ROPE");
+    KEEL_CHECK((m.d_model() / m.n_heads()) % 2 == 0, kConfig,
+               "model.position=ROPE needs an even head_dim; model.d_model=", m.d_model(),
+               " / model.n_heads=", m.n_heads(), " is odd");
   }
   KEEL_CHECK(m.max_positions() >= 0, kConfig, "model.max_positions=", m.max_positions(),
              " must be >= 0 (0: seq_len)");

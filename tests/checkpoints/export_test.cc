@@ -1,13 +1,17 @@
-// checkpoints/export: which models are GPT-2-shaped (every model field classified; each field
-// GPT-2 cannot express named on its own), the GPT-2 plan's names, shapes, ops and config for a
-// small model whose vocabulary a TP layout padded, the keel plan's names with the padding dropped,
-// and a checkpoint whose parameters do not match its config (missing, stray, misshapen, too few
-// vocabulary rows) refused with the manifest and the tensor named. The exported values, the file
-// and transformers' logits: tests/launch/ckpt_export_test.
+// checkpoints/export: which Hugging Face architecture a model is (every model field classified
+// for GPT-2, OLMo 2 and Qwen3; each field an architecture cannot express named on its own; at
+// most one architecture matches), each plan's names, shapes, ops and config values for a small
+// model whose vocabulary a TP layout padded, the keel plan's names with the padding dropped, and
+// a checkpoint whose parameters do not match its config (missing, stray, misshapen, too few
+// vocabulary rows) refused with the manifest and the tensor named. The parameter lists come from
+// keel's own model (GPT's registrations), so a renamed parameter fails here. The exported values,
+// the file and the logits: tests/launch/ckpt_export_test.
 #include "checkpoints/export.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,7 +27,7 @@ using testing::error_of;
 
 constexpr int kVocab = 300, kPadded = 384;  // 300 rows padded to a multiple of 64 x 2
 
-config::KeelConfig tiny(config::QkNorm qk = config::NONE) {
+config::KeelConfig tiny() {
   config::KeelConfig cfg = default_config();
   config::Model* m = cfg.mutable_model();
   m->set_vocab_size(kVocab);
@@ -33,7 +37,40 @@ config::KeelConfig tiny(config::QkNorm qk = config::NONE) {
   m->set_d_ff(48);
   m->set_seq_len(16);
   m->set_max_positions(24);
-  m->set_qk_norm(qk);
+  return cfg;
+}
+
+// GPT-2's block: learned positions, LayerNorm, GELU, biases, pre-norm, tied, no QK-norm.
+config::KeelConfig gpt2() {
+  config::KeelConfig cfg = tiny();
+  cfg.mutable_model()->set_qk_norm(config::NONE);
+  return cfg;
+}
+
+// OLMo 2: RoPE, RMSNorm after each sublayer, RMS QK-norm over the projection, SwiGLU, no bias.
+config::KeelConfig olmo2() {
+  config::KeelConfig cfg = tiny();
+  config::Model* m = cfg.mutable_model();
+  m->set_qk_norm(config::RMS);
+  m->set_qk_norm_scope(config::PROJECTION);
+  m->set_norm(config::RMSNORM);
+  m->set_position(config::ROPE);
+  m->set_rope_theta(500000);
+  m->set_mlp(config::SWIGLU);
+  m->set_bias(false);
+  m->set_norm_placement(config::POST_SUBLAYER);
+  m->set_tie_embeddings(false);
+  return cfg;
+}
+
+// Qwen3: as OLMo 2 but pre-norm, one QK-norm gain per head dimension shared by all heads, tied.
+config::KeelConfig qwen3() {
+  config::KeelConfig cfg = olmo2();
+  config::Model* m = cfg.mutable_model();
+  m->set_qk_norm_scope(config::HEAD_SHARED);
+  m->set_norm_placement(config::PRE);
+  m->set_rope_theta(1000000);
+  m->set_tie_embeddings(true);
   return cfg;
 }
 
@@ -65,79 +102,261 @@ ckpt::TensorRecord* param(ckpt::Manifest& m, const std::string& name) {
   return nullptr;
 }
 
-TEST(ExportGpt2Check, EveryModelFieldIsClassified) {
-  // The defaults but without QK-norm are GPT-2-shaped; a model field added to keel.proto and not
-  // classified in export.cc would be named here.
-  EXPECT_EQ(gpt2_mismatch(tiny().model()), "");
+// Expects plan.tensors[i] to be `name`, `shape`, made from `source` by `op` (from `row_begin`).
+void expect_tensor(const ExportPlan& plan, size_t i, const std::string& name, const Shape& shape,
+                   const std::string& source, ExportOp op, int64_t row_begin = 0) {
+  ASSERT_LT(i, plan.tensors.size()) << name;
+  const ExportTensor& t = plan.tensors[i];
+  EXPECT_EQ(t.name, name) << i;
+  EXPECT_EQ(t.shape, shape) << name;
+  EXPECT_EQ(t.source, source) << name;
+  EXPECT_EQ(t.op, op) << name;
+  EXPECT_EQ(t.row_begin, row_begin) << name;
 }
 
-TEST(ExportGpt2Check, EachFieldGpt2CannotExpressIsNamed) {
-  for (config::QkNorm qk : {config::RMS, config::LAYER, config::L2}) {
-    EXPECT_EQ(gpt2_mismatch(tiny(qk).model()),
-              "model.qk_norm=" + config::QkNorm_Name(qk) + " (GPT-2 has no QK-norm)");
+TEST(ExportArchCheck, EveryModelFieldIsClassifiedForEveryArchitecture) {
+  // A model field added to keel.proto and not classified in export.cc is named for every
+  // architecture, so none of these could be empty.
+  EXPECT_EQ(arch_mismatch(ExportNaming::kGpt2, gpt2().model()), "");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kOlmo2, olmo2().model()), "");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kQwen3, qwen3().model()), "");
+}
+
+TEST(ExportArchCheck, AtMostOneArchitectureMatchesAndTheOthersSayWhy) {
+  EXPECT_EQ(arch_mismatch(ExportNaming::kOlmo2, gpt2().model()),
+            "model.qk_norm=NONE (OLMo 2 RMS-normalises q and k); model.qk_norm_scope=HEAD_SHARED "
+            "(OLMo 2 normalises q and k over the whole projection, all heads at once); "
+            "model.norm=LAYERNORM (OLMo 2 uses RMSNorm); model.position=LEARNED (OLMo 2 uses "
+            "rotary positions); model.mlp=GELU (OLMo 2's MLP is SwiGLU); model.bias=true (OLMo 2 "
+            "has no biases); model.norm_placement=PRE (OLMo 2 normalises each sublayer's output)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kGpt2, olmo2().model()),
+            "model.qk_norm=RMS (GPT-2 has no QK-norm); model.tie_embeddings=false (GPT-2 ties the "
+            "LM head to the token embedding); model.norm=RMSNORM (GPT-2 uses LayerNorm); "
+            "model.position=ROPE (GPT-2 learns absolute positions); model.mlp=SWIGLU (GPT-2's MLP "
+            "is GELU); model.bias=false (GPT-2 has biases in every linear layer and norm); "
+            "model.norm_placement=POST_SUBLAYER (GPT-2 normalises each sublayer's input)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kQwen3, olmo2().model()),
+            "model.qk_norm_scope=PROJECTION (Qwen3 normalises each head with one gain shared by "
+            "all heads); model.norm_placement=POST_SUBLAYER (Qwen3 normalises each sublayer's "
+            "input)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kOlmo2, qwen3().model()),
+            "model.qk_norm_scope=HEAD_SHARED (OLMo 2 normalises q and k over the whole "
+            "projection, all heads at once); model.norm_placement=PRE (OLMo 2 normalises each "
+            "sublayer's output)");
+  for (const config::KeelConfig& cfg : {gpt2(), olmo2(), qwen3()}) {
+    int matches = 0;
+    for (ExportNaming arch : kHfArchitectures) matches += arch_mismatch(arch, cfg.model()).empty();
+    EXPECT_EQ(matches, 1) << cfg.model().DebugString();
   }
-  config::KeelConfig rms = tiny();
-  rms.mutable_model()->set_norm(config::RMSNORM);
-  EXPECT_EQ(gpt2_mismatch(rms.model()), "model.norm=RMSNORM (GPT-2 uses LayerNorm)");
-  config::KeelConfig untied = tiny();
-  untied.mutable_model()->set_tie_embeddings(false);
-  EXPECT_EQ(gpt2_mismatch(untied.model()),
-            "model.tie_embeddings=false (GPT-2 ties the LM head to the token embedding)");
+}
+
+// One field changed from an architecture's own model: exactly that field is named.
+struct OneField {
+  ExportNaming arch;
+  std::function<void(config::Model&)> set;
+  std::string why;  // empty: the architecture expresses the new value too
+};
+
+TEST(ExportArchCheck, EachFieldAnArchitectureCannotExpressIsNamedOnItsOwn) {
+  using M = config::Model;
+  const ExportNaming G = ExportNaming::kGpt2, O = ExportNaming::kOlmo2, Q = ExportNaming::kQwen3;
+  const std::vector<OneField> cases = {
+      {G, [](M& m) { m.set_qk_norm(config::RMS); }, "model.qk_norm=RMS (GPT-2 has no QK-norm)"},
+      {G, [](M& m) { m.set_qk_norm(config::L2); }, "model.qk_norm=L2 (GPT-2 has no QK-norm)"},
+      {G, [](M& m) { m.set_norm(config::RMSNORM); }, "model.norm=RMSNORM (GPT-2 uses LayerNorm)"},
+      {G, [](M& m) { m.set_tie_embeddings(false); },
+       "model.tie_embeddings=false (GPT-2 ties the LM head to the token embedding)"},
+      {G, [](M& m) { m.set_position(config::ROPE); },
+       "model.position=ROPE (GPT-2 learns absolute positions)"},
+      {G, [](M& m) { m.set_mlp(config::GEGLU); }, "model.mlp=GEGLU (GPT-2's MLP is GELU)"},
+      {G, [](M& m) { m.set_bias(false); },
+       "model.bias=false (GPT-2 has biases in every linear layer and norm)"},
+      {G, [](M& m) { m.set_norm_placement(config::POST_SUBLAYER); },
+       "model.norm_placement=POST_SUBLAYER (GPT-2 normalises each sublayer's input)"},
+      // Meaningless for GPT-2 (no QK-norm, no RoPE), or in its config.
+      {G, [](M& m) { m.set_qk_norm_scope(config::PROJECTION); }, ""},
+      {G, [](M& m) { m.set_rope_theta(123); }, ""},
+      {G, [](M& m) { m.set_d_ff(64); }, ""},
+      {G, [](M& m) { m.set_init_std(0.5f); }, ""},
+
+      {O, [](M& m) { m.set_qk_norm(config::LAYER); },
+       "model.qk_norm=LAYER (OLMo 2 RMS-normalises q and k)"},
+      {O, [](M& m) { m.set_qk_norm_scope(config::HEAD); },
+       "model.qk_norm_scope=HEAD (OLMo 2 normalises q and k over the whole projection, all "
+       "heads at once)"},
+      {O, [](M& m) { m.set_norm(config::LAYERNORM); },
+       "model.norm=LAYERNORM (OLMo 2 uses RMSNorm)"},
+      {O, [](M& m) { m.set_position(config::LEARNED); },
+       "model.position=LEARNED (OLMo 2 uses rotary positions)"},
+      {O, [](M& m) { m.set_mlp(config::GEGLU); }, "model.mlp=GEGLU (OLMo 2's MLP is SwiGLU)"},
+      {O, [](M& m) { m.set_bias(true); }, "model.bias=true (OLMo 2 has no biases)"},
+      {O, [](M& m) { m.set_norm_placement(config::PRE); },
+       "model.norm_placement=PRE (OLMo 2 normalises each sublayer's output)"},
+      {O, [](M& m) { m.set_tie_embeddings(true); }, ""},
+      {O, [](M& m) { m.set_rope_theta(10000); }, ""},
+      {O, [](M& m) { m.set_max_positions(4096); }, ""},
+
+      {Q, [](M& m) { m.set_qk_norm(config::NONE); },
+       "model.qk_norm=NONE (Qwen3 RMS-normalises q and k)"},
+      {Q, [](M& m) { m.set_qk_norm_scope(config::HEAD); },
+       "model.qk_norm_scope=HEAD (Qwen3 normalises each head with one gain shared by all heads)"},
+      {Q, [](M& m) { m.set_norm(config::LAYERNORM); }, "model.norm=LAYERNORM (Qwen3 uses RMSNorm)"},
+      {Q, [](M& m) { m.set_position(config::LEARNED); },
+       "model.position=LEARNED (Qwen3 uses rotary positions)"},
+      {Q, [](M& m) { m.set_mlp(config::GELU); }, "model.mlp=GELU (Qwen3's MLP is SwiGLU)"},
+      {Q, [](M& m) { m.set_bias(true); }, "model.bias=true (Qwen3 has no biases)"},
+      {Q, [](M& m) { m.set_norm_placement(config::POST_SUBLAYER); },
+       "model.norm_placement=POST_SUBLAYER (Qwen3 normalises each sublayer's input)"},
+      {Q, [](M& m) { m.set_tie_embeddings(false); }, ""},
+      {Q, [](M& m) { m.set_n_heads(8); }, ""},
+  };
+  for (const OneField& c : cases) {
+    config::KeelConfig cfg = c.arch == G ? gpt2() : c.arch == O ? olmo2() : qwen3();
+    c.set(*cfg.mutable_model());
+    EXPECT_EQ(arch_mismatch(c.arch, cfg.model()), c.why) << naming_title(c.arch);
+  }
 }
 
 TEST(ExportPlan, Gpt2NamesShapesAndConfig) {
-  const ExportPlan plan = plan_export("ck", manifest_of(tiny()));
+  const ExportPlan plan = plan_export("ck", manifest_of(gpt2()));
   ASSERT_EQ(plan.naming, ExportNaming::kGpt2);
-  EXPECT_EQ(plan.not_gpt2, "");
+  EXPECT_TRUE(plan.mismatches.empty());
   ASSERT_EQ(plan.tensors.size(), 2u + 12u * 2u + 2u);  // no lm_head: tied
-  auto expect = [&](size_t i, const std::string& name, const Shape& shape,
-                    const std::string& source, ExportOp op) {
-    EXPECT_EQ(plan.tensors[i].name, name) << i;
-    EXPECT_EQ(plan.tensors[i].shape, shape) << name;
-    EXPECT_EQ(plan.tensors[i].source, source) << name;
-    EXPECT_EQ(plan.tensors[i].op, op) << name;
-  };
-  expect(0, "transformer.wte.weight", {kVocab, 32}, "wte", ExportOp::kVocabRows);
-  expect(1, "transformer.wpe.weight", {24, 32}, "wpe", ExportOp::kCopy);
-  expect(2, "transformer.h.0.ln_1.weight", {32}, "blocks.0.ln1.weight", ExportOp::kCopy);
-  expect(3, "transformer.h.0.ln_1.bias", {32}, "blocks.0.ln1.bias", ExportOp::kCopy);
-  expect(4, "transformer.h.0.attn.c_attn.weight", {32, 96}, "blocks.0.attn.qkv.weight",
-         ExportOp::kTranspose);
-  expect(5, "transformer.h.0.attn.c_attn.bias", {96}, "blocks.0.attn.qkv.bias", ExportOp::kCopy);
-  expect(6, "transformer.h.0.attn.c_proj.weight", {32, 32}, "blocks.0.attn.proj.weight",
-         ExportOp::kTranspose);
-  expect(10, "transformer.h.0.mlp.c_fc.weight", {32, 48}, "blocks.0.mlp.fc.weight",
-         ExportOp::kTranspose);
-  expect(12, "transformer.h.0.mlp.c_proj.weight", {48, 32}, "blocks.0.mlp.proj.weight",
-         ExportOp::kTranspose);
-  expect(26, "transformer.ln_f.weight", {32}, "ln_f.weight", ExportOp::kCopy);
-  const Gpt2Config& g = plan.gpt2;
+  expect_tensor(plan, 0, "transformer.wte.weight", {kVocab, 32}, "wte", ExportOp::kRows);
+  expect_tensor(plan, 1, "transformer.wpe.weight", {24, 32}, "wpe", ExportOp::kCopy);
+  expect_tensor(plan, 2, "transformer.h.0.ln_1.weight", {32}, "blocks.0.ln1.weight",
+                ExportOp::kCopy);
+  expect_tensor(plan, 3, "transformer.h.0.ln_1.bias", {32}, "blocks.0.ln1.bias", ExportOp::kCopy);
+  expect_tensor(plan, 4, "transformer.h.0.attn.c_attn.weight", {32, 96}, "blocks.0.attn.qkv.weight",
+                ExportOp::kTranspose);
+  expect_tensor(plan, 5, "transformer.h.0.attn.c_attn.bias", {96}, "blocks.0.attn.qkv.bias",
+                ExportOp::kCopy);
+  expect_tensor(plan, 6, "transformer.h.0.attn.c_proj.weight", {32, 32},
+                "blocks.0.attn.proj.weight", ExportOp::kTranspose);
+  expect_tensor(plan, 10, "transformer.h.0.mlp.c_fc.weight", {32, 48}, "blocks.0.mlp.fc.weight",
+                ExportOp::kTranspose);
+  expect_tensor(plan, 12, "transformer.h.0.mlp.c_proj.weight", {48, 32}, "blocks.0.mlp.proj.weight",
+                ExportOp::kTranspose);
+  expect_tensor(plan, 26, "transformer.ln_f.weight", {32}, "ln_f.weight", ExportOp::kCopy);
+  const HfConfig& g = plan.hf;
   EXPECT_EQ(g.vocab_size, kVocab);
-  EXPECT_EQ(g.n_positions, 24);
-  EXPECT_EQ(g.n_embd, 32);
-  EXPECT_EQ(g.n_layer, 2);
-  EXPECT_EQ(g.n_head, 4);
-  EXPECT_EQ(g.n_inner, 48);
-  EXPECT_EQ(g.activation_function, "gelu_new");
-  EXPECT_EQ(g.layer_norm_epsilon, 1e-5f);
+  EXPECT_EQ(g.max_positions, 24);
+  EXPECT_EQ(g.hidden_size, 32);
+  EXPECT_EQ(g.num_layers, 2);
+  EXPECT_EQ(g.num_heads, 4);
+  EXPECT_EQ(g.intermediate_size, 48);
+  EXPECT_EQ(g.activation, "gelu_new");
+  EXPECT_EQ(g.norm_eps, 1e-5f);
+  EXPECT_TRUE(g.tie_word_embeddings);
   // d_ff = 0 and max_positions = 0 take keel's defaults: 4 d_model and seq_len.
-  config::KeelConfig defaults = tiny();
+  config::KeelConfig defaults = gpt2();
   defaults.mutable_model()->set_d_ff(0);
   defaults.mutable_model()->set_max_positions(0);
   const ExportPlan d = plan_export("ck", manifest_of(defaults));
-  EXPECT_EQ(d.gpt2.n_inner, 128);
-  EXPECT_EQ(d.gpt2.n_positions, 16);
+  EXPECT_EQ(d.hf.intermediate_size, 128);
+  EXPECT_EQ(d.hf.max_positions, 16);
 }
 
-TEST(ExportPlan, OtherModelsKeepKeelNamesWithoutThePadding) {
-  config::KeelConfig cfg = tiny(config::RMS);
-  cfg.mutable_model()->set_tie_embeddings(false);
+TEST(ExportPlan, Olmo2NamesShapesAndConfig) {
+  const ExportPlan plan = plan_export("ck", manifest_of(olmo2()));
+  ASSERT_EQ(plan.naming, ExportNaming::kOlmo2);
+  // embed_tokens, 11 per layer, the final norm, the untied LM head.
+  ASSERT_EQ(plan.tensors.size(), 1u + 11u * 2u + 2u);
+  expect_tensor(plan, 0, "model.embed_tokens.weight", {kVocab, 32}, "wte", ExportOp::kRows);
+  // q, k and v are rows [0, 32), [32, 64), [64, 96) of qkv [3, H, D, C] seen as [96, 32].
+  expect_tensor(plan, 1, "model.layers.0.self_attn.q_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 0);
+  expect_tensor(plan, 2, "model.layers.0.self_attn.k_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 32);
+  expect_tensor(plan, 3, "model.layers.0.self_attn.v_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 64);
+  expect_tensor(plan, 4, "model.layers.0.self_attn.o_proj.weight", {32, 32},
+                "blocks.0.attn.proj.weight", ExportOp::kCopy);
+  // PROJECTION gains [H, D] = [4, 8] flatten to OLMo 2's [H D].
+  expect_tensor(plan, 5, "model.layers.0.self_attn.q_norm.weight", {32},
+                "blocks.0.attn.q_norm.weight", ExportOp::kCopy);
+  expect_tensor(plan, 6, "model.layers.0.self_attn.k_norm.weight", {32},
+                "blocks.0.attn.k_norm.weight", ExportOp::kCopy);
+  expect_tensor(plan, 7, "model.layers.0.mlp.gate_proj.weight", {48, 32},
+                "blocks.0.mlp.gate.weight", ExportOp::kCopy);
+  expect_tensor(plan, 8, "model.layers.0.mlp.up_proj.weight", {48, 32}, "blocks.0.mlp.fc.weight",
+                ExportOp::kCopy);
+  expect_tensor(plan, 9, "model.layers.0.mlp.down_proj.weight", {32, 48},
+                "blocks.0.mlp.proj.weight", ExportOp::kCopy);
+  expect_tensor(plan, 10, "model.layers.0.post_attention_layernorm.weight", {32},
+                "blocks.0.ln1.weight", ExportOp::kCopy);
+  expect_tensor(plan, 11, "model.layers.0.post_feedforward_layernorm.weight", {32},
+                "blocks.0.ln2.weight", ExportOp::kCopy);
+  expect_tensor(plan, 12, "model.layers.1.self_attn.q_proj.weight", {32, 32},
+                "blocks.1.attn.qkv.weight", ExportOp::kRows, 0);
+  expect_tensor(plan, 23, "model.norm.weight", {32}, "ln_f.weight", ExportOp::kCopy);
+  expect_tensor(plan, 24, "lm_head.weight", {kVocab, 32}, "lm_head.weight", ExportOp::kRows);
+  const HfConfig& c = plan.hf;
+  EXPECT_EQ(c.vocab_size, kVocab);
+  EXPECT_EQ(c.hidden_size, 32);
+  EXPECT_EQ(c.intermediate_size, 48);
+  EXPECT_EQ(c.num_layers, 2);
+  EXPECT_EQ(c.num_heads, 4);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.max_positions, 24);
+  EXPECT_EQ(c.activation, "silu");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.norm_eps, 1e-5f);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.initializer_range, 0.02f);
+
+  // Tied: no lm_head tensor, and the config says so.
+  config::KeelConfig tied = olmo2();
+  tied.mutable_model()->set_tie_embeddings(true);
+  const ExportPlan t = plan_export("ck", manifest_of(tied));
+  ASSERT_EQ(t.naming, ExportNaming::kOlmo2);
+  EXPECT_EQ(t.tensors.size(), plan.tensors.size() - 1);
+  EXPECT_EQ(t.tensors.back().name, "model.norm.weight");
+  EXPECT_TRUE(t.hf.tie_word_embeddings);
+}
+
+TEST(ExportPlan, Qwen3NamesShapesAndConfig) {
+  const ExportPlan plan = plan_export("ck", manifest_of(qwen3()));
+  ASSERT_EQ(plan.naming, ExportNaming::kQwen3);
+  ASSERT_EQ(plan.tensors.size(), 1u + 11u * 2u + 1u);  // tied: no lm_head
+  expect_tensor(plan, 0, "model.embed_tokens.weight", {kVocab, 32}, "wte", ExportOp::kRows);
+  expect_tensor(plan, 3, "model.layers.0.self_attn.v_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 64);
+  // HEAD_SHARED: one [D] gain for every head, Qwen3's per-head q_norm over head_dim.
+  expect_tensor(plan, 5, "model.layers.0.self_attn.q_norm.weight", {8},
+                "blocks.0.attn.q_norm.weight", ExportOp::kCopy);
+  expect_tensor(plan, 6, "model.layers.0.self_attn.k_norm.weight", {8},
+                "blocks.0.attn.k_norm.weight", ExportOp::kCopy);
+  // Pre-norm: ln1 before attention, ln2 before the MLP.
+  expect_tensor(plan, 10, "model.layers.0.input_layernorm.weight", {32}, "blocks.0.ln1.weight",
+                ExportOp::kCopy);
+  expect_tensor(plan, 11, "model.layers.0.post_attention_layernorm.weight", {32},
+                "blocks.0.ln2.weight", ExportOp::kCopy);
+  expect_tensor(plan, 23, "model.norm.weight", {32}, "ln_f.weight", ExportOp::kCopy);
+  EXPECT_EQ(plan.hf.head_dim, 8);
+  EXPECT_EQ(plan.hf.rope_theta, 1000000.0);
+  EXPECT_TRUE(plan.hf.tie_word_embeddings);
+
+  config::KeelConfig untied = qwen3();
+  untied.mutable_model()->set_tie_embeddings(false);
+  const ExportPlan u = plan_export("ck", manifest_of(untied));
+  ASSERT_EQ(u.naming, ExportNaming::kQwen3);
+  expect_tensor(u, 24, "lm_head.weight", {kVocab, 32}, "lm_head.weight", ExportOp::kRows);
+  EXPECT_FALSE(u.hf.tie_word_embeddings);
+}
+
+TEST(ExportPlan, OtherModelsKeepKeelNamesWithoutThePaddingAndSayWhyForEachArchitecture) {
+  // The Gemma 3-style block: GEGLU is none of the three.
+  config::KeelConfig cfg = qwen3();
+  cfg.mutable_model()->set_mlp(config::GEGLU);
   const ckpt::Manifest m = manifest_of(cfg);
   const ExportPlan plan = plan_export("ck", m);
   ASSERT_EQ(plan.naming, ExportNaming::kKeel);
-  EXPECT_EQ(plan.not_gpt2,
-            "model.qk_norm=RMS (GPT-2 has no QK-norm); model.tie_embeddings=false (GPT-2 ties "
-            "the LM head to the token embedding)");
+  ASSERT_EQ(plan.mismatches.size(), 3u);
+  EXPECT_EQ(plan.mismatches[0].first, ExportNaming::kGpt2);
+  EXPECT_EQ(plan.mismatches[1].first, ExportNaming::kOlmo2);
+  EXPECT_EQ(plan.mismatches[2].first, ExportNaming::kQwen3);
+  EXPECT_EQ(plan.mismatches[2].second, "model.mlp=GEGLU (Qwen3's MLP is SwiGLU)");
   std::vector<std::string> names;
   for (const ckpt::TensorRecord& t : m.tensors()) {
     if (t.kind() == ckpt::PARAM) names.push_back(t.name());
@@ -148,41 +367,84 @@ TEST(ExportPlan, OtherModelsKeepKeelNamesWithoutThePadding) {
     EXPECT_EQ(t.name, names[i]);
     EXPECT_EQ(t.source, names[i]);
     const bool vocab = t.name == "wte" || t.name == "lm_head.weight";
-    EXPECT_EQ(t.op, vocab ? ExportOp::kVocabRows : ExportOp::kCopy) << t.name;
+    EXPECT_EQ(t.op, vocab ? ExportOp::kRows : ExportOp::kCopy) << t.name;
     if (vocab) {
       EXPECT_EQ(t.shape, (Shape{kVocab, 32})) << t.name;
     }
   }
-  EXPECT_EQ(plan.tensors.back().name, "lm_head.weight");
+  // The gated MLP's gate is there, biases and the position table are not.
+  auto has = [&](const std::string& n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
+  EXPECT_TRUE(has("blocks.0.mlp.gate.weight"));
+  EXPECT_FALSE(has("wpe"));
+  EXPECT_FALSE(has("blocks.0.attn.qkv.bias"));
+  EXPECT_FALSE(has("blocks.0.ln1.bias"));
+
+  // An untied GPT-2-like model: its head comes last, cut to the vocabulary.
+  config::KeelConfig untied = gpt2();
+  untied.mutable_model()->set_tie_embeddings(false);
+  const ExportPlan u = plan_export("ck", manifest_of(untied));
+  ASSERT_EQ(u.naming, ExportNaming::kKeel);
+  EXPECT_EQ(u.mismatches[0].second,
+            "model.tie_embeddings=false (GPT-2 ties the LM head to the token embedding)");
+  EXPECT_EQ(u.tensors.back().name, "lm_head.weight");
+  EXPECT_EQ(u.tensors.back().shape, (Shape{kVocab, 32}));
 }
 
 TEST(ExportPlan, ParametersThatDoNotMatchTheConfigAreRefused) {
-  ckpt::Manifest missing = manifest_of(tiny());
+  ckpt::Manifest missing = manifest_of(gpt2());
   param(missing, "blocks.1.mlp.fc.bias")->set_name("blocks.1.mlp.fc.gain");
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", missing); }),
             "ck/manifest.pb: tensor blocks.1.mlp.fc.bias (param) is not in the checkpoint, though "
             "its config has it");
 
-  ckpt::Manifest stray = manifest_of(tiny());
+  ckpt::Manifest stray = manifest_of(gpt2());
   ckpt::TensorRecord* extra = stray.add_tensors();
   extra->set_name("blocks.0.attn.q_norm.weight");
   extra->set_kind(ckpt::PARAM);
   extra->add_shape(8);
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", stray); }),
-            "ck/manifest.pb: tensor blocks.0.attn.q_norm.weight (param) has no place in a "
-            "GPT-2-shaped model of its config");
+            "ck/manifest.pb: tensor blocks.0.attn.q_norm.weight (param) has no place in the "
+            "GPT-2 model of its config");
 
-  ckpt::Manifest misshapen = manifest_of(tiny());
+  ckpt::Manifest misshapen = manifest_of(gpt2());
   param(misshapen, "blocks.0.attn.proj.weight")->set_shape(1, 16);
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", misshapen); }),
             "ck/manifest.pb: tensor blocks.0.attn.proj.weight has shape [32, 16] in the "
             "checkpoint but [32, 32] in its config");
 
-  ckpt::Manifest short_vocab = manifest_of(tiny(config::RMS));
+  ckpt::Manifest short_vocab = manifest_of(qwen3());
   param(short_vocab, "wte")->set_shape(0, 256);
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", short_vocab); }),
             "ck/manifest.pb: tensor wte has shape [256, 32], not [>= model.vocab_size=300, "
             "d_model]");
+
+  // OLMo 2: a gate that is not there, a bias that should not be, a Qwen3-shaped QK gain.
+  ckpt::Manifest no_gate = manifest_of(olmo2());
+  param(no_gate, "blocks.0.mlp.gate.weight")->set_name("blocks.0.mlp.gate_proj.weight");
+  EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", no_gate); }),
+            "ck/manifest.pb: tensor blocks.0.mlp.gate.weight (param) is not in the checkpoint, "
+            "though its config has it");
+  ckpt::Manifest biased = manifest_of(olmo2());
+  ckpt::TensorRecord* bias = biased.add_tensors();
+  bias->set_name("blocks.1.attn.proj.bias");
+  bias->set_kind(ckpt::PARAM);
+  bias->add_shape(32);
+  EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", biased); }),
+            "ck/manifest.pb: tensor blocks.1.attn.proj.bias (param) has no place in the OLMo 2 "
+            "model of its config");
+  ckpt::Manifest shared_gain = manifest_of(olmo2());
+  param(shared_gain, "blocks.0.attn.k_norm.weight")->clear_shape();
+  param(shared_gain, "blocks.0.attn.k_norm.weight")->add_shape(8);
+  EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", shared_gain); }),
+            "ck/manifest.pb: tensor blocks.0.attn.k_norm.weight has shape [8] in the checkpoint "
+            "but [4, 8] in its config");
+  ckpt::Manifest short_head = manifest_of(olmo2());
+  param(short_head, "lm_head.weight")->set_shape(1, 16);
+  EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", short_head); }),
+            "ck/manifest.pb: tensor lm_head.weight has shape [384, 16], not [>= 300, "
+            "model.d_model=32]");
 }
 
 }  // namespace

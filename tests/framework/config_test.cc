@@ -367,6 +367,10 @@ TEST(Config, ValidationErrorsNameTheField) {
       {{"checkpoint.keep=0"}, "checkpoint.keep"},
       {{"checkpoint.every=-1"}, "checkpoint.every"},
       {{"debug.inject_nan_at_step=-1"}, "debug.inject_nan_at_step"},
+      {{"model.position=ROPE", "model.rope_theta=1"},
+       "model.rope_theta=1 must be > 1 with model.position=ROPE"},
+      {{"model.position=ROPE", "model.d_model=132", "model.n_heads=4"},
+       "model.position=ROPE needs an even head_dim"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.expected);
@@ -376,6 +380,26 @@ TEST(Config, ValidationErrorsNameTheField) {
   EXPECT_NO_THROW(load_config("", {"data.val_fraction=0", "train.eval_every=0"}));
   EXPECT_NO_THROW(load_config("", {"optim.beta1=0", "loss.z_loss=0", "optim.grad_clip=0"}));
   EXPECT_NO_THROW(load_config("", {"model.seq_len=256", "model.max_positions=256"}));
+}
+
+TEST(Config, ModernBlockFieldsDefaultToGpt2AndSizeGatedMlps) {
+  const KeelConfig cfg = load_config("", {});
+  EXPECT_EQ(cfg.model().position(), config::LEARNED);
+  EXPECT_DOUBLE_EQ(cfg.model().rope_theta(), 10000.0);
+  EXPECT_EQ(cfg.model().mlp(), config::GELU);
+  EXPECT_TRUE(cfg.model().bias());
+  EXPECT_EQ(cfg.model().norm_placement(), config::PRE);
+  // Gated MLPs: d_ff 0 resolves to 8/3 d_model rounded up to a multiple of 64
+  // (128 -> 341.3 -> 384; 768 -> 2048; 4096 -> 10922.7 -> 10944).
+  EXPECT_EQ(load_config("", {"model.mlp=SWIGLU"}).model().d_ff(), 384);
+  EXPECT_EQ(load_config("", {"model.mlp=GEGLU", "model.d_model=768"}).model().d_ff(), 2048);
+  EXPECT_EQ(load_config("", {"model.mlp=SWIGLU", "model.d_model=4096", "model.n_heads=32"})
+                .model()
+                .d_ff(),
+            10944);
+  // An explicit d_ff is kept.
+  EXPECT_EQ(load_config("", {"model.mlp=SWIGLU", "model.d_ff=320"}).model().d_ff(), 320);
+  EXPECT_NO_THROW(load_config("", {"model.position=ROPE", "model.rope_theta=500000"}));
 }
 
 TEST(Config, UnspecifiedOrUnknownEnumIsAnError) {

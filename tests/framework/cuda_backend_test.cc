@@ -1,11 +1,13 @@
-// CUDA backend against the CPU backend. Built everywhere; skips when keel was built without CUDA
-// or when no GPU is present (the CPU-only development machines), runs on a GPU machine.
+// The CUDA backend's host side where no GPU is needed: the checked-call layer's messages, the
+// allocator's size classes, and that a machine without a GPU or driver reports none and refuses
+// a context with an error naming the failed call (so AUTO falls back to the CPU). Built
+// everywhere; skips when keel was built without CUDA. The kernels' tests are tests/gpu/.
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <vector>
+#include <algorithm>
+#include <string>
 
-#include "framework/kernels/elementwise.h"
+#include "framework/error.h"
 #if KEEL_HAVE_CUDA
 #include "framework/kernels/cuda/device.h"
 #endif
@@ -13,27 +15,59 @@
 namespace keel {
 namespace {
 
-TEST(CudaBackend, GeluMatchesCpu) {
-#if !KEEL_HAVE_CUDA
-  GTEST_SKIP() << "built without CUDA (KEEL_CUDA=OFF or no nvcc)";
-#else
-  if (kernels::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const int64_t n = 10000;
-  std::vector<float> in(n), dout(n), out(n), dinp(n), ref(n), dref(n);
-  for (int64_t i = 0; i < n; ++i) {
-    in[i] = static_cast<float>(i - n / 2) * 1e-3f;
-    dout[i] = std::sin(static_cast<float>(i));
-  }
-  ASSERT_TRUE(kernels::cuda::gelu_roundtrip(in.data(), dout.data(), out.data(), dinp.data(), n))
-      << kernels::cuda::last_error();
-  kernels::gelu_forward(ref.data(), in.data(), n);
-  kernels::gelu_backward(dref.data(), in.data(), dout.data(), n);
-  for (int64_t i = 0; i < n; ++i) {
-    EXPECT_NEAR(out[i], ref[i], 1e-6f + 1e-5f * std::abs(ref[i])) << i;
-    EXPECT_NEAR(dinp[i], dref[i], 1e-6f + 1e-5f * std::abs(dref[i])) << i;
-  }
-#endif
+#if KEEL_HAVE_CUDA
+namespace cuda = kernels::cuda;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
 }
+
+TEST(CudaBackend, ErrorMessagesNameTheCallStatusAndShapes) {
+  // cudaErrorMemoryAllocation = 2
+  const std::string m = cuda::cuda_error_message(2, "cudaMalloc", "bytes=1024");
+  EXPECT_TRUE(contains(m, "cudaMalloc failed")) << m;
+  EXPECT_TRUE(contains(m, "cudaErrorMemoryAllocation")) << m;
+  EXPECT_TRUE(contains(m, "[bytes=1024]")) << m;
+  // CUBLAS_STATUS_NOT_SUPPORTED = 15
+  const std::string b = cuda::cublas_error_message(15, "cublasLtMatmul", "gemm NT M=8 N=4 K=2");
+  EXPECT_TRUE(contains(b, "cublasLtMatmul failed")) << b;
+  EXPECT_TRUE(contains(b, "CUBLAS_STATUS_NOT_SUPPORTED")) << b;
+  EXPECT_TRUE(contains(b, "gemm NT M=8 N=4 K=2")) << b;
+}
+
+TEST(CudaBackend, AllocatorSizeClasses) {
+  EXPECT_EQ(cuda::Allocator::bucket_size(1), 512u);
+  EXPECT_EQ(cuda::Allocator::bucket_size(512), 512u);
+  EXPECT_EQ(cuda::Allocator::bucket_size(513), 640u);
+  EXPECT_EQ(cuda::Allocator::bucket_size(1000), 1024u);
+  EXPECT_EQ(cuda::Allocator::bucket_size((1u << 20) + 1), (1u << 20) + (1u << 18));
+  size_t prev = 0;
+  for (size_t n = 1; n < (size_t{1} << 26); n = n * 9 / 8 + 1) {
+    const size_t b = cuda::Allocator::bucket_size(n);
+    EXPECT_GE(b, n);
+    EXPECT_LE(b, std::max<size_t>(512, n + n / 4)) << n;  // at most 25% waste past 512 bytes
+    EXPECT_EQ(cuda::Allocator::bucket_size(b), b) << n;   // a class is its own class
+    EXPECT_GE(b, prev) << n;                              // monotone
+    prev = b;
+  }
+}
+
+TEST(CudaBackend, WithoutAGpuNoDeviceAndContextFailsNamingTheCall) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a GPU is present (tests/gpu covers it)";
+  EXPECT_EQ(cuda::device_count(), 0);
+  try {
+    cuda::Context ctx(0);
+    FAIL() << "a context was made without a GPU";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_TRUE(contains(e.what(), "cudaSetDevice")) << e.what();
+  }
+  // Asking twice gives the same answer (the failed query leaves no state behind).
+  EXPECT_EQ(cuda::device_count(), 0);
+}
+#else
+TEST(CudaBackend, Disabled) { GTEST_SKIP() << "built without CUDA (KEEL_CUDA=OFF or no nvcc)"; }
+#endif
 
 }  // namespace
 }  // namespace keel

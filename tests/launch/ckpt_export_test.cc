@@ -1,12 +1,19 @@
 // keel-ckpt export through the real binaries, checked by tests/launch/export_check.py with the
-// real safetensors and transformers libraries:
+// real safetensors and transformers libraries and tests/launch/hf_reference.py:
 //   - a GPT-2-shaped model trained at TP2xDP2 with ZeRO-1 exports Hugging Face GPT-2 names and a
 //     config.json; GPT2LMHeadModel.from_pretrained(OUT_DIR) loads it with no missing or unexpected
 //     weights and its logits on fixed tokens equal keel's to 1e-5 (absolute), every exported
 //     tensor equals the checkpoint's parameter bit for bit in GPT-2's layout, and the vocabulary
 //     padding of the TP2 layout (300 -> 384 rows) is gone;
-//   - a model GPT-2 cannot express (RMS QK-norm, RMSNorm, untied head) exports keel's names with
-//     the same bit-for-bit values, no config.json, and a line naming each field that decided it;
+//   - an OLMo 2-style model (TP2xDP2, ZeRO-1: the PROJECTION QK-norm's statistics span both TP
+//     ranks) and a Qwen3-style model (TP2) export Olmo2ForCausalLM / Qwen3ForCausalLM names and
+//     config.json; an independent float64 implementation of each architecture reading only the
+//     export gives keel's logits to 1e-5, on the trained weights and with q and k made so small
+//     that the QK-norm epsilon matters, while interleaved RoPE, another rope_theta and another
+//     QK-norm epsilon miss by far more;
+//   - a model no architecture expresses (RMS QK-norm per head, RMSNorm, untied head, RoPE, GEGLU,
+//     no biases) exports keel's names with the same bit-for-bit values, no config.json, and a line
+//     per architecture naming each field that prevents it;
 //   - bad input (not a checkpoint, a flipped byte in a parameter slice, OUT_DIR a regular file,
 //     a missing argument) exits 2 with one line naming the file and the reason, and leaves no
 //     model.safetensors, no temporary file, and an earlier export untouched.
@@ -90,10 +97,24 @@ CommandResult check_export(const TempDir& dir, const std::string& naming, const 
   return run_command(command_line(KEEL_TEST_PYTHON, {script, naming, out, ref}), dir);
 }
 
+// The figure export_check.py printed after `label` ("max |logit difference| = "). The script
+// asserts its bound itself; reading the figure back means a script that stopped comparing
+// cannot pass.
+double printed_diff(const std::string& out, const std::string& label) {
+  const size_t at = out.find(label);
+  EXPECT_NE(at, std::string::npos) << out;
+  return at == std::string::npos ? 1e30 : std::stod(out.substr(at + label.size()));
+}
+
+// q and k rows of every qkv weight times this for logits_qk_small.f32: a power of two (exact in
+// float), small enough that mean(q^2) ~ 1e-6 is below the QK-norm epsilon (1e-5).
+constexpr float kQkScale = 1.0f / 1024.0f;
+
 // Writes keel's side into `ref`: the checkpoint in `ckpt_dir` loaded into a one-process model,
 // its parameters (ref.txt lists "param NAME DIMS..."; param_<i>.f32 holds the i-th), fixed tokens
 // (tokens.i32, [B, T], "tokens B T" in ref.txt) and the model's logits on them (logits.f32, [B, T,
-// vocab_size]).
+// vocab_size]). With QK-norm, also the logits with the q and k rows of every qkv weight times
+// kQkScale (logits_qk_small.f32, "qk_scale S" in ref.txt).
 void write_reference(const std::string& ckpt_dir, const std::string& ref) {
   fs::create_directories(ref);
   const ckpt::Manifest m = read_manifest(ckpt_dir);
@@ -134,20 +155,39 @@ void write_reference(const std::string& ckpt_dir, const std::string& ref) {
                                     static_cast<size_t>(info.numel()) * sizeof(float)));
   }
   listing += "tokens " + std::to_string(kBatch) + " " + std::to_string(kSeqLen) + "\n";
+  const bool qk_norm = cfg.model().qk_norm() != config::NONE;
+  if (qk_norm) {
+    char scale[32];
+    std::snprintf(scale, sizeof(scale), "%.17g", kQkScale);  // exact: a power of two
+    listing += "qk_scale " + std::string(scale) + "\n";
+  }
   testing::write_file(ref + "/ref.txt", listing);
 
   std::vector<int32_t> tokens(kBatch * kSeqLen);
   for (int i = 0; i < kBatch * kSeqLen; ++i) tokens[i] = (i * 67 + 5) % V;
   tokens[3] = static_cast<int32_t>(V - 1);  // the last real row
-  model.forward(tokens.data(), nullptr, kBatch);
-  std::vector<float> logits;
-  for (int i = 0; i < kBatch * kSeqLen; ++i) {
-    logits.insert(logits.end(), model.logits() + i * rows, model.logits() + i * rows + V);
-  }
   testing::write_file(ref + "/tokens.i32", std::string(reinterpret_cast<const char*>(tokens.data()),
                                                        tokens.size() * sizeof(int32_t)));
-  testing::write_file(ref + "/logits.f32", std::string(reinterpret_cast<const char*>(logits.data()),
-                                                       logits.size() * sizeof(float)));
+  auto write_logits = [&](const std::string& path) {
+    model.forward(tokens.data(), nullptr, kBatch);
+    std::vector<float> logits;
+    for (int i = 0; i < kBatch * kSeqLen; ++i) {
+      logits.insert(logits.end(), model.logits() + i * rows, model.logits() + i * rows + V);
+    }
+    testing::write_file(path, std::string(reinterpret_cast<const char*>(logits.data()),
+                                          logits.size() * sizeof(float)));
+  };
+  write_logits(ref + "/logits.f32");
+  if (!qk_norm) return;
+  // qkv.weight [3, H, D, C]: q and k are its first 2 H D C elements.
+  const int64_t C = cfg.model().d_model(), HDC = static_cast<int64_t>(C) * C;
+  for (int id = 0; id < ps.size(); ++id) {
+    const std::string& name = ps.info(id).spec.name;
+    if (name.size() < 16 || name.compare(name.size() - 16, 16, ".attn.qkv.weight") != 0) continue;
+    ASSERT_EQ(ps.info(id).numel(), 3 * HDC) << name;
+    for (int64_t i = 0; i < 2 * HDC; ++i) ps.param(id)[i] *= kQkScale;
+  }
+  write_logits(ref + "/logits_qk_small.f32");
 }
 
 // Names in `dir` other than `keep` (temporary files, half-written exports).
@@ -187,24 +227,86 @@ TEST(CkptExport, Gpt2ShapedModelLoadsInTransformersWithKeelsLogits) {
   const CommandResult c = check_export(dir, "gpt2", out, ref);
   ASSERT_EQ(c.exit_code, 0) << c.out << c.err;
   std::printf("%s", c.out.c_str());
-  // The script asserts the bound itself; read the figure back so a script that stopped
-  // comparing cannot pass.
-  const size_t at = c.out.find("max |logit difference| = ");
-  ASSERT_NE(at, std::string::npos) << c.out;
-  const double diff = std::stod(c.out.substr(at + 25));
+  const double diff = printed_diff(c.out, "max |logit difference| = ");
   EXPECT_LE(diff, 1e-5);
   RecordProperty("max_logit_abs_diff", std::to_string(diff));
+}
+
+// The modern blocks' options; `scope` and `placement` pick OLMo 2 or Qwen3.
+std::vector<std::string> modern(const std::string& scope, const std::string& placement,
+                                const std::string& theta, const std::string& tied) {
+  return {"--set", "model.qk_norm=RMS",
+          "--set", "model.qk_norm_scope=" + scope,
+          "--set", "model.norm=RMSNORM",
+          "--set", "model.position=ROPE",
+          "--set", "model.rope_theta=" + theta,
+          "--set", "model.mlp=SWIGLU",
+          "--set", "model.bias=false",
+          "--set", "model.norm_placement=" + placement,
+          "--set", "model.tie_embeddings=" + tied,
+          "--set", "model.n_layers=2",
+          "--set", "model.d_ff=48",
+          "--set", "train.steps=4",
+          "--set", "checkpoint.every=2"};
+}
+
+// Trains `args` on `ranks` processes, exports, and checks the export as `naming` (olmo2, qwen3)
+// against keel's logits; `title` is what keel-ckpt calls the names, `tensors` how many it writes.
+void check_llama_like(const std::string& naming, const std::string& title, int ranks,
+                      std::vector<std::string> args, size_t tensors) {
+  TempDir dir("keel_export_" + naming);
+  const std::string run = dir.file("run"), out = dir.file("hf"), ref = dir.file("ref");
+  const CommandResult t = train(dir, ranks, job(run, std::move(args)));
+  ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
+  const std::string step4 = run + "/checkpoints/step_00000004";
+  const CommandResult e = ckpt(dir, {"export", run, out});
+  ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+  const std::string head =
+      "exported step 4 of " + step4 + ": " + std::to_string(tensors) + " tensors, ";
+  EXPECT_EQ(e.out.rfind(head, 0), 0u) << e.out;
+  EXPECT_TRUE(contains(e.out, " -> " + out + "/model.safetensors (" + title + " names) and " + out +
+                                  "/config.json\n"))
+      << e.out;
+  EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors"}));
+
+  write_reference(step4, ref);
+  const CommandResult c = check_export(dir, naming, out, ref);
+  ASSERT_EQ(c.exit_code, 0) << c.out << c.err;
+  std::printf("%s", c.out.c_str());
+  const double diff = printed_diff(c.out, "max |logit difference| = ");
+  const double small = printed_diff(c.out, "): max |logit difference| = ");
+  EXPECT_LE(diff, 1e-5);
+  EXPECT_LE(small, 1e-5);
+  ::testing::Test::RecordProperty("max_logit_abs_diff", std::to_string(diff));
+  ::testing::Test::RecordProperty("max_logit_abs_diff_small_qk", std::to_string(small));
+}
+
+TEST(CkptExport, Olmo2StyleModelGivesKeelsLogitsInAnIndependentOlmo2) {
+  // TP2 x DP2 with ZeRO-1, untied: embed_tokens, 11 per layer, the final norm, lm_head.
+  std::vector<std::string> args = modern("PROJECTION", "POST_SUBLAYER", "500000", "false");
+  for (const char* a : {"--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"}) {
+    args.push_back(a);
+  }
+  check_llama_like("olmo2", "OLMo 2", 4, args, 1 + 11 * 2 + 2);
+}
+
+TEST(CkptExport, Qwen3StyleModelGivesKeelsLogitsInAnIndependentQwen3) {
+  // TP2, tied: no lm_head tensor.
+  std::vector<std::string> args = modern("HEAD_SHARED", "PRE", "1000000", "true");
+  args.insert(args.end(), {"--set", "parallel.tp=2"});
+  check_llama_like("qwen3", "Qwen3", 2, args, 1 + 11 * 2 + 1);
 }
 
 TEST(CkptExport, OtherModelsExportKeelNamesAndSayWhy) {
   TempDir dir("keel_export_keel");
   const std::string run = dir.file("run"), out = dir.file("out"), ref = dir.file("ref");
   const CommandResult t =
-      train(dir, 2,
-            job(run, {"--set", "model.qk_norm=RMS", "--set", "model.qk_norm_scope=HEAD", "--set",
-                      "model.norm=RMSNORM", "--set", "model.tie_embeddings=false", "--set",
-                      "model.n_layers=1", "--set", "train.steps=2", "--set", "checkpoint.every=2",
-                      "--set", "parallel.tp=2"}));
+      train(dir, 2, job(run, {"--set", "model.qk_norm=RMS",   "--set", "model.qk_norm_scope=HEAD",
+                              "--set", "model.norm=RMSNORM",  "--set", "model.tie_embeddings=false",
+                              "--set", "model.position=ROPE", "--set", "model.mlp=GEGLU",
+                              "--set", "model.bias=false",    "--set", "model.n_layers=1",
+                              "--set", "train.steps=2",       "--set", "checkpoint.every=2",
+                              "--set", "parallel.tp=2"}));
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
   const std::string step2 = run + "/checkpoints/step_00000002";
   // An earlier GPT-2 export's config.json would describe tensors the new file does not have.
@@ -213,11 +315,19 @@ TEST(CkptExport, OtherModelsExportKeelNamesAndSayWhy) {
 
   const CommandResult e = ckpt(dir, {"export", step2, out});
   ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
-  EXPECT_EQ(e.out.substr(0, e.out.find('\n') + 1),
-            "keel names, no config.json (removed the earlier one): not GPT-2-shaped: "
-            "model.qk_norm=RMS (GPT-2 has no QK-norm); model.norm=RMSNORM (GPT-2 uses "
-            "LayerNorm); model.tie_embeddings=false (GPT-2 ties the LM head to the token "
-            "embedding)\n");
+  EXPECT_EQ(e.out.substr(0, e.out.find("exported step")),
+            "keel names, no config.json (removed the earlier one): no Hugging Face architecture "
+            "matches exactly\n"
+            "  not GPT-2: model.qk_norm=RMS (GPT-2 has no QK-norm); model.tie_embeddings=false "
+            "(GPT-2 ties the LM head to the token embedding); model.norm=RMSNORM (GPT-2 uses "
+            "LayerNorm); model.position=ROPE (GPT-2 learns absolute positions); model.mlp=GEGLU "
+            "(GPT-2's MLP is GELU); model.bias=false (GPT-2 has biases in every linear layer and "
+            "norm)\n"
+            "  not OLMo 2: model.qk_norm_scope=HEAD (OLMo 2 normalises q and k over the whole "
+            "projection, all heads at once); model.mlp=GEGLU (OLMo 2's MLP is SwiGLU); "
+            "model.norm_placement=PRE (OLMo 2 normalises each sublayer's output)\n"
+            "  not Qwen3: model.qk_norm_scope=HEAD (Qwen3 normalises each head with one gain "
+            "shared by all heads); model.mlp=GEGLU (Qwen3's MLP is SwiGLU)\n");
   EXPECT_TRUE(contains(e.out, " (keel names)\n")) << e.out;
   EXPECT_EQ(entries(out), (std::vector<std::string>{"model.safetensors"}));
 

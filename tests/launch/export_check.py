@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks a `keel-ckpt export` directory against keel's own view of the checkpoint.
 
-usage: export_check.py gpt2|keel OUT_DIR REF_DIR
+usage: export_check.py gpt2|olmo2|qwen3|keel OUT_DIR REF_DIR
 
 OUT_DIR is what keel-ckpt export wrote. REF_DIR is what tests/launch/ckpt_export_test.cc wrote
 from the checkpoint loaded into a one-process keel model:
@@ -9,18 +9,30 @@ from the checkpoint loaded into a one-process keel model:
   param_<i>.f32  the i-th parameter, raw little-endian float32
   tokens.i32     [B, T] token ids
   logits.f32     [B, T, V] keel's logits on those tokens
+  logits_qk_small.f32
+                 with QK-norm: the same with the q and k rows of every qkv weight multiplied by
+                 the "qk_scale" of ref.txt (a power of two, so exact), which makes the QK-norm
+                 epsilon matter (mean(q^2) comparable to it)
 
 Checks, for both namings:
   - the file against the safetensors format itself (8-byte little-endian header length, a JSON
     header padded with spaces to a multiple of 8, string-only __metadata__, F32 tensors whose
     data_offsets tile the data exactly), then loaded by the real `safetensors` library;
   - every tensor bit for bit against keel's parameter, mapped here independently of keel's code
-    (keel names: as stored, vocabulary padding dropped; GPT-2 names: Conv1D weights transposed);
+    (keel names: as stored, vocabulary padding dropped; GPT-2 names: Conv1D weights transposed;
+    OLMo 2 / Qwen3 names: q, k, v split out of the fused qkv weight);
   - the vocabulary padding is gone (the reference has more rows than vocab_size).
 gpt2 also: config.json's fields, GPT2LMHeadModel.from_pretrained(OUT_DIR) with no missing,
 unexpected or mismatched weights and the LM head tied to wte, and its logits on the same tokens
 against keel's: max absolute difference <= 1e-5 (printed). As a control that the comparison can
 tell, the same weights with the erf GELU must differ by more than that.
+olmo2 and qwen3 also: config.json's fields, and the logits of tests/launch/hf_reference.py (an
+independent float64 implementation of Olmo2ForCausalLM / Qwen3ForCausalLM reading only OUT_DIR)
+against keel's: max absolute difference <= 1e-5 (printed), on the trained weights and on the
+small-q/k weights. Controls that each comparison can tell, each by more than 10x the bound:
+interleaved RoPE pairs instead of rotate-half, another rope_theta, and (small q/k) a QK-norm
+epsilon of 1e-6 instead of rms_norm_eps (keel's QK-norm and block-norm epsilons are separate
+constants; Hugging Face has one).
 Exit status 0 when every check holds, 1 otherwise (each failure printed).
 """
 import json
@@ -31,6 +43,7 @@ import sys
 import numpy as np
 
 TOLERANCE = 1e-5  # absolute, on logits
+QK_SCALE = None  # ref.txt's qk_scale, when keel wrote logits_qk_small.f32
 failures = []
 
 
@@ -43,12 +56,15 @@ def check(cond, message):
 
 def read_reference(ref_dir):
     params, vocab, tokens_shape = {}, None, None
+    global QK_SCALE
     with open(os.path.join(ref_dir, "ref.txt")) as f:
         index = 0
         for line in f:
             parts = line.split()
             if parts[0] == "vocab":
                 vocab = int(parts[1])
+            elif parts[0] == "qk_scale":
+                QK_SCALE = float(parts[1])
             elif parts[0] == "tokens":
                 tokens_shape = (int(parts[1]), int(parts[2]))
             elif parts[0] == "param":
@@ -99,9 +115,7 @@ def expected_keel(vocab, ref):
 
 def expected_gpt2(vocab, ref):
     out = {"transformer.wte.weight": ref["wte"][:vocab], "transformer.wpe.weight": ref["wpe"]}
-    layers = 0
-    while "blocks.%d.ln1.weight" % layers in ref:
-        layers += 1
+    layers = count_layers(ref)
     for l in range(layers):
         k, h = "blocks.%d." % l, "transformer.h.%d." % l
         qkv = ref[k + "attn.qkv.weight"]  # [3, H, D, C]
@@ -119,6 +133,40 @@ def expected_gpt2(vocab, ref):
         out[h + "mlp.c_proj.bias"] = ref[k + "mlp.proj.bias"]
     out["transformer.ln_f.weight"] = ref["ln_f.weight"]
     out["transformer.ln_f.bias"] = ref["ln_f.bias"]
+    return out, layers
+
+
+def count_layers(ref):
+    layers = 0
+    while "blocks.%d.ln1.weight" % layers in ref:
+        layers += 1
+    return layers
+
+
+def expected_llama(naming, vocab, ref):
+    """OLMo 2 / Qwen3 names: nn.Linear's [out, in] is keel's layout; q, k, v are the thirds of
+    qkv [3, H, D, C]; OLMo 2's QK gains are keel's [H, D] PROJECTION gains flattened."""
+    out = {"model.embed_tokens.weight": ref["wte"][:vocab], "model.norm.weight": ref["ln_f.weight"]}
+    if "lm_head.weight" in ref:
+        out["lm_head.weight"] = ref["lm_head.weight"][:vocab]
+    if naming == "olmo2":
+        ln1, ln2 = "post_attention_layernorm", "post_feedforward_layernorm"
+    else:
+        ln1, ln2 = "input_layernorm", "post_attention_layernorm"
+    layers = count_layers(ref)
+    for l in range(layers):
+        k, h = "blocks.%d." % l, "model.layers.%d." % l
+        qkv = ref[k + "attn.qkv.weight"]  # [3, H, D, C]
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[h + "self_attn.%s.weight" % name] = qkv[i].reshape(-1, qkv.shape[-1])
+        out[h + "self_attn.o_proj.weight"] = ref[k + "attn.proj.weight"]
+        out[h + "self_attn.q_norm.weight"] = ref[k + "attn.q_norm.weight"].reshape(-1)
+        out[h + "self_attn.k_norm.weight"] = ref[k + "attn.k_norm.weight"].reshape(-1)
+        out[h + "mlp.gate_proj.weight"] = ref[k + "mlp.gate.weight"]
+        out[h + "mlp.up_proj.weight"] = ref[k + "mlp.fc.weight"]
+        out[h + "mlp.down_proj.weight"] = ref[k + "mlp.proj.weight"]
+        out[h + ln1 + ".weight"] = ref[k + "ln1.weight"]
+        out[h + ln2 + ".weight"] = ref[k + "ln2.weight"]
     return out, layers
 
 
@@ -182,8 +230,76 @@ def check_transformers(out_dir, vocab, tokens_shape, ref, layers, ref_dir):
           "the erf GELU's logits differ by only %.3g: the comparison cannot tell" % erf_diff)
 
 
+def check_llama(naming, out_dir, vocab, tokens_shape, ref, layers, ref_dir):
+    import hf_reference
+
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    qkv = ref["blocks.0.attn.qkv.weight"]  # [3, H, D, C]
+    heads, head_dim, hidden = qkv.shape[1], qkv.shape[2], qkv.shape[3]
+    want = {
+        "model_type": naming,
+        "architectures": [hf_reference.ARCHITECTURES[naming]],
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "intermediate_size": ref["blocks.0.mlp.fc.weight"].shape[0],
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_bias": False,
+        "tie_word_embeddings": "lm_head.weight" not in ref, "torch_dtype": "float32",
+    }
+    if naming == "qwen3":
+        want.update({"head_dim": head_dim, "use_sliding_window": False})
+    for key, value in want.items():
+        check(cfg.get(key) == value, "config.json %s = %r, want %r" % (key, cfg.get(key), value))
+    theta = cfg.get("rope_theta")
+    check(isinstance(theta, float) and theta > 1, "config.json rope_theta = %r" % theta)
+    check(cfg.get("rope_parameters") == {"rope_type": "default", "rope_theta": theta},
+          "config.json rope_parameters = %r" % cfg.get("rope_parameters"))
+
+    config, tensors = hf_reference.load(out_dir)
+    tokens = np.fromfile(os.path.join(ref_dir, "tokens.i32"), dtype="<i4").reshape(tokens_shape)
+
+    def keel(name):
+        logits = np.fromfile(os.path.join(ref_dir, name), dtype="<f4")
+        return logits.reshape(tokens_shape + (vocab,)).astype(np.float64)
+
+    def diff(logits, variant):
+        ref_logits = hf_reference.forward(config, tensors, tokens, variant).numpy()
+        check(ref_logits.shape == logits.shape, "logits %s, keel's %s" % (ref_logits.shape,
+                                                                          logits.shape))
+        return float(np.max(np.abs(ref_logits - logits)))
+
+    def controls(logits, what, variants):
+        for label, variant in variants:
+            d = diff(logits, variant)
+            print("control (%s): %s differs by %.3g" % (what, label, d))
+            check(d > 10 * TOLERANCE,
+                  "%s: %s differs by only %.3g: the comparison cannot tell" % (what, label, d))
+
+    trained = keel("logits.f32")
+    d = diff(trained, hf_reference.Variant())
+    print("max |logit difference| = %.3g (absolute; bound %g; max |logit| = %.3g)"
+          % (d, TOLERANCE, float(np.max(np.abs(trained)))))
+    check(d <= TOLERANCE, "logits differ from keel's by %.3g > %g" % (d, TOLERANCE))
+    other_theta = 10000.0 if theta != 10000.0 else 1e6
+    controls(trained, "trained weights", [
+        ("interleaved RoPE", hf_reference.Variant(interleaved_rope=True)),
+        ("rope_theta %g" % other_theta, hf_reference.Variant(rope_theta=other_theta)),
+    ])
+
+    # Small q and k: mean(q^2) near the epsilon, so the QK-norm epsilon shows in the logits.
+    check(QK_SCALE is not None, "ref.txt has no qk_scale")
+    small = keel("logits_qk_small.f32")
+    d = diff(small, hf_reference.Variant(qk_scale=QK_SCALE))
+    print("small q/k (x%g): max |logit difference| = %.3g (absolute; bound %g)"
+          % (QK_SCALE, d, TOLERANCE))
+    check(d <= TOLERANCE, "small q/k: logits differ from keel's by %.3g > %g" % (d, TOLERANCE))
+    controls(small, "small q/k", [
+        ("QK-norm epsilon 1e-6", hf_reference.Variant(qk_scale=QK_SCALE, qk_norm_eps=1e-6)),
+    ])
+
+
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("gpt2", "keel"):
+    if len(sys.argv) != 4 or sys.argv[1] not in ("gpt2", "olmo2", "qwen3", "keel"):
         sys.exit(__doc__)
     naming, out_dir, ref_dir = sys.argv[1:]
     vocab, tokens_shape, ref = read_reference(ref_dir)
@@ -196,8 +312,12 @@ def main():
     got = load_file(path)
     if naming == "keel":
         config = os.path.join(out_dir, "config.json")
-        check(not os.path.exists(config), "config.json written for a non-GPT-2 model")
+        check(not os.path.exists(config), "config.json written with keel names")
         check_tensors(got, expected_keel(vocab, ref))
+    elif naming in ("olmo2", "qwen3"):
+        want, layers = expected_llama(naming, vocab, ref)
+        check_tensors(got, want)
+        check_llama(naming, out_dir, vocab, tokens_shape, ref, layers, ref_dir)
     else:
         want, layers = expected_gpt2(vocab, ref)
         check_tensors(got, want)

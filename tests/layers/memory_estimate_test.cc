@@ -1,8 +1,9 @@
 // Tests for layers/memory_estimate: the parameter term equals a built model's arena exactly, for
-// every norm, QK-norm scope, tying and TP layout; parameters + gradients + activations match the
-// heap a GPT allocates (measured with mallinfo2) within 5% (+ 64 KiB of bookkeeping); the AdamW and
-// ZeRO-1 terms follow the layout; and sizes of 2^31 compute a huge finite number, not an overflowed
-// one.
+// every norm, QK-norm scope, tying and TP layout, and for the modern blocks (RoPE, SwiGLU and
+// GEGLU, bias-free layers, post-sublayer norms, OLMo-2- and Qwen3-like models); parameters +
+// gradients + activations match the heap a GPT allocates (measured with mallinfo2) within 5% (+ 64
+// KiB of bookkeeping); the AdamW and ZeRO-1 terms follow the layout; and sizes of 2^31 compute a
+// huge finite number, not an overflowed one.
 #include "layers/memory_estimate.h"
 
 #include <gtest/gtest.h>
@@ -81,7 +82,28 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{"model.qk_norm=L2", "model.qk_norm_scope=HEAD"}},
                       Case{{"model.qk_norm=RMS", "model.qk_norm_scope=HEAD"}, 2, 1, 8},
                       Case{{"model.tie_embeddings=false", "model.max_positions=100"}, 4, 3, 3},
-                      Case{{"model.d_ff=96", "model.seq_len=8"}, 2, 2, 1}));
+                      Case{{"model.d_ff=96", "model.seq_len=8"}, 2, 2, 1},
+                      // Modern blocks, one option at a time, then combined.
+                      Case{{"model.position=ROPE"}},
+                      Case{{"model.mlp=SWIGLU"}},  // d_ff 0 -> 8/3 x 64 rounded up to 192
+                      Case{{"model.mlp=GEGLU", "model.d_ff=96"}, 2, 1, 8},
+                      Case{{"model.bias=false", "model.qk_norm=LAYER", "model.qk_norm_scope=HEAD"}},
+                      Case{{"model.bias=false", "model.norm=RMSNORM", "model.qk_norm=L2"}, 2, 2, 4},
+                      Case{{"model.norm_placement=POST_SUBLAYER"}},
+                      // OLMo 2
+                      Case{{"model.norm=RMSNORM", "model.qk_norm=RMS",
+                            "model.qk_norm_scope=PROJECTION", "model.position=ROPE",
+                            "model.mlp=SWIGLU", "model.bias=false",
+                            "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false"},
+                           2,
+                           2,
+                           4},
+                      // Qwen3
+                      Case{{"model.norm=RMSNORM", "model.qk_norm=RMS", "model.position=ROPE",
+                            "model.mlp=SWIGLU", "model.bias=false"},
+                           4,
+                           3,
+                           3}));
 
 TEST(MemoryEstimate, OptimizerStateFollowsTheLayout) {
   const config::KeelConfig plain = small_config({});

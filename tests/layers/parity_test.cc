@@ -4,17 +4,46 @@
 // Tolerance: 1e-5 relative, measured per tensor as ||keel - ref|| / ||ref|| (element-wise relative
 // error is meaningless for entries that are zero in theory, e.g. a bias added to every key; those
 // tensors, with ||ref|| ~ 1e-17, are compared with an absolute bound of 1e-7 instead).
+// The fixtures cover the GPT-2 block under every QK-norm mode and scope, and the modern blocks:
+// RoPE under every QK-norm mode and scope, SwiGLU and GEGLU, bias-free layers, norms after each
+// sublayer (POST_SUBLAYER), and OLMo 2- and Qwen3-shaped models.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "layers/gpt.h"
 #include "tests/reference/fixture.h"
 
 namespace keel {
 namespace {
+
+const std::string kFixtureDir = std::string(KEEL_SOURCE_DIR) + "/tests/reference/";
+
+const std::vector<std::string> kFixtures = {
+    // GPT-2 block: learned positions, GELU MLP, biases, pre-norm.
+    "qk_none", "qk_rms_head_shared", "qk_rms_head", "qk_rms_projection", "qk_layer_head_shared",
+    "qk_layer_head", "qk_layer_projection", "qk_l2_head_shared", "qk_l2_head", "qk_l2_projection",
+    // RoPE under every QK-norm mode and scope (with the MLP kind, bias, placement and theta
+    // varying from case to case).
+    "rope_qk_none", "rope_qk_rms_head_shared", "rope_qk_rms_head", "rope_qk_rms_projection",
+    "rope_qk_layer_head_shared", "rope_qk_layer_head", "rope_qk_layer_projection",
+    "rope_qk_l2_head_shared", "rope_qk_l2_head", "rope_qk_l2_projection",
+    // Gated MLPs, bias-free layers and POST_SUBLAYER norms with learned positions.
+    "mlp_swiglu", "mlp_swiglu_nobias", "mlp_geglu", "mlp_geglu_nobias", "gelu_nobias",
+    "post_sublayer", "post_sublayer_swiglu",
+    // Whole modern models.
+    "olmo2", "qwen3"};
+
+// Entries of a fixture that are not parameters; every other entry X must come with grad/X.
+const std::set<std::string> kNonParams = {"config",  "rope_theta", "z_loss",       "tokens",
+                                          "targets", "loss",       "z_loss_value", "logits"};
 
 double rel_err(const float* a, const std::vector<double>& ref, double* ref_norm) {
   double num = 0.0, den = 0.0;
@@ -26,14 +55,17 @@ double rel_err(const float* a, const std::vector<double>& ref, double* ref_norm)
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
 }
 
-class ParityTest : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(ParityTest, MatchesPyTorch) {
-  const std::string path = std::string(KEEL_SOURCE_DIR) + "/tests/reference/" + GetParam() + ".bin";
-  const testing::Fixture fx = testing::Fixture::load(path);
-  const auto& c = fx.at("config").i32;  // V C H F L T P B qk_norm scope norm tie
-  ASSERT_EQ(c.size(), 12u);
+// The model configuration the fixture's config record and rope_theta entry describe. Every
+// field is set: a KeelConfig built here does not pass through load_config's defaults (proto3
+// would leave `bias` false and the enums UNSPECIFIED).
+config::KeelConfig fixture_config(const testing::Fixture& fx) {
+  // V C H F L T P B qk_norm scope norm tie position mlp bias norm_placement
+  const auto& c = fx.at("config").i32;
   config::KeelConfig cfg;
+  if (c.size() != 16u) {
+    ADD_FAILURE() << "config record has " << c.size() << " entries, want 16";
+    return cfg;
+  }
   auto* m = cfg.mutable_model();
   m->set_vocab_size(c[0]);
   m->set_d_model(c[1]);
@@ -46,24 +78,54 @@ TEST_P(ParityTest, MatchesPyTorch) {
   m->set_qk_norm_scope(static_cast<config::QkNormScope>(c[9]));
   m->set_norm(static_cast<config::NormKind>(c[10]));
   m->set_tie_embeddings(c[11] != 0);
+  m->set_position(static_cast<config::Position>(c[12]));
+  m->set_mlp(static_cast<config::MlpKind>(c[13]));
+  m->set_bias(c[14] != 0);
+  m->set_norm_placement(static_cast<config::NormPlacement>(c[15]));
+  m->set_rope_theta(fx.at("rope_theta").values.at(0));
   m->set_init_std(0.02f);
-  cfg.mutable_loss()->set_z_loss(fx.at("z_loss").values[0]);
+  cfg.mutable_loss()->set_z_loss(fx.at("z_loss").values.at(0));
+  return cfg;
+}
+
+class ParityTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ParityTest, MatchesPyTorch) {
+  const testing::Fixture fx = testing::Fixture::load(kFixtureDir + GetParam() + ".bin");
+  const config::KeelConfig cfg = fixture_config(fx);
+  ASSERT_TRUE(cfg.has_model());
+  const auto& c = fx.at("config").i32;
   const int64_t B = c[7], T = c[5], V = c[0];
 
   std::unique_ptr<Communicator> tp_comm, dp_comm;
   Topology topo = Topology::single(tp_comm, dp_comm);
   GPT model(cfg, topo, B);
   ParamStore& ps = model.params();
-  int n_fixture_params = 0;
+
+  // The two parameter sets must be equal: a parameter keel lacks or has in excess fails here,
+  // by name, before any number is compared.
+  std::set<std::string> ref_params, keel_params;
   for (const auto& name : fx.names()) {
-    if (name.rfind("grad/", 0) == 0) ++n_fixture_params;
+    if (name.rfind("grad/", 0) == 0) {
+      ref_params.insert(name.substr(5));
+    } else if (!kNonParams.count(name)) {
+      EXPECT_TRUE(fx.has("grad/" + name)) << "fixture entry " << name << " has no gradient";
+    }
   }
-  ASSERT_EQ(ps.size(), n_fixture_params) << "keel and the reference disagree on the parameters";
+  for (int id = 0; id < ps.size(); ++id) keel_params.insert(ps.info(id).spec.name);
+  for (const auto& name : ref_params) {
+    EXPECT_TRUE(keel_params.count(name)) << "keel lacks the reference's parameter " << name;
+  }
+  for (const auto& name : keel_params) {
+    EXPECT_TRUE(ref_params.count(name)) << "keel has a parameter the reference lacks: " << name;
+  }
+  ASSERT_EQ(keel_params, ref_params) << "keel and the reference disagree on the parameters";
+  ASSERT_EQ(static_cast<size_t>(ps.size()), keel_params.size()) << "duplicate parameter names";
   for (int id = 0; id < ps.size(); ++id) {
     const std::string& name = ps.info(id).spec.name;
-    ASSERT_TRUE(fx.has(name)) << "reference lacks " << name;
     const auto& e = fx.at(name);
     ASSERT_EQ(e.dims, ps.info(id).spec.logical) << name;
+    ASSERT_EQ(static_cast<int64_t>(e.f32.size()), ps.info(id).numel()) << name;
     std::copy(e.f32.begin(), e.f32.end(), ps.param(id));
   }
 
@@ -74,10 +136,13 @@ TEST_P(ParityTest, MatchesPyTorch) {
   double norm = 0.0;
   const auto& ref_logits = fx.at("logits").values;
   ASSERT_EQ(static_cast<int64_t>(ref_logits.size()), B * T * V);
-  EXPECT_LT(rel_err(model.logits(), ref_logits, &norm), 1e-5) << "logits";
+  const double logits_err = rel_err(model.logits(), ref_logits, &norm);
+  EXPECT_LT(logits_err, 1e-5) << "logits";
 
   ps.zero_grads();
   model.backward(1.0f);
+  double worst_grad = 0.0;
+  std::string worst_name = "-";
   for (int id = 0; id < ps.size(); ++id) {
     const std::string& name = ps.info(id).spec.name;
     const auto& ref = fx.at("grad/" + name).values;
@@ -91,15 +156,32 @@ TEST_P(ParityTest, MatchesPyTorch) {
       EXPECT_LT(mx, 1e-7) << "gradient of " << name << " should vanish";
     } else {
       EXPECT_LT(err, 1e-5) << "gradient of " << name << " (|ref| = " << norm << ")";
+      if (err > worst_grad) {
+        worst_grad = err;
+        worst_name = name;
+      }
     }
   }
+  std::printf(
+      "[ %s ] %d parameters; relative error: ce %.1e, z-loss %.1e, logits %.1e, worst "
+      "gradient %.1e (%s)\n",
+      GetParam().c_str(), ps.size(), std::abs(st.ce - ref_ce) / std::abs(ref_ce),
+      std::abs(st.z_loss - ref_z) / std::abs(ref_z), logits_err, worst_grad, worst_name.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(AllQkNormModes, ParityTest,
-                         ::testing::Values("qk_none", "qk_rms_head_shared", "qk_rms_head",
-                                           "qk_rms_projection", "qk_layer_head_shared",
-                                           "qk_layer_head", "qk_layer_projection",
-                                           "qk_l2_head_shared", "qk_l2_head", "qk_l2_projection"));
+INSTANTIATE_TEST_SUITE_P(AllFixtures, ParityTest, ::testing::ValuesIn(kFixtures),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// Every fixture the generator writes is run above: a new case cannot be left out silently.
+TEST(ParityFixtures, EveryFixtureIsRun) {
+  std::set<std::string> on_disk;
+  for (const auto& entry : std::filesystem::directory_iterator(kFixtureDir)) {
+    if (entry.path().extension() == ".bin") on_disk.insert(entry.path().stem().string());
+  }
+  const std::set<std::string> listed(kFixtures.begin(), kFixtures.end());
+  EXPECT_EQ(listed.size(), kFixtures.size()) << "a fixture is listed twice";
+  EXPECT_EQ(on_disk, listed) << "tests/reference/*.bin and kFixtures differ";
+}
 
 }  // namespace
 }  // namespace keel

@@ -55,6 +55,7 @@ config::KeelConfig tiny_config(const QkCase& c) {
   m->set_norm(config::LAYERNORM);
   m->set_max_positions(0);
   m->set_init_std(0.02f);
+  m->set_bias(true);
   cfg.mutable_loss()->set_z_loss(1e-4);
   return cfg;
 }

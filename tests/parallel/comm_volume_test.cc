@@ -17,7 +17,8 @@
 //             PROJ x 2L x 2 BT floats QK-norm backward partials of q and k per layer
 // per step:
 //   G floats of gains replicated over TP whose gradient is a TP partial sum, one call each:
-//     RMS   HEAD_SHARED: 2L tensors of D (q, k gains)     LAYER HEAD_SHARED: 4L of D (+ biases)
+//     RMS   HEAD_SHARED: 2L tensors of D (q, k gains)     LAYER HEAD_SHARED: 4L of D (+ biases;
+//     2L of D with model.bias = false, which drops them)
 //     L2 HEAD_SHARED or PROJECTION: L tensors of 1 (the logit scale)    otherwise: none
 //   + 8 bytes (one double: the squared gradient norm), when zero_stage = 0.
 //   TP bytes = 4 A [(2 + 4L) BT C + 3 BT + PROJ 8 L BT] + 4 G + 8 [zero_stage = 0]
@@ -36,6 +37,13 @@
 // World group (world > 1), per step: 16 bytes (cross-entropy and z-loss sums, two doubles)
 //   + 4 (max attention logit, one float) + 8 when zero_stage = 1 (the squared gradient norm over
 //   TP and DP shards together).
+//
+// The modern blocks add no TP term: RoPE rotates whole heads on their rank; the gated MLP's gate
+// and up projections are both column-parallel from the same input, so their input gradients add
+// up locally before the one backward all-reduce; POST_SUBLAYER norms act on the all-reduced
+// sublayer output, replicated, so their gradients are whole on every rank. Their parameters
+// (no wpe under RoPE, no biases with model.bias = false, the gate) change the arena, hence the DP
+// bytes, which follow from the parameter list.
 //
 // Every layout that fits the world size runs; the step measured is the second (after a warm-up
 // step and reset_counters()), and the first is checked too. The parameter count of every rank is
@@ -57,6 +65,7 @@
 namespace keel {
 namespace {
 
+using testing::BlockKind;
 using testing::kDff;
 using testing::kDModel;
 using testing::kGlobalBatch;
@@ -77,6 +86,7 @@ struct Case {
   int micro_batch = 0;
   bool tied = true;
   double bucket_mb = 25;  // 25: one bucket for the tiny model
+  BlockKind block{};      // the GPT-2 block unless set
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -86,6 +96,7 @@ struct Case {
     if (micro_batch) s += "_mb" + std::to_string(micro_batch);
     if (!tied) s += "_untied";
     if (bucket_mb < 1) s += "_small_buckets";
+    if (!block.tag.empty()) s += "_" + block.tag;
     return s;
   }
 };
@@ -116,6 +127,48 @@ std::vector<Case> cases() {
   out.push_back({2, 2, {config::RMS, config::PROJECTION}, 1, 2});
   out.push_back({2, 2, {config::L2, config::HEAD_SHARED}, 1, 0, false});
   out.push_back({2, 2, {config::LAYER, config::HEAD_SHARED}, 1, 0});
+
+  // Modern blocks: every QK-norm mode and scope under TP = 2 and 4, alternating the OLMo 2 block
+  // (no biases: LAYER HEAD_SHARED reduces only its gains) and RoPE + GEGLU with biases, shifted
+  // per tp so that each mode meets both.
+  const BlockKind modern[] = {testing::olmo2_block(), testing::rope_geglu_bias_block()};
+  for (int tp : {2, 4}) {
+    const std::vector<QkMode> modes = testing::all_qk_modes();
+    for (size_t i = 0; i < modes.size(); ++i) {
+      Case c{tp, 1, modes[i], 0, i % 2 == 0 ? 2 : 0, i % 3 != 1};
+      c.block = modern[(i + static_cast<size_t>(tp / 2)) % 2];
+      out.push_back(c);
+    }
+  }
+  // Data parallel and TP x DP, plain (one bucket and small buckets) and ZeRO-1, with the OLMo 2
+  // and Qwen3 configurations and GEGLU with biases.
+  const QkMode rms_projection{config::RMS, config::PROJECTION};
+  for (int dp : {2, 4}) {
+    Case olmo{1, dp, rms_projection, 0, 0, false};
+    olmo.block = testing::olmo2_block();
+    out.push_back(olmo);
+    Case olmo_small{1, dp, rms_projection, 0, 0, false, 0.002};
+    olmo_small.block = testing::olmo2_block();
+    out.push_back(olmo_small);
+    Case qwen{1, dp, rms_shared, 1, 0};
+    qwen.block = testing::qwen3_block();
+    out.push_back(qwen);
+    Case geglu{1, dp, {config::LAYER, config::HEAD}, 0, 1, true, 0.01};
+    geglu.block = testing::rope_geglu_bias_block();
+    out.push_back(geglu);
+  }
+  Case olmo22{2, 2, rms_projection, 0, 2, false};
+  olmo22.block = testing::olmo2_block();
+  out.push_back(olmo22);
+  Case qwen22{2, 2, rms_shared, 1, 0};
+  qwen22.block = testing::qwen3_block();
+  out.push_back(qwen22);
+  Case geglu22{2, 2, {config::LAYER, config::HEAD_SHARED}, 0, 0, false, 0.01};
+  geglu22.block = testing::rope_geglu_bias_block();
+  out.push_back(geglu22);
+  Case geglu22z{2, 2, {config::L2, config::PROJECTION}, 1, 2};
+  geglu22z.block = testing::rope_geglu_bias_block();
+  out.push_back(geglu22z);
   return out;
 }
 
@@ -124,22 +177,26 @@ std::vector<std::pair<std::string, int64_t>> local_params(const Case& c) {
   const int64_t tp = c.tp, C = kDModel, D = kDModel / kHeads, Hl = kHeads / tp, Fl = kDff / tp;
   const int64_t Vp = tp == 1 ? kVocab : (kVocab + 64 * tp - 1) / (64 * tp) * (64 * tp);
   const int64_t Vl = Vp / tp;
-  std::vector<std::pair<std::string, int64_t>> p = {{"wte", Vl * C}, {"wpe", kSeqLen * C}};
+  const bool bias = c.block.bias;
+  const bool ln_bias = c.block.norm == config::LAYERNORM && bias;
+  const bool gated = c.block.mlp != config::GELU;
+  std::vector<std::pair<std::string, int64_t>> p = {{"wte", Vl * C}};
+  if (c.block.position == config::LEARNED) p.push_back({"wpe", kSeqLen * C});
   const bool shared = c.qk.scope == config::HEAD_SHARED;
   for (int l = 0; l < kLayers; ++l) {
     const std::string b = "blocks." + std::to_string(l);
     p.push_back({b + ".ln1.weight", C});
-    p.push_back({b + ".ln1.bias", C});
+    if (ln_bias) p.push_back({b + ".ln1.bias", C});
     p.push_back({b + ".ln2.weight", C});
-    p.push_back({b + ".ln2.bias", C});
+    if (ln_bias) p.push_back({b + ".ln2.bias", C});
     p.push_back({b + ".attn.qkv.weight", 3 * Hl * D * C});
-    p.push_back({b + ".attn.qkv.bias", 3 * Hl * D});
+    if (bias) p.push_back({b + ".attn.qkv.bias", 3 * Hl * D});
     const int64_t gain = shared ? D : Hl * D;
     if (c.qk.norm == config::RMS || c.qk.norm == config::LAYER) {
       p.push_back({b + ".attn.q_norm.weight", gain});
       p.push_back({b + ".attn.k_norm.weight", gain});
     }
-    if (c.qk.norm == config::LAYER) {
+    if (c.qk.norm == config::LAYER && bias) {
       p.push_back({b + ".attn.q_norm.bias", gain});
       p.push_back({b + ".attn.k_norm.bias", gain});
     }
@@ -147,14 +204,18 @@ std::vector<std::pair<std::string, int64_t>> local_params(const Case& c) {
       p.push_back({b + ".attn.qk_scale", c.qk.scope == config::HEAD ? Hl : 1});
     }
     p.push_back({b + ".attn.proj.weight", C * Hl * D});
-    p.push_back({b + ".attn.proj.bias", C});
+    if (bias) p.push_back({b + ".attn.proj.bias", C});
     p.push_back({b + ".mlp.fc.weight", Fl * C});
-    p.push_back({b + ".mlp.fc.bias", Fl});
+    if (bias) p.push_back({b + ".mlp.fc.bias", Fl});
+    if (gated) {
+      p.push_back({b + ".mlp.gate.weight", Fl * C});
+      if (bias) p.push_back({b + ".mlp.gate.bias", Fl});
+    }
     p.push_back({b + ".mlp.proj.weight", C * Fl});
-    p.push_back({b + ".mlp.proj.bias", C});
+    if (bias) p.push_back({b + ".mlp.proj.bias", C});
   }
   p.push_back({"ln_f.weight", C});
-  p.push_back({"ln_f.bias", C});
+  if (ln_bias) p.push_back({"ln_f.bias", C});
   if (!c.tied) p.push_back({"lm_head.weight", Vl * C});
   return p;
 }
@@ -189,8 +250,9 @@ Volume expected_volume(const Case& c, Terms* t) {
       t->partial_tensors = 2 * L;
       t->partial = 2 * L * D;
     } else if (c.qk.scope == config::HEAD_SHARED && c.qk.norm == config::LAYER) {
-      t->partial_tensors = 4 * L;
-      t->partial = 4 * L * D;
+      const int64_t per_layer = c.block.bias ? 4 : 2;  // q, k gains (+ q, k biases)
+      t->partial_tensors = per_layer * L;
+      t->partial = per_layer * L * D;
     } else if (c.qk.norm == config::L2 && c.qk.scope != config::HEAD) {
       t->partial_tensors = L;
       t->partial = L;
@@ -276,6 +338,7 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
   job.qk = c.qk;
   job.tied = c.tied;
   job.bucket_mb = c.bucket_mb;
+  job.block = c.block;
   Distributed dist(mpi_env(), c.tp, 60.0);
   const Topology& topo = dist.topology();
   ASSERT_EQ(topo.dp, c.dp);

@@ -44,21 +44,67 @@ inline std::vector<QkMode> all_qk_modes() {
   return out;
 }
 
+// The block's shape beyond QK-norm: the config defaults (GPT-2: LayerNorm, learned positions, GELU,
+// biases, pre-norm), or a modern block (below).
+struct BlockKind {
+  std::string tag;  // "" for the GPT-2 block; otherwise a suffix for test names
+  config::NormKind norm = config::LAYERNORM;
+  config::Position position = config::LEARNED;
+  double rope_theta = 10000;
+  config::MlpKind mlp = config::GELU;
+  bool bias = true;
+  config::NormPlacement placement = config::PRE;
+};
+
+// OLMo 2's block: RMSNorm after each sublayer, RoPE (base 500000), SwiGLU, no biases.
+inline BlockKind olmo2_block() {
+  return {.tag = "olmo2",
+          .norm = config::RMSNORM,
+          .position = config::ROPE,
+          .rope_theta = 500000,
+          .mlp = config::SWIGLU,
+          .bias = false,
+          .placement = config::POST_SUBLAYER};
+}
+
+// Qwen3's block: pre-norm RMSNorm, RoPE (base 1000000), SwiGLU, no biases.
+inline BlockKind qwen3_block() {
+  return {.tag = "qwen3",
+          .norm = config::RMSNORM,
+          .position = config::ROPE,
+          .rope_theta = 1000000,
+          .mlp = config::SWIGLU,
+          .bias = false,
+          .placement = config::PRE};
+}
+
+// A Qwen3-shaped block with what Qwen3 lacks switched on: GEGLU with biases (column-parallel gate
+// and up biases, the row-parallel down bias added once) and LayerNorm with biases, under RoPE.
+inline BlockKind rope_geglu_bias_block() {
+  return {.tag = "rope_geglu_bias",
+          .norm = config::LAYERNORM,
+          .position = config::ROPE,
+          .rope_theta = 10000,
+          .mlp = config::GEGLU,
+          .bias = true,
+          .placement = config::PRE};
+}
+
 // The tiny job: V = 130 (the built-in corpus is ASCII, bytes < 123, so a vocabulary below 128
 // cannot read it; 130 is not a multiple of 64 x tp, so TP pads it: Vp = 256 at tp = 2 and 4, and
 // at tp = 4 the last rank's vocabulary shard is all padding), T = 16, C = 32, 2 layers, 4 heads of
-// 8, d_ff 64, global batch 8. Warm-up is off so three AdamW steps move the parameters (the
-// cosine schedule spans 100 steps). Note [AdamW conditioning]: AdamW's step lr m / (sqrt(v) + eps)
-// has slope up to lr / eps in g where |g| <~ eps, so rounding differences between layouts
-// (~1e-9 in near-zero gradient elements, e.g. a hidden unit almost off for one batch) grow into
-// parameter differences. Worst relative difference in norm of any parameter tensor after three
-// steps, over every layout of tp_dp_equivalence_test (measured): lr 3e-3, eps 1e-8 (the default
-// peak, warm-up off) 1.0e-4 (4e-5 absolute); lr 1e-3, eps 1e-8: 3.6e-5; lr 3e-3, eps 1e-5:
-// 3.6e-6. With every optimizer default (40 warm-up steps, so steps 1-3 run at lr <= 2.25e-4 and
-// gain <= 2.25e4) it is 6.3e-6. lr 1e-3 and eps 1e-5 keep the gain lr / eps at 100, so layouts
-// that differ only in summation order agree to ~3e-6 after three steps (measured; the bound is
-// 1e-5). The differences are rounding amplified, not errors: gradients at step 1 (identical
-// parameters) agree to ~5e-6 whatever the optimizer.
+// 8, d_ff 64 (also for the gated MLPs: it splits over tp = 4), global batch 8. Warm-up is off so
+// three AdamW steps move the parameters (the cosine schedule spans 100 steps). Note [AdamW
+// conditioning]: AdamW's step lr m / (sqrt(v) + eps) has slope up to lr / eps in g where |g| <~
+// eps, so rounding differences between layouts (~1e-9 in near-zero gradient elements, e.g. a
+// hidden unit almost off for one batch) grow into parameter differences. Worst relative difference
+// in norm of any parameter tensor after three steps, over every layout of tp_dp_equivalence_test
+// (measured): lr 3e-3, eps 1e-8 (the default peak, warm-up off) 1.0e-4 (4e-5 absolute); lr 1e-3,
+// eps 1e-8: 3.6e-5; lr 3e-3, eps 1e-5: 3.6e-6. With every optimizer default (40 warm-up steps, so
+// steps 1-3 run at lr <= 2.25e-4 and gain <= 2.25e4) it is 6.3e-6. lr 1e-3 and eps 1e-5 keep the
+// gain lr / eps at 100, so layouts that differ only in summation order agree to ~3e-6 after three
+// steps (measured; the bound is 1e-5). The differences are rounding amplified, not errors:
+// gradients at step 1 (identical parameters) agree to ~5e-6 whatever the optimizer.
 struct TinyJob {
   int tp = 1;
   int zero_stage = 0;
@@ -67,6 +113,7 @@ struct TinyJob {
   bool tied = true;
   double grad_clip = 1e9;  // large: clipping does not bind
   double bucket_mb = 25;
+  BlockKind block;
 };
 
 inline constexpr int kVocab = 130;
@@ -84,6 +131,12 @@ inline config::KeelConfig tiny_config(const TinyJob& j) {
       "model.qk_norm=" + config::QkNorm_Name(j.qk.norm),
       "model.qk_norm_scope=" + config::QkNormScope_Name(j.qk.scope),
       std::string("model.tie_embeddings=") + (j.tied ? "true" : "false"),
+      "model.norm=" + config::NormKind_Name(j.block.norm),
+      "model.position=" + config::Position_Name(j.block.position),
+      "model.rope_theta=" + std::to_string(j.block.rope_theta),
+      "model.mlp=" + config::MlpKind_Name(j.block.mlp),
+      std::string("model.bias=") + (j.block.bias ? "true" : "false"),
+      "model.norm_placement=" + config::NormPlacement_Name(j.block.placement),
       "parallel.tp=" + std::to_string(j.tp),
       "parallel.zero_stage=" + std::to_string(j.zero_stage),
       "parallel.bucket_mb=" + std::to_string(j.bucket_mb),

@@ -18,8 +18,12 @@
 //   - ZeRO-1's optimizer state per rank is 1/dp of plain DP's.
 // Every QK-norm mode and scope runs under TP=2, TP=4, TP2xDP2, TP2xDP2 with ZeRO-1 and DP2 with
 // ZeRO-1, with gradient accumulation and untied embeddings mixed in; DP=2 and DP=4 (plain and
-// ZeRO-1) and a binding clip add a few more. Each case runs only where tp x dp equals the world
-// size (mpiexec -n 1, 2, 4). Rank 0 prints the worst relative and absolute differences per case.
+// ZeRO-1) and a binding clip add a few more. The modern blocks (RoPE after QK-norm, gated MLPs,
+// bias-free layers, norms after each sublayer) run every QK-norm mode and scope under TP=2, TP=4,
+// TP2xDP2 and TP2xDP2 with ZeRO-1, alternating an OLMo 2 block (SwiGLU, no bias, POST_SUBLAYER
+// RMSNorm) and a RoPE + GEGLU block with biases; the OLMo 2 and Qwen3 configurations as such run
+// under DP, TP and TP x DP layouts. Each case runs only where tp x dp equals the world size
+// (mpiexec -n 1, 2, 4). Rank 0 prints the worst relative and absolute differences per case.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -42,6 +46,7 @@ namespace keel {
 namespace {
 
 using testing::all_gather_world;
+using testing::BlockKind;
 using testing::fingerprint;
 using testing::mpi_env;
 using testing::QkMode;
@@ -64,6 +69,7 @@ struct Case {
   int micro_batch = 0;
   bool tied = true;
   double grad_clip = 1e9;
+  BlockKind block{};  // the GPT-2 block unless set
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -72,6 +78,7 @@ struct Case {
     if (micro_batch) s += "_mb" + std::to_string(micro_batch);
     if (!tied) s += "_untied";
     if (grad_clip < 1e8) s += "_clip";
+    if (!block.tag.empty()) s += "_" + block.tag;
     return s;
   }
 };
@@ -109,6 +116,46 @@ std::vector<Case> cases() {
   out.push_back({1, 4, rms_shared, 0, 0});
   out.push_back({1, 4, {config::L2, config::HEAD}, 0, 1, false});
   out.push_back({1, 4, {config::LAYER, config::HEAD_SHARED}, 1, 1, true, kBindingClip});
+
+  // Modern blocks: every QK-norm mode and scope (RoPE after each) under the TP layouts, the two
+  // blocks alternating per mode and layout so each mode meets both; accumulation and untied
+  // embeddings mixed in as above.
+  const BlockKind modern[] = {testing::olmo2_block(), testing::rope_geglu_bias_block()};
+  const int tp_sweep[][3] = {{2, 1, 0}, {4, 1, 0}, {2, 2, 0}, {2, 2, 1}};
+  for (size_t l = 0; l < std::size(tp_sweep); ++l) {
+    const auto [tp, dp, zero_stage] = tp_sweep[l];
+    for (size_t i = 0; i < modes.size(); ++i) {
+      Case c{tp, dp, modes[i], zero_stage};
+      c.micro_batch = (i + l) % 2 == 0 ? testing::kGlobalBatch / dp / 2 : 0;
+      c.tied = (i + l) % 3 != 1;
+      c.block = modern[(i + l) % 2];
+      out.push_back(c);
+    }
+  }
+  // The OLMo 2 configuration (RMS QK-norm over the whole projection, untied) and the Qwen3 one
+  // (RMS QK-norm per head with a shared gain, tied) under each kind of layout.
+  const QkMode rms_projection{config::RMS, config::PROJECTION};
+  const int preset_layouts[][4] = {// tp, dp, zero_stage, micro_batch
+                                   {1, 1, 0, 4}, {2, 1, 0, 0}, {1, 2, 0, 2}, {1, 2, 1, 0},
+                                   {2, 2, 0, 0}, {2, 2, 1, 2}, {1, 4, 0, 1}, {4, 1, 0, 2}};
+  for (const auto& [tp, dp, zero_stage, micro_batch] : preset_layouts) {
+    Case olmo{tp, dp, rms_projection, zero_stage, micro_batch, false};
+    olmo.block = testing::olmo2_block();
+    out.push_back(olmo);
+    Case qwen{tp, dp, rms_shared, zero_stage, micro_batch, true};
+    qwen.block = testing::qwen3_block();
+    out.push_back(qwen);
+  }
+  // GEGLU with biases under plain and ZeRO-1 data parallelism, and a binding clip.
+  Case geglu_dp{1, 2, {config::LAYER, config::HEAD}, 0, 0, false};
+  geglu_dp.block = testing::rope_geglu_bias_block();
+  out.push_back(geglu_dp);
+  Case geglu_dp4{1, 4, {config::NONE, config::HEAD_SHARED}, 1, 0, true};
+  geglu_dp4.block = testing::rope_geglu_bias_block();
+  out.push_back(geglu_dp4);
+  Case olmo_clip{2, 2, rms_projection, 0, 0, false, kBindingClip};
+  olmo_clip.block = testing::olmo2_block();
+  out.push_back(olmo_clip);
   return out;
 }
 
@@ -190,8 +237,11 @@ int64_t unpadded_elems(const ParamStore& ps, int id) {
 // the k third of qkv.bias without QK-norm, and k_norm.bias after LayerNorm. In floats it is
 // rounding noise (~1e-11), which AdamW's g / (|g| + eps) turns into layout-dependent updates of
 // ~lr |g| / eps. Those elements are checked to have a ~zero gradient and left out of the
-// parameter comparison. Returns the logical range [first, second) of such elements.
-std::pair<int64_t, int64_t> shift_invariant(const ParamInfo& info, config::QkNorm qk) {
+// parameter comparison. Returns the logical range [first, second) of such elements. Under RoPE
+// there are none: the added vector is rotated by each key's position, so the shift differs per key.
+std::pair<int64_t, int64_t> shift_invariant(const ParamInfo& info, config::QkNorm qk,
+                                            config::Position position) {
+  if (position == config::ROPE) return {0, 0};
   const std::string& n = info.spec.name;
   auto ends_with = [&](const std::string& suffix) {
     return n.size() >= suffix.size() &&
@@ -209,7 +259,7 @@ enum class Which { kGrads, kParams };
 
 // Compares every parameter's (or gradient's) logical tensor with the reference; collective over
 // TP (every rank calls it).
-Worst compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, config::QkNorm qk,
+Worst compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, const Case& c,
                       Which which, double rtol) {
   Worst worst;
   for (int id = 0; id < got.size(); ++id) {
@@ -227,7 +277,7 @@ Worst compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, co
       continue;
     }
     const float* r = which == Which::kGrads ? ref.grad(rid) : ref.param(rid);
-    const auto [skip_lo, skip_hi] = shift_invariant(info, qk);
+    const auto [skip_lo, skip_hi] = shift_invariant(info, c.qk.norm, c.block.position);
     if (which == Which::kGrads) {
       float mx = 0.0f;
       for (int64_t i = skip_lo; i < skip_hi; ++i) {
@@ -262,7 +312,7 @@ Worst compare_logical(ParamStore& got, ParamStore& ref, const Topology& topo, co
 // (one process, unsharded) holds that logical element. Each parameter's part of the shard is
 // compared in norm; elements that belong to no parameter (alignment and DP padding) and padded
 // vocabulary rows must be exactly zero. Not collective.
-Worst compare_shard(Trainer& par, ParamStore& ref, config::QkNorm qk, double rtol, int step) {
+Worst compare_shard(Trainer& par, ParamStore& ref, const Case& c, double rtol, int step) {
   Worst worst;
   ParamStore& ps = par.model().params();
   const Tensor& shard_t = par.shard_grads();
@@ -285,7 +335,7 @@ Worst compare_shard(Trainer& par, ParamStore& ref, config::QkNorm qk, double rto
     EXPECT_EQ(shape_numel(ref.info(rid).spec.logical), n) << info.spec.name;
     if (shape_numel(ref.info(rid).spec.logical) != n) continue;
     const float* r = ref.grad(rid);
-    const auto [skip_lo, skip_hi] = shift_invariant(info, qk);
+    const auto [skip_lo, skip_hi] = shift_invariant(info, c.qk.norm, c.block.position);
     std::vector<float> a, b;
     int64_t padded_nonzero = 0;
     float key_bias_max = 0.0f;
@@ -335,6 +385,7 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
   job.qk = c.qk;
   job.tied = c.tied;
   job.grad_clip = c.grad_clip;
+  job.block = c.block;
   TrainerOptions opts;
   opts.progress = false;
 
@@ -384,16 +435,16 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
       EXPECT_GT(rr.grad_norm, c.grad_clip) << "the clip must bind in this case";
     }
     if (s == 1 && !zero) {
-      worst_grad = compare_logical(ps, rps, topo, c.qk.norm, Which::kGrads, kGradRtol);
+      worst_grad = compare_logical(ps, rps, topo, c, Which::kGrads, kGradRtol);
     }
     if (zero) {
       // Step 1 starts from identical parameters, so only summation order differs; later steps
       // also carry the (<= kParamRtol) parameter differences the earlier updates left.
       (s == 1 ? worst_shard : worst_shard_later)
-          .add(compare_shard(par, rps, c.qk.norm, s == 1 ? kGradRtol : kLaterGradRtol, s));
+          .add(compare_shard(par, rps, c, s == 1 ? kGradRtol : kLaterGradRtol, s));
     }
   }
-  const Worst worst_param = compare_logical(ps, rps, topo, c.qk.norm, Which::kParams, kParamRtol);
+  const Worst worst_param = compare_logical(ps, rps, topo, c, Which::kParams, kParamRtol);
 
   // Replicated parameters carry the same bits on every rank; whole arenas (sharded slices
   // included) the same bits on the DP replicas of one TP rank.

@@ -5,6 +5,17 @@
 # holding the config, inputs, float32 weights, float64 logits/losses and the
 # float64 gradient of (ce + z-loss) with respect to every parameter.
 # See README.md in this directory for the file format.
+#
+# The model: token embedding (+ a learned position table when position=LEARNED),
+# n_layers blocks, a final norm and the LM head. A block is
+#   PRE:            x = x + attn(ln1(x));  x = x + mlp(ln2(x))
+#   POST_SUBLAYER:  x = x + ln1(attn(x));  x = x + ln2(mlp(x))     (OLMo 2)
+# attn: qkv projection, QK-norm of q and k, then RoPE of q and k (position=ROPE,
+# rotate-half convention, per head, positions 0..T-1 in every sequence), causal
+# softmax attention, output projection. mlp: GELU proj(gelu(fc(x))), or gated
+# proj(act(gate(x)) * fc(x)) with act = SiLU (SWIGLU) or tanh-GELU (GEGLU).
+# bias=False drops every bias: qkv, attention and MLP projections, the
+# LayerNorm biases (ln1, ln2, ln_f) and the LAYER QK-norm biases.
 
 import math
 import os
@@ -17,16 +28,26 @@ torch.set_num_threads(1)
 
 OUT_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# Small config shared by all cases.
+# Dimensions of the original (GPT-2 block) cases: V C H F n_layers T P B.
+# These module-level names are kept for code that imports this file.
 V, C, H, F, N_LAYERS, T, P, B = 67, 32, 4, 96, 2, 8, 12, 2
 D = C // H
+BASE_DIMS = dict(V=V, C=C, H=H, F=F, L=N_LAYERS, T=T, P=P, B=B)
+# The modern-block cases use a smaller model so each file stays under ~80 KB
+# (every parameter is stored as f32 plus an f64 gradient): head_dim stays 8,
+# so RoPE has four frequencies, and there are still two heads and two layers.
+SMALL_DIMS = dict(V=41, C=16, H=2, F=24, L=2, T=8, P=12, B=2)
 Z_COEF = 1e-2
 EPS_NORM = 1e-5
 EPS_L2 = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
 
 QK_CODES = {"NONE": 1, "RMS": 2, "LAYER": 3, "L2": 4}
 SCOPE_CODES = {"HEAD_SHARED": 1, "HEAD": 2, "PROJECTION": 3}
 NORM_CODES = {"LAYERNORM": 1, "RMSNORM": 2}
+POSITION_CODES = {"LEARNED": 1, "ROPE": 2}
+MLP_CODES = {"GELU": 1, "SWIGLU": 2, "GEGLU": 3}
+PLACEMENT_CODES = {"PRE": 1, "POST_SUBLAYER": 2}
 
 DT_F32, DT_I32, DT_F64 = 0, 1, 2
 
@@ -35,17 +56,39 @@ DT_F32, DT_I32, DT_F64 = 0, 1, 2
 # Cases
 # ----------------------------------------------------------------------------
 
-def make_cases():
+def gpt2_block(**kw):
+    """A case with the GPT-2 block (the defaults of the new options), updated by kw."""
+    case = dict(dims=BASE_DIMS, position="LEARNED", rope_theta=DEFAULT_ROPE_THETA, mlp="GELU",
+                bias=True, placement="PRE")
+    case.update(kw)
+    return case
+
+
+def modern(**kw):
+    case = gpt2_block(dims=SMALL_DIMS)
+    case.update(kw)
+    return case
+
+
+def qk_combos():
+    """NONE, then {RMS, LAYER, L2} x {HEAD_SHARED, HEAD, PROJECTION}."""
     combos = [("NONE", "HEAD_SHARED")]
     for qk in ("RMS", "LAYER", "L2"):
         for scope in ("HEAD_SHARED", "HEAD", "PROJECTION"):
             combos.append((qk, scope))
+    return combos
+
+
+def qk_name(qk, scope):
+    return "qk_none" if qk == "NONE" else f"qk_{qk.lower()}_{scope.lower()}"
+
+
+def make_cases():
     cases = []
-    for i, (qk, scope) in enumerate(combos):
-        name = "qk_none" if qk == "NONE" else f"qk_{qk.lower()}_{scope.lower()}"
-        cases.append(dict(
-            name=name,
-            index=i,
+    # The original cases (GPT-2 block): unchanged names, seeds and draws.
+    for i, (qk, scope) in enumerate(qk_combos()):
+        cases.append(gpt2_block(
+            name=qk_name(qk, scope),
             qk_norm=qk,
             scope=scope,
             # Alternate both switches so every combination appears.
@@ -53,7 +96,62 @@ def make_cases():
             tie=(i // 2) % 2 == 0,
             seed=1000 + 17 * i,
         ))
+    # RoPE under every QK-norm mode and scope. The other switches rotate so the
+    # sweep also meets every MLP kind, bias on and off under both norms (and
+    # under LAYER QK-norm, whose q/k norm biases go with bias), both
+    # placements, tied and untied, and two RoPE bases (a wrong theta fails).
+    for i, (qk, scope) in enumerate(qk_combos()):
+        cases.append(modern(
+            name="rope_" + qk_name(qk, scope),
+            qk_norm=qk,
+            scope=scope,
+            norm="LAYERNORM" if i % 2 == 0 else "RMSNORM",
+            tie=(i // 2) % 2 == 0,
+            position="ROPE",
+            rope_theta=DEFAULT_ROPE_THETA if i % 2 == 0 else 500000.0,
+            mlp=("GELU", "SWIGLU", "GEGLU")[i % 3],
+            bias=(i % 4) in (0, 3),
+            placement="POST_SUBLAYER" if i % 5 == 3 else "PRE",
+            seed=2000 + 17 * i,
+        ))
+    # Gated MLPs, bias-free layers and POST_SUBLAYER with learned positions.
+    singles = [
+        dict(name="mlp_swiglu", qk_norm="RMS", scope="HEAD_SHARED", norm="LAYERNORM", tie=True,
+             mlp="SWIGLU"),
+        dict(name="mlp_swiglu_nobias", qk_norm="RMS", scope="HEAD", norm="RMSNORM", tie=False,
+             mlp="SWIGLU", bias=False),
+        dict(name="mlp_geglu", qk_norm="LAYER", scope="PROJECTION", norm="LAYERNORM", tie=False,
+             mlp="GEGLU"),
+        dict(name="mlp_geglu_nobias", qk_norm="LAYER", scope="HEAD_SHARED", norm="LAYERNORM",
+             tie=True, mlp="GEGLU", bias=False),
+        dict(name="gelu_nobias", qk_norm="NONE", scope="HEAD_SHARED", norm="LAYERNORM", tie=True,
+             bias=False),
+        dict(name="post_sublayer", qk_norm="NONE", scope="HEAD_SHARED", norm="LAYERNORM",
+             tie=True, placement="POST_SUBLAYER"),
+        dict(name="post_sublayer_swiglu", qk_norm="L2", scope="HEAD", norm="RMSNORM", tie=False,
+             mlp="SWIGLU", placement="POST_SUBLAYER"),
+        # OLMo 2: RMSNorm after each sublayer, RMS QK-norm over the whole q / k
+        # projection, RoPE base 500000, SwiGLU, no biases, untied head.
+        dict(name="olmo2", qk_norm="RMS", scope="PROJECTION", norm="RMSNORM", tie=False,
+             position="ROPE", rope_theta=500000.0, mlp="SWIGLU", bias=False,
+             placement="POST_SUBLAYER"),
+        # Qwen3: pre-norm, RMS QK-norm per head with one gain shared by all
+        # heads, RoPE base 1000000, SwiGLU, no biases, tied head.
+        dict(name="qwen3", qk_norm="RMS", scope="HEAD_SHARED", norm="RMSNORM", tie=True,
+             position="ROPE", rope_theta=1000000.0, mlp="SWIGLU", bias=False, placement="PRE"),
+    ]
+    for j, kw in enumerate(singles):
+        cases.append(modern(seed=3000 + 17 * j, **kw))
     return cases
+
+
+def dims(case):
+    d = case["dims"]
+    return d["V"], d["C"], d["H"], d["C"] // d["H"], d["F"], d["L"], d["T"], d["P"], d["B"]
+
+
+def gated(case):
+    return case["mlp"] in ("SWIGLU", "GEGLU")
 
 
 # ----------------------------------------------------------------------------
@@ -62,47 +160,60 @@ def make_cases():
 
 def param_specs(case):
     """Ordered list of (name, shape, kind) with kind in {mat, normw, bias, qkscale}."""
-    ln = case["norm"] == "LAYERNORM"
+    Vc, Cc, Hc, Dc, Fc, Lc, Tc, Pc, Bc = dims(case)
+    bias = case["bias"]
+    ln_bias = case["norm"] == "LAYERNORM" and bias
     qk, scope = case["qk_norm"], case["scope"]
-    specs = [("wte", (V, C), "mat"), ("wpe", (P, C), "mat")]
-    qk_shape = (D,) if scope == "HEAD_SHARED" else (H, D)
-    for l in range(N_LAYERS):
+    specs = [("wte", (Vc, Cc), "mat")]
+    if case["position"] == "LEARNED":
+        specs.append(("wpe", (Pc, Cc), "mat"))
+    qk_shape = (Dc,) if scope == "HEAD_SHARED" else (Hc, Dc)
+    for l in range(Lc):
         p = f"blocks.{l}."
-        specs.append((p + "ln1.weight", (C,), "normw"))
-        if ln:
-            specs.append((p + "ln1.bias", (C,), "bias"))
-        specs.append((p + "attn.qkv.weight", (3, H, D, C), "mat"))
-        specs.append((p + "attn.qkv.bias", (3, H, D), "bias"))
+        specs.append((p + "ln1.weight", (Cc,), "normw"))
+        if ln_bias:
+            specs.append((p + "ln1.bias", (Cc,), "bias"))
+        specs.append((p + "attn.qkv.weight", (3, Hc, Dc, Cc), "mat"))
+        if bias:
+            specs.append((p + "attn.qkv.bias", (3, Hc, Dc), "bias"))
         if qk in ("RMS", "LAYER"):
             specs.append((p + "attn.q_norm.weight", qk_shape, "normw"))
-            if qk == "LAYER":
+            if qk == "LAYER" and bias:
                 specs.append((p + "attn.q_norm.bias", qk_shape, "bias"))
             specs.append((p + "attn.k_norm.weight", qk_shape, "normw"))
-            if qk == "LAYER":
+            if qk == "LAYER" and bias:
                 specs.append((p + "attn.k_norm.bias", qk_shape, "bias"))
         if qk == "L2":
-            specs.append((p + "attn.qk_scale", (H,) if scope == "HEAD" else (1,), "qkscale"))
-        specs.append((p + "attn.proj.weight", (C, C), "mat"))
-        specs.append((p + "attn.proj.bias", (C,), "bias"))
-        specs.append((p + "ln2.weight", (C,), "normw"))
-        if ln:
-            specs.append((p + "ln2.bias", (C,), "bias"))
-        specs.append((p + "mlp.fc.weight", (F, C), "mat"))
-        specs.append((p + "mlp.fc.bias", (F,), "bias"))
-        specs.append((p + "mlp.proj.weight", (C, F), "mat"))
-        specs.append((p + "mlp.proj.bias", (C,), "bias"))
-    specs.append(("ln_f.weight", (C,), "normw"))
-    if ln:
-        specs.append(("ln_f.bias", (C,), "bias"))
+            specs.append((p + "attn.qk_scale", (Hc,) if scope == "HEAD" else (1,), "qkscale"))
+        specs.append((p + "attn.proj.weight", (Cc, Cc), "mat"))
+        if bias:
+            specs.append((p + "attn.proj.bias", (Cc,), "bias"))
+        specs.append((p + "ln2.weight", (Cc,), "normw"))
+        if ln_bias:
+            specs.append((p + "ln2.bias", (Cc,), "bias"))
+        specs.append((p + "mlp.fc.weight", (Fc, Cc), "mat"))
+        if bias:
+            specs.append((p + "mlp.fc.bias", (Fc,), "bias"))
+        if gated(case):
+            specs.append((p + "mlp.gate.weight", (Fc, Cc), "mat"))
+            if bias:
+                specs.append((p + "mlp.gate.bias", (Fc,), "bias"))
+        specs.append((p + "mlp.proj.weight", (Cc, Fc), "mat"))
+        if bias:
+            specs.append((p + "mlp.proj.bias", (Cc,), "bias"))
+    specs.append(("ln_f.weight", (Cc,), "normw"))
+    if ln_bias:
+        specs.append(("ln_f.bias", (Cc,), "bias"))
     if not case["tie"]:
-        specs.append(("lm_head.weight", (V, C), "mat"))
+        specs.append(("lm_head.weight", (Vc, Cc), "mat"))
     return specs
 
 
 def init_params(case, gen):
     """Generic (non-default) init, rounded to float32. Returns dict name -> float32 tensor."""
+    Tc = dims(case)[6]
     params = {}
-    qk_scale_init = math.log2(T * T - T)  # Henry et al. 2020, T_train = seq_len
+    qk_scale_init = math.log2(Tc * Tc - Tc)  # Henry et al. 2020, T_train = seq_len
     for name, shape, kind in param_specs(case):
         if kind == "mat":
             w = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.1
@@ -125,9 +236,11 @@ def init_params(case, gen):
 # ----------------------------------------------------------------------------
 
 def layer_norm(x, w, b, eps=EPS_NORM):
+    """b may be None (bias-free LayerNorm: still centred, no shift)."""
     mean = x.mean(dim=-1, keepdim=True)
     var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # biased
-    return (x - mean) / torch.sqrt(var + eps) * w + b
+    y = (x - mean) / torch.sqrt(var + eps) * w
+    return y if b is None else y + b
 
 
 def rms_norm(x, w, eps=EPS_NORM):
@@ -136,7 +249,7 @@ def rms_norm(x, w, eps=EPS_NORM):
 
 def block_norm(case, prm, prefix, x):
     if case["norm"] == "LAYERNORM":
-        return layer_norm(x, prm[prefix + ".weight"], prm[prefix + ".bias"])
+        return layer_norm(x, prm[prefix + ".weight"], prm.get(prefix + ".bias"))
     return rms_norm(x, prm[prefix + ".weight"])
 
 
@@ -144,14 +257,26 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
+def silu(x):
+    return x / (1.0 + torch.exp(-x))
+
+
+def linear(x, prm, prefix):
+    """x @ W^T (+ b when the case has biases)."""
+    y = x @ prm[prefix + ".weight"].t()
+    b = prm.get(prefix + ".bias")
+    return y if b is None else y + b
+
+
 def qk_normalize(case, prm, prefix, which, x):
     """x: [B, T, H, D]; which in {'q', 'k'}. Returns normalised [B, T, H, D]."""
+    _, _, Hc, Dc, _, _, _, _, _ = dims(case)
     qk, scope = case["qk_norm"], case["scope"]
     if qk == "NONE":
         return x
     Bx, Tx = x.shape[0], x.shape[1]
     if scope == "PROJECTION":
-        y = x.reshape(Bx, Tx, H * D)  # normalise over the whole H*D vector
+        y = x.reshape(Bx, Tx, Hc * Dc)  # normalise over the whole H*D vector
     else:
         y = x  # normalise each head over its D values
     if qk == "L2":
@@ -159,30 +284,57 @@ def qk_normalize(case, prm, prefix, which, x):
     else:
         w = prm[f"{prefix}.{which}_norm.weight"]
         if scope == "PROJECTION":
-            w = w.reshape(H * D)
+            w = w.reshape(Hc * Dc)
         if qk == "RMS":
             y = rms_norm(y, w)
         else:
-            b = prm[f"{prefix}.{which}_norm.bias"]
-            if scope == "PROJECTION":
-                b = b.reshape(H * D)
+            b = prm.get(f"{prefix}.{which}_norm.bias")
+            if b is not None and scope == "PROJECTION":
+                b = b.reshape(Hc * Dc)
             y = layer_norm(y, w, b)
-    return y.reshape(Bx, Tx, H, D)
+    return y.reshape(Bx, Tx, Hc, Dc)
+
+
+def rope_cos_sin(Tx, Dc, theta):
+    """cos, sin [T, D] of the rotate-half convention: pair (i, i + D/2) turns by
+    t * theta^(-2i/D) at position t (HF Llama / OLMo 2 / Qwen3)."""
+    half = Dc // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / Dc)
+    angle = torch.arange(Tx, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, D/2]
+    return torch.cat([angle.cos(), angle.cos()], dim=-1), torch.cat([angle.sin(), angle.sin()], dim=-1)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rope(x, theta):
+    """x: [B, T, H, D]; every sequence starts at position 0."""
+    cos, sin = rope_cos_sin(x.shape[1], x.shape[3], theta)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return x * cos + rotate_half(x) * sin
 
 
 def attention(case, prm, l, x):
+    _, _, Hc, Dc, _, _, _, _, _ = dims(case)
     p = f"blocks.{l}.attn"
     W = prm[p + ".qkv.weight"]  # [3, H, D, C]
-    bias = prm[p + ".qkv.bias"]  # [3, H, D]
-    qkv = torch.einsum("btc,jhdc->btjhd", x, W) + bias  # [B, T, 3, H, D]
+    qkv = torch.einsum("btc,jhdc->btjhd", x, W)  # [B, T, 3, H, D]
+    if p + ".qkv.bias" in prm:
+        qkv = qkv + prm[p + ".qkv.bias"]  # [3, H, D]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, D]
     q = qk_normalize(case, prm, p, "q", q)
     k = qk_normalize(case, prm, p, "k", k)
+    if case["position"] == "ROPE":
+        # After QK-norm, as OLMo 2 and Qwen3 do.
+        q = rope(q, case["rope_theta"])
+        k = rope(k, case["rope_theta"])
     if case["qk_norm"] == "L2":
         s = prm[p + ".qk_scale"]
-        scale = s.reshape(1, H, 1, 1) if s.numel() == H and case["scope"] == "HEAD" else s.reshape(1, 1, 1, 1)
+        scale = s.reshape(1, Hc, 1, 1) if s.numel() == Hc and case["scope"] == "HEAD" else s.reshape(1, 1, 1, 1)
     else:
-        scale = 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(Dc)
     Tx = x.shape[1]
     scores = torch.einsum("bthd,buhd->bhtu", q, k) * scale  # [B, H, T, T]
     causal = torch.ones(Tx, Tx, dtype=torch.bool).tril()
@@ -191,23 +343,36 @@ def attention(case, prm, l, x):
     e = torch.exp(scores - m)
     probs = e / e.sum(dim=-1, keepdim=True)
     o = torch.einsum("bhtu,buhd->bthd", probs, v)  # [B, T, H, D]
-    o = o.reshape(x.shape[0], Tx, H * D)  # heads concatenated h = 0..H-1
-    return o @ prm[p + ".proj.weight"].t() + prm[p + ".proj.bias"]
+    o = o.reshape(x.shape[0], Tx, Hc * Dc)  # heads concatenated h = 0..H-1
+    return linear(o, prm, p + ".proj")
 
 
-def mlp(prm, l, x):
+def mlp(case, prm, l, x):
     p = f"blocks.{l}.mlp"
-    h = gelu_tanh(x @ prm[p + ".fc.weight"].t() + prm[p + ".fc.bias"])
-    return h @ prm[p + ".proj.weight"].t() + prm[p + ".proj.bias"]
+    up = linear(x, prm, p + ".fc")
+    if case["mlp"] == "GELU":
+        h = gelu_tanh(up)
+    else:
+        act = silu if case["mlp"] == "SWIGLU" else gelu_tanh
+        h = act(linear(x, prm, p + ".gate")) * up
+    return linear(h, prm, p + ".proj")
 
 
 def forward(case, prm, tokens, targets):
     """prm: dict name -> float64 tensor. Returns (logits, ce, zl)."""
+    Vc, _, _, _, _, Lc, _, _, _ = dims(case)
     Tx = tokens.shape[1]
-    x = prm["wte"][tokens.long()] + prm["wpe"][:Tx]
-    for l in range(N_LAYERS):
-        x = x + attention(case, prm, l, block_norm(case, prm, f"blocks.{l}.ln1", x))
-        x = x + mlp(prm, l, block_norm(case, prm, f"blocks.{l}.ln2", x))
+    x = prm["wte"][tokens.long()]
+    if case["position"] == "LEARNED":
+        x = x + prm["wpe"][:Tx]
+    for l in range(Lc):
+        n1, n2 = f"blocks.{l}.ln1", f"blocks.{l}.ln2"
+        if case["placement"] == "PRE":
+            x = x + attention(case, prm, l, block_norm(case, prm, n1, x))
+            x = x + mlp(case, prm, l, block_norm(case, prm, n2, x))
+        else:  # POST_SUBLAYER (OLMo 2): normalise each sublayer's output
+            x = x + block_norm(case, prm, n1, attention(case, prm, l, x))
+            x = x + block_norm(case, prm, n2, mlp(case, prm, l, x))
     x = block_norm(case, prm, "ln_f", x)
     head = prm["wte"] if case["tie"] else prm["lm_head.weight"]
     logits = x @ head.t()  # [B, T, V]
@@ -223,23 +388,69 @@ def forward(case, prm, tokens, targets):
 # Self-checks
 # ----------------------------------------------------------------------------
 
+def rope_complex(x, theta):
+    """RoPE as a complex product, written independently of rope(): element i
+    and i + D/2 are the real and imaginary parts of z_i, multiplied by
+    exp(1j * t * theta^(-2i/D))."""
+    Dc = x.shape[-1]
+    half = Dc // 2
+    z = torch.complex(x[..., :half], x[..., half:])
+    freqs = 1.0 / (theta ** (torch.arange(0, Dc, 2, dtype=torch.float64) / Dc))
+    t = torch.arange(x.shape[1], dtype=torch.float64)
+    rot = torch.polar(torch.ones(x.shape[1], half, dtype=torch.float64), torch.outer(t, freqs))
+    z = z * rot[None, :, None, :]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def check_rope_hf(theta, x):
+    """Against Hugging Face's own Llama RoPE when transformers is installed
+    (its inverse frequencies are float32, hence the 1e-5 tolerance; the
+    rotation itself is compared exactly). Returns the error or None."""
+    try:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    Bx, Tx, Hx, Dx = x.shape
+    cfg = LlamaConfig(hidden_size=Hx * Dx, num_attention_heads=Hx, rope_theta=theta,
+                      max_position_embeddings=max(Tx, 16))
+    emb = LlamaRotaryEmbedding(config=cfg)
+    pos = torch.arange(Tx)[None, :].expand(Bx, Tx)
+    cos_hf, sin_hf = emb(x, pos)  # [B, T, D]
+    cos, sin = rope_cos_sin(Tx, Dx, theta)
+    table_err = max((cos_hf[0] - cos).abs().max().item(), (sin_hf[0] - sin).abs().max().item())
+    assert table_err < 1e-5, ("HF cos/sin", theta, table_err)
+    xt = x.transpose(1, 2)  # HF layout [B, H, T, D]
+    q_hf, _ = apply_rotary_pos_emb(xt, xt, cos[None].expand(Bx, Tx, Dx), sin[None].expand(Bx, Tx, Dx))
+    return max(table_err, (q_hf.transpose(1, 2) - rope(x, theta)).abs().max().item())
+
+
 def check_against_builtins(case, prm64, tokens, targets, logits, ce, zl):
-    """Cross-check loss pieces against torch built-ins (independent formulas)."""
+    """Cross-check loss pieces, norms, activations and RoPE against torch
+    built-ins or independent formulas. Returns (max error, HF RoPE error or None)."""
     import torch.nn.functional as Fn
-    ce_ref = Fn.cross_entropy(logits.reshape(-1, V), targets.long().reshape(-1))
+    Vc, Cc, Hc, Dc, _, _, Tc, _, _ = dims(case)
+    ce_ref = Fn.cross_entropy(logits.reshape(-1, Vc), targets.long().reshape(-1))
     lse_ref = torch.logsumexp(logits, dim=-1)
     zl_ref = Z_COEF * (lse_ref ** 2).mean()
-    x = torch.randn(5, C, dtype=torch.float64)
-    w = torch.randn(C, dtype=torch.float64)
-    b = torch.randn(C, dtype=torch.float64)
+    x = torch.randn(5, Cc, dtype=torch.float64)
+    w = torch.randn(Cc, dtype=torch.float64)
+    b = torch.randn(Cc, dtype=torch.float64)
     errs = [
         abs(ce_ref.item() - ce.item()),
         abs(zl_ref.item() - zl.item()),
-        (Fn.layer_norm(x, (C,), w, b, EPS_NORM) - layer_norm(x, w, b)).abs().max().item(),
+        (Fn.layer_norm(x, (Cc,), w, b, EPS_NORM) - layer_norm(x, w, b)).abs().max().item(),
+        (Fn.layer_norm(x, (Cc,), w, None, EPS_NORM) - layer_norm(x, w, None)).abs().max().item(),
         (Fn.gelu(x, approximate="tanh") - gelu_tanh(x)).abs().max().item(),
+        (Fn.silu(x) - silu(x)).abs().max().item(),
     ]
+    hf_err = None
+    if case["position"] == "ROPE":
+        xr = torch.randn(2, Tc, Hc, Dc, dtype=torch.float64)
+        errs.append((rope_complex(xr, case["rope_theta"]) - rope(xr, case["rope_theta"])).abs().max().item())
+        hf_err = check_rope_hf(case["rope_theta"], xr)
     assert max(errs) < 1e-12, errs
-    return max(errs)
+    return max(errs), hf_err
 
 
 def finite_difference_check(case, prm64, grads, tokens, targets, gen, n=3, h=1e-6):
@@ -249,11 +460,14 @@ def finite_difference_check(case, prm64, grads, tokens, targets, gen, n=3, h=1e-
     details = []
     picked = set()
     # The n random entries, plus one drawn from the QK-norm / qk_scale
-    # parameters when the case has them (so those paths are always probed).
-    qk_names = [k for k in names if "_norm." in k or k.endswith("qk_scale")]
-    want = n + (1 if qk_names else 0)
+    # parameters and one from the MLP gate when the case has them (so those
+    # paths are always probed).
+    pools = [[k for k in names if "_norm." in k or k.endswith("qk_scale")],
+             [k for k in names if ".mlp.gate." in k]]
+    pools = [pl for pl in pools if pl]
+    want = n + len(pools)
     while len(details) < want:
-        pool = names if len(details) < n else qk_names
+        pool = names if len(details) < n else pools[len(details) - n]
         name = pool[int(torch.randint(len(pool), (1,), generator=gen))]
         idx = int(torch.randint(prm64[name].numel(), (1,), generator=gen))
         # Skip repeats and structurally-zero entries (e.g. k biases, whose
@@ -302,16 +516,32 @@ def write_fixture(path, entries):
     return len(blob)
 
 
+def config_record(case):
+    Vc, Cc, Hc, _, Fc, Lc, Tc, Pc, Bc = dims(case)
+    return torch.tensor([
+        Vc, Cc, Hc, Fc, Lc, Tc, Pc, Bc,
+        QK_CODES[case["qk_norm"]],
+        SCOPE_CODES[case["scope"]] if case["qk_norm"] != "NONE" else 1,
+        NORM_CODES[case["norm"]],
+        1 if case["tie"] else 0,
+        POSITION_CODES[case["position"]],
+        MLP_CODES[case["mlp"]],
+        1 if case["bias"] else 0,
+        PLACEMENT_CODES[case["placement"]],
+    ], dtype=torch.int32)
+
+
 # ----------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------
 
 def run_case(case):
+    Vc, _, _, _, _, _, Tc, _, Bc = dims(case)
     torch.manual_seed(case["seed"])
     gen = torch.Generator().manual_seed(case["seed"])
     params32 = init_params(case, gen)
-    tokens = torch.randint(0, V, (B, T), generator=gen, dtype=torch.int32)
-    targets = torch.randint(0, V, (B, T), generator=gen, dtype=torch.int32)
+    tokens = torch.randint(0, Vc, (Bc, Tc), generator=gen, dtype=torch.int32)
+    targets = torch.randint(0, Vc, (Bc, Tc), generator=gen, dtype=torch.int32)
 
     prm64 = {k: v.to(torch.float64).requires_grad_(True) for k, v in params32.items()}
     logits, ce, zl = forward(case, prm64, tokens, targets)
@@ -319,23 +549,18 @@ def run_case(case):
     gl = torch.autograd.grad(total, list(prm64.values()))
     grads = {k: g.detach().contiguous() for k, g in zip(prm64.keys(), gl)}
 
-    builtin_err = check_against_builtins(case, prm64, tokens, targets, logits.detach(), ce.detach(), zl.detach())
+    builtin_err, hf_err = check_against_builtins(case, prm64, tokens, targets, logits.detach(),
+                                                 ce.detach(), zl.detach())
     fd_worst, fd_details = finite_difference_check(case, prm64, grads, tokens, targets, gen)
     # Parameters whose whole gradient is (numerically) zero. Expected only for
-    # biases added to k *after* which nothing is normalised: a constant added to
-    # every key shifts each score row by a constant, which softmax ignores.
+    # biases added to k *after* which nothing is normalised or rotated: a
+    # constant added to every key shifts each score row by a constant, which
+    # softmax ignores (RoPE turns it by the key's position, so not with ROPE).
     zero_grads = [k for k, g in grads.items() if g.abs().max().item() < 1e-12]
 
-    config = torch.tensor([
-        V, C, H, F, N_LAYERS, T, P, B,
-        QK_CODES[case["qk_norm"]],
-        SCOPE_CODES[case["scope"]] if case["qk_norm"] != "NONE" else 1,
-        NORM_CODES[case["norm"]],
-        1 if case["tie"] else 0,
-    ], dtype=torch.int32)
-
     entries = [
-        ("config", config, DT_I32),
+        ("config", config_record(case), DT_I32),
+        ("rope_theta", torch.tensor([case["rope_theta"]], dtype=torch.float64), DT_F64),
         ("z_loss", torch.tensor([Z_COEF], dtype=torch.float64), DT_F64),
         ("tokens", tokens, DT_I32),
         ("targets", targets, DT_I32),
@@ -350,9 +575,13 @@ def run_case(case):
 
     path = os.path.join(OUT_DIR, case["name"] + ".bin")
     size = write_fixture(path, entries)
-    print(f"{case['name']:<24} norm={case['norm']:<9} tie={int(case['tie'])} "
+    extra = ""
+    if case["position"] == "ROPE":
+        extra = f" theta={case['rope_theta']:g} hf_rope_err=" + ("skipped" if hf_err is None else f"{hf_err:.1e}")
+    print(f"{case['name']:<26} norm={case['norm']:<9} tie={int(case['tie'])} pos={case['position']:<7} "
+          f"mlp={case['mlp']:<6} bias={int(case['bias'])} {case['placement']:<13} "
           f"ce={ce.item():.6f} zl={zl.item():.6f} bytes={size} "
-          f"builtin_err={builtin_err:.1e} fd_max_rel_err={fd_worst:.2e}")
+          f"builtin_err={builtin_err:.1e} fd_max_rel_err={fd_worst:.2e}{extra}")
     for d in fd_details:
         print("    " + d)
     if zero_grads:

@@ -1,0 +1,317 @@
+// CUDA element-wise kernels, reductions for the gradient norm, AdamW, column sums (bias
+// gradients), RoPE and benchmark fills (see ops.h, gemm.h). Per-element math comes from the CPU
+// headers' __host__ __device__ functions where they have one (gelu_scalar, philox_uniform).
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "framework/error.h"
+#include "framework/kernels/cuda/check.h"
+#include "framework/kernels/cuda/common.cuh"
+#include "framework/kernels/cuda/gemm.h"
+#include "framework/kernels/cuda/internal.h"
+#include "framework/kernels/cuda/ops.h"
+#include "framework/kernels/elementwise.h"
+#include "framework/philox.h"
+
+namespace keel::kernels::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// ---- GELU, add ----
+template <typename T>
+__global__ void gelu_forward_kernel(T* out, const T* inp, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = from_f<T>(gelu_scalar<float>(to_f(inp[i])));
+  }
+}
+template <typename T>
+__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    dinp[i] = from_f<T>(to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i])));
+  }
+}
+template <typename T>
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+  }
+}
+
+template <typename T>
+void gelu_forward_impl(Context& ctx, T* out, const T* inp, int64_t n) {
+  if (n <= 0) return;
+  gelu_forward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, inp, n);
+  KEEL_CUDA_LAUNCH_CHECK("gelu_forward", "n=", n);
+}
+template <typename T>
+void gelu_backward_impl(Context& ctx, T* dinp, const T* inp, const T* dout, int64_t n) {
+  if (n <= 0) return;
+  gelu_backward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
+  KEEL_CUDA_LAUNCH_CHECK("gelu_backward", "n=", n);
+}
+template <typename T>
+void add_impl(Context& ctx, T* out, const T* a, const T* b, int64_t n, const char* name) {
+  if (n <= 0) return;
+  add_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, a, b, n);
+  KEEL_CUDA_LAUNCH_CHECK(name, "n=", n);
+}
+
+// ---- sum of squares: fixed grid (a function of n only), per-block partials, one final block ----
+constexpr int kSumBlocksMax = 1024;
+
+__global__ void sum_squares_partial_kernel(const float* x, int64_t n, double* partial) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double v = x[i];
+    acc += v * v;
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+__global__ void sum_partials_kernel(const double* partial, int count, double* out,
+                                    bool accumulate) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) *out = accumulate ? *out + acc : acc;
+}
+__global__ void clip_scale_kernel(const double* sum_sq, double max_norm, float* scale) {
+  // keel::clip_scale (framework/optim/optimizer.cc), on the device.
+  const double norm = sqrt(*sum_sq);
+  *scale =
+      (max_norm <= 0.0 || !(norm > max_norm)) ? 1.0f : static_cast<float>(max_norm / (norm + 1e-6));
+}
+
+// ---- AdamW: the CPU's float expression order (framework/kernels/cpu/adamw.cc) ----
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
+                             float lr, float b1, float b2, float eps, float wd, float gs,
+                             const float* dev_gs, float c1, float c2) {
+  const float scale = dev_gs != nullptr ? gs * *dev_gs : gs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float g = grad[i] * scale;
+    const float mi = b1 * m[i] + (1.0f - b1) * g;
+    const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    param[i] -= lr * ((mi * c1) / (sqrtf(vi * c2) + eps) + wd * param[i]);
+  }
+}
+
+// ---- column sums: a 32-column tile per block, 32 row lanes, fixed-order tree over the lanes ----
+template <typename T>
+__global__ void column_sum_add_kernel(float* out, const T* x, int64_t N, int64_t C, int64_t ld) {
+  __shared__ float tile[32][33];
+  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
+  float acc = 0.0f;
+  if (c < C) {
+    for (int64_t n = threadIdx.y; n < N; n += 32) acc += to_f(x[n * ld + c]);
+  }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = 16; s > 0; s /= 2) {
+    if (threadIdx.y < s) tile[threadIdx.y][threadIdx.x] += tile[threadIdx.y + s][threadIdx.x];
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && c < C) out[c] += tile[0][threadIdx.x];
+}
+template <typename T>
+void column_sum_add_impl(Context& ctx, float* out, const T* x, int64_t N, int64_t C, int64_t ld) {
+  KEEL_CHECK(N >= 0 && C >= 0 && ld >= C, kUsage, "cuda column_sum_add: bad shape N=", N, " C=", C,
+             " ld=", ld);
+  if (N == 0 || C == 0) return;
+  const dim3 block(32, 32);
+  column_sum_add_kernel<<<static_cast<unsigned>((C + 31) / 32), block, 0, ctx.stream()>>>(out, x, N,
+                                                                                          C, ld);
+  KEEL_CUDA_LAUNCH_CHECK("column_sum_add", "N=", N, " C=", C, " ld=", ld);
+}
+
+template <typename T>
+__global__ void add_bias_rows_kernel(T* C, const T* bias, int64_t M, int64_t N, int64_t ldc) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < M * N;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = i / N, n = i % N;
+    C[m * ldc + n] = from_f<T>(to_f(C[m * ldc + n]) + to_f(bias[n]));
+  }
+}
+
+// ---- RoPE: one thread per (row, head, pair); each pair is read before it is written ----
+template <typename T>
+__global__ void rope_kernel(const float* cos_t, const float* sin_t, int64_t half, T* out,
+                            const T* in, int64_t B, int64_t T_, int64_t H, int64_t D,
+                            int64_t row_stride, int64_t pos_offset, float sign) {
+  const int64_t total = B * T_ * H * half;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx % half;
+    const int64_t rest = idx / half;
+    const int64_t h = rest % H, r = rest / H;
+    const int64_t p = r % T_ + pos_offset;
+    const float ci = cos_t[p * half + i], si = sign * sin_t[p * half + i];
+    const T* xh = in + r * row_stride + h * D;
+    T* yh = out + r * row_stride + h * D;
+    const float x1 = to_f(xh[i]), x2 = to_f(xh[i + half]);
+    yh[i] = from_f<T>(x1 * ci - x2 * si);
+    yh[i + half] = from_f<T>(x2 * ci + x1 * si);
+  }
+}
+template <typename T>
+void rope_impl(Context& ctx, const DeviceRopeTable& table, T* out, const T* in, int64_t B,
+               int64_t T_, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset, float sign,
+               const char* name) {
+  const int64_t half = table.half_dim();
+  KEEL_CHECK(D == 2 * half, kUsage, "rope: head_dim ", D, " does not match the table's ", 2 * half);
+  KEEL_CHECK(B >= 0 && T_ >= 0 && H >= 0, kUsage, "rope: negative shape B=", B, " T=", T_,
+             " H=", H);
+  KEEL_CHECK(row_stride >= H * D, kUsage, "rope: row_stride ", row_stride, " < H * D = ", H * D);
+  KEEL_CHECK(pos_offset >= 0 && pos_offset + T_ <= table.max_positions(), kUsage,
+             "rope: positions [", pos_offset, ", ", pos_offset + T_, ") exceed the table's ",
+             table.max_positions());
+  const int64_t total = B * T_ * H * half;
+  if (total == 0) return;
+  rope_kernel<<<grid_for(total, kThreads), kThreads, 0, ctx.stream()>>>(
+      table.cos(), table.sin(), half, dev(out), dev(in), B, T_, H, D, row_stride, pos_offset, sign);
+  KEEL_CUDA_LAUNCH_CHECK(name, "B=", B, " T=", T_, " H=", H, " D=", D, " row_stride=", row_stride);
+}
+
+template <typename T>
+__global__ void fill_uniform_kernel(T* x, int64_t n, float lo, float hi, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double u = philox_uniform(seed, 0, static_cast<uint64_t>(i));
+    x[i] = from_f<T>(lo + (hi - lo) * static_cast<float>(u));
+  }
+}
+template <typename T>
+void fill_uniform_impl(Context& ctx, T* x, int64_t n, float lo, float hi, uint64_t seed) {
+  if (n <= 0) return;
+  fill_uniform_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(x, n, lo, hi, seed);
+  KEEL_CUDA_LAUNCH_CHECK("fill_uniform", "n=", n);
+}
+
+}  // namespace
+
+void gelu_forward(Context& ctx, float* out, const float* inp, int64_t n) {
+  gelu_forward_impl(ctx, out, inp, n);
+}
+void gelu_forward(Context& ctx, Bf16* out, const Bf16* inp, int64_t n) {
+  gelu_forward_impl(ctx, dev(out), dev(inp), n);
+}
+void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dout, int64_t n) {
+  gelu_backward_impl(ctx, dinp, inp, dout, n);
+}
+void gelu_backward(Context& ctx, Bf16* dinp, const Bf16* inp, const Bf16* dout, int64_t n) {
+  gelu_backward_impl(ctx, dev(dinp), dev(inp), dev(dout), n);
+}
+void add(Context& ctx, float* out, const float* a, const float* b, int64_t n) {
+  add_impl(ctx, out, a, b, n, "add");
+}
+void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n) {
+  add_impl(ctx, dev(out), dev(a), dev(b), n, "add");
+}
+void add_inplace(Context& ctx, float* y, const float* x, int64_t n) {
+  add_impl(ctx, y, y, x, n, "add_inplace");
+}
+void add_inplace(Context& ctx, Bf16* y, const Bf16* x, int64_t n) {
+  add_impl(ctx, dev(y), dev(y), dev(x), n, "add_inplace");
+}
+
+void sum_squares(Context& ctx, const float* x, int64_t n, double* out, bool accumulate) {
+  KEEL_CHECK(n >= 0, kUsage, "cuda sum_squares: negative length ", n);
+  const int blocks = static_cast<int>(grid_for(n, kThreads, kSumBlocksMax));
+  auto* partial = static_cast<double*>(ctx.scratch(sizeof(double) * kSumBlocksMax));
+  if (n == 0) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(partial, 0, sizeof(double), ctx.stream()), "sum_squares n=0");
+  } else {
+    sum_squares_partial_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(x, n, partial);
+    KEEL_CUDA_LAUNCH_CHECK("sum_squares_partial", "n=", n, " blocks=", blocks);
+  }
+  sum_partials_kernel<<<1, 1024, 0, ctx.stream()>>>(partial, n == 0 ? 1 : blocks, out, accumulate);
+  KEEL_CUDA_LAUNCH_CHECK("sum_squares_final", "n=", n, " blocks=", blocks);
+}
+
+void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_norm,
+                                 float* scale) {
+  clip_scale_kernel<<<1, 1, 0, ctx.stream()>>>(sum_sq, max_norm, scale);
+  KEEL_CUDA_LAUNCH_CHECK("clip_scale", "max_norm=", max_norm);
+}
+
+void adamw_update(Context& ctx, float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWStep& s, const float* device_grad_scale) {
+  KEEL_CHECK(n >= 0 && s.t >= 1, kUsage, "cuda adamw_update: n=", n, " t=", s.t);
+  if (n == 0) return;
+  // Bias corrections on the host, exactly as the CPU kernel computes them.
+  const float c1 = 1.0f / (1.0f - std::pow(s.beta1, static_cast<float>(s.t)));
+  const float c2 = 1.0f / (1.0f - std::pow(s.beta2, static_cast<float>(s.t)));
+  adamw_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(
+      param, grad, m, v, n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.grad_scale,
+      device_grad_scale, c1, c2);
+  KEEL_CUDA_LAUNCH_CHECK("adamw_update", "n=", n, " t=", s.t);
+}
+
+void column_sum_add(Context& ctx, float* out, const float* x, int64_t N, int64_t C, int64_t ld) {
+  column_sum_add_impl(ctx, out, x, N, C, ld);
+}
+void column_sum_add(Context& ctx, float* out, const Bf16* x, int64_t N, int64_t C, int64_t ld) {
+  column_sum_add_impl(ctx, out, dev(x), N, C, ld);
+}
+
+void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N, int64_t ldc,
+                   DType t) {
+  if (M == 0 || N == 0) return;
+  const unsigned blocks = grid_for(M * N, kThreads);
+  if (t == DType::kF32) {
+    add_bias_rows_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(
+        static_cast<float*>(C), static_cast<const float*>(bias), M, N, ldc);
+  } else {
+    add_bias_rows_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(
+        static_cast<__nv_bfloat16*>(C), static_cast<const __nv_bfloat16*>(bias), M, N, ldc);
+  }
+  KEEL_CUDA_LAUNCH_CHECK("add_bias_rows", "M=", M, " N=", N, " ldc=", ldc, " ", dtype_name(t));
+}
+
+DeviceRopeTable::DeviceRopeTable(Context& ctx, const RopeTable& table)
+    : max_positions_(table.max_positions),
+      half_dim_(table.half_dim),
+      cos_(upload(ctx, table.cos)),
+      sin_(upload(ctx, table.sin)) {
+  KEEL_CHECK(table.cos.size() == static_cast<size_t>(max_positions_ * half_dim_) &&
+                 table.sin.size() == table.cos.size(),
+             kUsage, "rope: table arrays do not hold max_positions * half_dim values");
+}
+
+void rope_forward(Context& ctx, const DeviceRopeTable& table, float* y, const float* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
+  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
+}
+void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const Bf16* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
+  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
+}
+void rope_backward(Context& ctx, const DeviceRopeTable& table, float* dx, const float* dy,
+                   int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
+                   int64_t pos_offset) {
+  rope_impl(ctx, table, dx, dy, B, T, H, D, row_stride, pos_offset, -1.0f, "rope_backward");
+}
+void rope_backward(Context& ctx, const DeviceRopeTable& table, Bf16* dx, const Bf16* dy, int64_t B,
+                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
+  rope_impl(ctx, table, dx, dy, B, T, H, D, row_stride, pos_offset, -1.0f, "rope_backward");
+}
+
+void fill_uniform(Context& ctx, float* x, int64_t n, float lo, float hi, uint64_t seed) {
+  fill_uniform_impl(ctx, x, n, lo, hi, seed);
+}
+void fill_uniform(Context& ctx, Bf16* x, int64_t n, float lo, float hi, uint64_t seed) {
+  fill_uniform_impl(ctx, dev(x), n, lo, hi, seed);
+}
+
+}  // namespace keel::kernels::cuda

@@ -1,0 +1,139 @@
+// CUDA cross-entropy with z-loss in the vocab-parallel phases (framework/kernels/cross_entropy.h):
+// one block per row for the row statistics and the gradient, exp through the CPU's fast_expf
+// (framework/kernels/fast_math.h), and the loss finish in double as GPT::forward does it.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "framework/error.h"
+#include "framework/kernels/cuda/check.h"
+#include "framework/kernels/cuda/common.cuh"
+#include "framework/kernels/cuda/internal.h"
+#include "framework/kernels/cuda/ops.h"
+#include "framework/kernels/fast_math.h"
+
+namespace keel::kernels::cuda {
+
+namespace {
+
+constexpr int kRowThreads = 512;
+
+__global__ void row_max_kernel(const float* logits, int64_t V_local, int64_t v_valid,
+                               float* row_max) {
+  __shared__ float shared[32];
+  const float* row = logits + blockIdx.x * V_local;
+  float mx = -INFINITY;
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) mx = fmaxf(mx, row[v]);
+  mx = block_max(mx, shared);
+  if (threadIdx.x == 0) row_max[blockIdx.x] = mx;
+}
+
+__global__ void row_sumexp_kernel(const float* logits, const float* row_max, int64_t V_local,
+                                  int64_t v_valid, float* sumexp) {
+  __shared__ float shared[32];
+  const float* row = logits + blockIdx.x * V_local;
+  const float mx = row_max[blockIdx.x];
+  float acc = 0.0f;
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) acc += exp_t(row[v] - mx);
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) sumexp[blockIdx.x] = acc;
+}
+
+__global__ void target_logit_kernel(const float* logits, const int32_t* targets, int64_t N,
+                                    int64_t V_local, int64_t v_begin, float* target_logit) {
+  const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (n >= N) return;
+  const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
+  target_logit[n] = (col >= 0 && col < V_local) ? logits[n * V_local + col] : 0.0f;
+}
+
+__global__ void finish_kernel(const float* row_max, const float* sumexp, const float* target,
+                              int64_t N, float* lse, double* sums) {
+  __shared__ double shared[32];
+  double ce = 0.0, z = 0.0;
+  for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+    const double l = static_cast<double>(row_max[n]) + log(static_cast<double>(sumexp[n]));
+    const double t = target[n];  // read before lse[n] is written: lse may alias sumexp
+    lse[n] = static_cast<float>(l);
+    ce += l - t;
+    z += l * l;
+  }
+  ce = block_sum(ce, shared);
+  z = block_sum(z, shared);
+  if (threadIdx.x == 0) {
+    sums[0] = ce;
+    sums[1] = z;
+  }
+}
+
+__global__ void xent_backward_kernel(float* dlogits, const float* logits, const float* lse,
+                                     const int32_t* targets, int64_t V_local, int64_t v_valid,
+                                     int64_t v_begin, float grad_scale, float z_coef) {
+  const int64_t n = blockIdx.x;
+  const float* row = logits + n * V_local;
+  float* drow = dlogits + n * V_local;
+  const float l = lse[n];
+  const float coef = grad_scale * (1.0f + 2.0f * z_coef * l);
+  const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
+  // Each element is read and written by one thread, so dlogits may alias logits.
+  for (int64_t v = threadIdx.x; v < V_local; v += blockDim.x) {
+    float d = v < v_valid ? coef * exp_t(row[v] - l) : 0.0f;
+    if (v == col) d -= grad_scale;
+    drow[v] = d;
+  }
+}
+
+void check_rows(int64_t N, int64_t V_local, int64_t v_valid, const char* name) {
+  KEEL_CHECK(N >= 0 && V_local >= 0 && v_valid >= 0 && v_valid <= V_local, kUsage, "cuda ", name,
+             ": bad shape N=", N, " V_local=", V_local, " v_valid_local=", v_valid);
+  KEEL_CHECK(N <= 0x7fffffff, kUsage, "cuda ", name, ": N=", N, " rows exceed the grid limit");
+}
+
+}  // namespace
+
+void xent_row_max(Context& ctx, const float* logits, int64_t N, int64_t V_local,
+                  int64_t v_valid_local, float* row_max) {
+  check_rows(N, V_local, v_valid_local, "xent_row_max");
+  if (N == 0) return;
+  row_max_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
+      logits, V_local, v_valid_local, row_max);
+  KEEL_CUDA_LAUNCH_CHECK("xent_row_max", "N=", N, " V_local=", V_local);
+}
+
+void xent_row_sumexp(Context& ctx, const float* logits, const float* row_max, int64_t N,
+                     int64_t V_local, int64_t v_valid_local, float* sumexp) {
+  check_rows(N, V_local, v_valid_local, "xent_row_sumexp");
+  if (N == 0) return;
+  row_sumexp_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
+      logits, row_max, V_local, v_valid_local, sumexp);
+  KEEL_CUDA_LAUNCH_CHECK("xent_row_sumexp", "N=", N, " V_local=", V_local);
+}
+
+void xent_target_logit(Context& ctx, const float* logits, const int32_t* targets, int64_t N,
+                       int64_t V_local, int64_t v_begin, float* target_logit) {
+  check_rows(N, V_local, V_local, "xent_target_logit");
+  if (N == 0) return;
+  target_logit_kernel<<<grid_for(N, 256, int64_t{1} << 30), 256, 0, ctx.stream()>>>(
+      logits, targets, N, V_local, v_begin, target_logit);
+  KEEL_CUDA_LAUNCH_CHECK("xent_target_logit", "N=", N, " V_local=", V_local);
+}
+
+void xent_finish(Context& ctx, const float* row_max, const float* sumexp, const float* target_logit,
+                 int64_t N, float* lse, double* sums) {
+  KEEL_CHECK(N >= 0, kUsage, "cuda xent_finish: negative N=", N);
+  finish_kernel<<<1, 1024, 0, ctx.stream()>>>(row_max, sumexp, target_logit, N, lse, sums);
+  KEEL_CUDA_LAUNCH_CHECK("xent_finish", "N=", N);
+}
+
+void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,
+                   const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
+                   int64_t v_begin, float grad_scale, float z_coef) {
+  check_rows(N, V_local, v_valid_local, "xent_backward");
+  if (N == 0 || V_local == 0) return;
+  xent_backward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
+      dlogits, logits, lse, targets, V_local, v_valid_local, v_begin, grad_scale, z_coef);
+  KEEL_CUDA_LAUNCH_CHECK("xent_backward", "N=", N, " V_local=", V_local,
+                         " v_valid_local=", v_valid_local);
+}
+
+}  // namespace keel::kernels::cuda

@@ -1,0 +1,112 @@
+// The CUDA backend's non-GEMM kernels. Each has the semantics of the CPU kernel of the same name
+// in framework/kernels/*.h (the reference the tests compare against), takes the execution context
+// first and device pointers after it, and runs on ctx's stream (asynchronous: results are visible
+// to the host after ctx.copy_to_host or ctx.synchronize). Plain C++ header (no CUDA headers).
+// Where a form takes Bf16 it reads and writes bf16 and computes in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "framework/kernels/adamw.h"
+#include "framework/kernels/cuda/bf16.h"
+#include "framework/kernels/cuda/device.h"
+#include "framework/kernels/norm.h"
+#include "framework/kernels/rope.h"
+
+namespace keel::kernels::cuda {
+
+// ---- element-wise (framework/kernels/elementwise.h; GELU's math is shared: gelu_scalar) ----
+void gelu_forward(Context& ctx, float* out, const float* inp, int64_t n);  // (=)
+void gelu_forward(Context& ctx, Bf16* out, const Bf16* inp, int64_t n);
+void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dout, int64_t n);
+void gelu_backward(Context& ctx, Bf16* dinp, const Bf16* inp, const Bf16* dout, int64_t n);
+void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  // (=)
+void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n);
+void add_inplace(Context& ctx, float* y, const float* x, int64_t n);  // y += x
+void add_inplace(Context& ctx, Bf16* y, const Bf16* x, int64_t n);
+
+// Sum of squares of x[n] in double, into the device double *out (= or += per accumulate), with a
+// fixed partition of x: bitwise reproducible run to run. Summing several tensors into one *out
+// and taking the square root gives the global gradient norm without a host round trip.
+void sum_squares(Context& ctx, const float* x, int64_t n, double* out, bool accumulate);
+// *scale = keel::clip_scale(sqrt(*sum_sq), max_norm) (framework/optim/optimizer.h), on the device.
+void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_norm, float* scale);
+
+// AdamW (framework/kernels/adamw.h). The gradient is multiplied by step.grad_scale and, when
+// device_grad_scale is not null, by *device_grad_scale (clipping computed on the device).
+void adamw_update(Context& ctx, float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWStep& step, const float* device_grad_scale = nullptr);
+
+// ---- norms (framework/kernels/norm.h): LayerNorm / RMSNorm / L2 over grouped, strided rows ----
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps);
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                   float* dweight, float* dbias, const float* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd);
+
+// ---- cross-entropy with z-loss, vocab-parallel phases (framework/kernels/cross_entropy.h) ----
+void xent_row_max(Context& ctx, const float* logits, int64_t N, int64_t V_local,
+                  int64_t v_valid_local, float* row_max);
+void xent_row_sumexp(Context& ctx, const float* logits, const float* row_max, int64_t N,
+                     int64_t V_local, int64_t v_valid_local, float* sumexp);
+void xent_target_logit(Context& ctx, const float* logits, const int32_t* targets, int64_t N,
+                       int64_t V_local, int64_t v_begin, float* target_logit);
+// The finish after the all-reduces, as GPT::forward does it on the CPU: per row, in double,
+// l = row_max + log(sumexp); lse[n] = l (as float; lse may alias sumexp);
+// sums[0] = sum_n (l - target_logit[n]), sums[1] = sum_n l^2 (=; device doubles, fixed order).
+void xent_finish(Context& ctx, const float* row_max, const float* sumexp, const float* target_logit,
+                 int64_t N, float* lse, double* sums);
+void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,
+                   const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
+                   int64_t v_begin, float grad_scale, float z_coef);
+
+// ---- embeddings (framework/kernels/embedding.h); tokens are device int32 ----
+void embedding_forward(Context& ctx, float* out, const int32_t* tokens, int64_t N, const float* wte,
+                       int64_t v_begin, int64_t V_local, int64_t C);
+void embedding_forward(Context& ctx, Bf16* out, const int32_t* tokens, int64_t N, const Bf16* wte,
+                       int64_t v_begin, int64_t V_local, int64_t C);
+// dwte[tokens[n] - v_begin] += dout[n]: tokens are sorted (stable), then each row sums its
+// tokens in increasing n, the CPU's order, so the result is deterministic and equals the CPU's.
+// dwte stays fp32 (master gradients) for bf16 dout.
+void embedding_backward(Context& ctx, float* dwte, const float* dout, const int32_t* tokens,
+                        int64_t N, int64_t v_begin, int64_t V_local, int64_t C);
+void embedding_backward(Context& ctx, float* dwte, const Bf16* dout, const int32_t* tokens,
+                        int64_t N, int64_t v_begin, int64_t V_local, int64_t C);
+void position_forward(Context& ctx, float* out, const float* wpe, int64_t B, int64_t T, int64_t C);
+void position_forward(Context& ctx, Bf16* out, const Bf16* wpe, int64_t B, int64_t T, int64_t C);
+void position_backward(Context& ctx, float* dwpe, const float* dout, int64_t B, int64_t T,
+                       int64_t C);
+void position_backward(Context& ctx, float* dwpe, const Bf16* dout, int64_t B, int64_t T,
+                       int64_t C);
+
+// ---- RoPE (framework/kernels/rope.h) ----
+// The cos/sin table on the device, copied once from the CPU's RopeTable.
+class DeviceRopeTable {
+ public:
+  DeviceRopeTable(Context& ctx, const RopeTable& table);
+  int64_t max_positions() const { return max_positions_; }
+  int64_t half_dim() const { return half_dim_; }
+  const float* cos() const { return cos_.as<const float>(); }
+  const float* sin() const { return sin_.as<const float>(); }
+
+ private:
+  int64_t max_positions_ = 0, half_dim_ = 0;
+  DeviceBuffer cos_, sin_;
+};
+void rope_forward(Context& ctx, const DeviceRopeTable& table, float* y, const float* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
+void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const Bf16* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
+void rope_backward(Context& ctx, const DeviceRopeTable& table, float* dx, const float* dy,
+                   int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
+                   int64_t pos_offset = 0);
+void rope_backward(Context& ctx, const DeviceRopeTable& table, Bf16* dx, const Bf16* dy, int64_t B,
+                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
+
+// ---- utilities ----
+// x[i] = lo + (hi - lo) * philox_uniform(seed, stream=0, i) (framework/philox.h), on the device:
+// benchmark inputs without a host round trip.
+void fill_uniform(Context& ctx, float* x, int64_t n, float lo, float hi, uint64_t seed);
+void fill_uniform(Context& ctx, Bf16* x, int64_t n, float lo, float hi, uint64_t seed);
+
+}  // namespace keel::kernels::cuda

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# tests/gpu/check.sh: the GPU check, run on a GPU machine from a copy of the repository that
+# carries build-gpu/pack (made here by tests/gpu/pack.sh). Points the loader at the pack and at
+# the CUDA pip wheels' libraries, prints the GPU and library versions, runs the CUDA backend's
+# tests against the CPU kernels, then the GEMM benchmark. Every step is under `timeout` and the
+# whole check ends within ~340 s. Output also goes to $OUT/gpu_check.log when $OUT is set.
+#
+# Exit: 0 when the tests pass (or skip on a machine without a GPU) and the benchmark ran;
+# 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+
+PACK=${KEEL_GPU_PACK:-build-gpu/pack}
+LOG=/dev/null
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT" && LOG="$OUT/gpu_check.log"
+fi
+DEADLINE=340 # seconds from the start for everything
+
+# min(want, time left before the deadline minus `reserve` for later steps), at least 5
+budget() {
+  local want=$1 reserve=$2
+  local left=$((DEADLINE - SECONDS - reserve))
+  ((left < want)) && want=$left
+  ((want < 5)) && want=5
+  echo "$want"
+}
+
+# Library directories of the NVIDIA pip wheels (nvidia/<lib>/lib and nvidia/cu13/lib layouts).
+wheel_lib_dirs() {
+  local py
+  py=$(command -v python3 || true)
+  [[ -z "$py" && -x /opt/torch/.venv/bin/python3 ]] && py=/opt/torch/.venv/bin/python3
+  if [[ -n "$py" ]]; then
+    timeout 30 "$py" - <<'EOF' || echo "check.sh: wheel discovery with $py failed" >&2
+import glob, os, sys
+roots = []
+try:
+    import nvidia
+    roots += [p for p in nvidia.__path__]
+except Exception as e:
+    print("check.sh: import nvidia failed: %s" % e, file=sys.stderr)
+for p in sys.path:  # namespace packages can hide a root; also look in every site directory
+    r = os.path.join(p, "nvidia")
+    if os.path.isdir(r) and r not in roots:
+        roots.append(r)
+dirs = []
+for r in roots:
+    for pat in ("*/lib", "*/lib64", "cu13/lib", "cu*/lib"):
+        for d in sorted(glob.glob(os.path.join(r, pat))):
+            if os.path.isdir(d) and d not in dirs and glob.glob(os.path.join(d, "*.so*")):
+                dirs.append(d)
+print(":".join(dirs))
+EOF
+  fi
+}
+
+# Directories holding `lib` under any site-packages/nvidia (the fallback when Python cannot say).
+find_wheel_libs() {
+  timeout 30 find / -xdev -path '*/nvidia/*' \( -name 'libcudart.so.1*' -o -name 'libcublasLt.so.1*' \
+    -o -name 'libcudnn.so.9*' -o -name 'libnccl.so.2*' \) 2>/dev/null | xargs -r -n1 dirname |
+    sort -u | paste -sd: -
+}
+
+main() {
+  echo "== keel GPU check: $(date -u +%FT%TZ) on $(hostname) ($(uname -m)), pack $PACK"
+  [[ -f "$PACK/MANIFEST.txt" ]] && cat "$PACK/MANIFEST.txt"
+  if [[ ! -x "$PACK/keel_gpu_tests" ]]; then
+    echo "FAIL: $PACK/keel_gpu_tests missing (run tests/gpu/pack.sh and carry $PACK)"
+    return 1
+  fi
+  echo "== machine"
+  ldd --version 2>&1 | head -1
+  local gpus=0
+  if command -v nvidia-smi >/dev/null; then
+    timeout 20 nvidia-smi -L
+    gpus=$(timeout 20 nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit \
+      --format=csv
+  else
+    echo "nvidia-smi: not installed"
+  fi
+  echo "GPUs listed by nvidia-smi: $gpus"
+
+  echo "== libraries"
+  local wheels
+  wheels=$(wheel_lib_dirs)
+  if [[ -z "$wheels" ]]; then
+    echo "no wheel directories from Python; searching the file system"
+    wheels=$(find_wheel_libs)
+  fi
+  echo "wheel library directories:"
+  tr ':' '\n' <<<"$wheels" | sed 's/^/  /'
+  local ldpath="$PACK${wheels:+:$wheels}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The machine's own C++ runtime when it serves the binaries; else the pack's (gcc/).
+  if LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/keel_gpu_tests" 2>&1 |
+    grep -qE "GLIBCXX|CXXABI|GCC_[0-9]|libstdc\+\+.*not found|libgcc_s.*not found"; then
+    echo "the system libstdc++/libgcc_s do not serve the binaries: using $PACK/gcc"
+    ldpath="$PACK/gcc:$ldpath"
+  else
+    echo "using the system libstdc++ and libgcc_s"
+  fi
+  for lib in libcudart.so.13 libcublasLt.so.13; do
+    local hit=""
+    for d in ${ldpath//:/ }; do [[ -e "$d/$lib" ]] && hit="$d/$lib" && break; done
+    echo "  $lib: ${hit:-NOT FOUND in the pack or the wheels}"
+  done
+  for b in keel_gpu_tests keel-gpu-gemm-bench cuda_backend_test; do
+    local missing
+    missing=$(LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/$b" 2>&1 | grep 'not found')
+    if [[ -n "$missing" ]]; then
+      echo "  $b: unresolved libraries:"
+      echo "$missing"
+    else
+      echo "  $b: all libraries resolved"
+    fi
+  done
+  LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/keel_gpu_tests" | grep -E 'cudart|cublas' |
+    sed 's/^/  /'
+
+  local status=0 rc
+  echo "== cuda_backend_test (host side)"
+  LD_LIBRARY_PATH="$ldpath" timeout -k 5 30 "$PACK/cuda_backend_test" \
+    --gtest_brief=1
+  rc=$?
+  echo "cuda_backend_test: exit $rc"
+  ((rc != 0)) && status=1
+
+  echo "== keel_gpu_tests (CUDA kernels against the CPU kernels)"
+  local json=()
+  [[ -n "${OUT:-}" ]] && json=(--gtest_output="json:$OUT/gpu_tests.json")
+  local out
+  out=$(mktemp)
+  LD_LIBRARY_PATH="$ldpath" timeout -k 10 "$(budget 240 80)" "$PACK/keel_gpu_tests" \
+    --gtest_brief=1 "${json[@]}" 2>&1 | tee "$out"
+  rc=${PIPESTATUS[0]}
+  echo "keel_gpu_tests: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
+  if ((rc != 0)); then
+    status=1
+    # A fault in one kernel poisons the process for the tests after it: rerun each failed test
+    # alone, synchronising after every launch, so each reports its own first error.
+    local failed
+    failed=$(grep -o '^\[  FAILED  \] [A-Za-z0-9_]*\.[A-Za-z0-9_]*' "$out" | awk '{print $4}' |
+      sort -u)
+    for t in $failed; do
+      ((DEADLINE - SECONDS < 90)) && { echo "(no time left for more reruns)"; break; }
+      echo "-- rerun alone with KEEL_CUDA_SYNC_CHECK=1: $t"
+      LD_LIBRARY_PATH="$ldpath" KEEL_CUDA_SYNC_CHECK=1 timeout -k 5 30 "$PACK/keel_gpu_tests" \
+        --gtest_filter="$t" 2>&1 | grep -vE '^\[ *(RUN|OK|----------|==========) *\]|^$' |
+        head -40
+    done
+  fi
+  rm -f "$out"
+
+  echo "== keel-gpu-gemm-bench"
+  LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 75 0)" "$PACK/keel-gpu-gemm-bench"
+  rc=$?
+  echo "keel-gpu-gemm-bench: exit $rc"
+  if ((rc == 77)); then
+    if ((gpus > 0)); then
+      echo "FAIL: nvidia-smi lists $gpus GPU(s) but the CUDA runtime finds none"
+      status=1
+    else
+      echo "no GPU on this machine: GPU tests and benchmark skipped"
+    fi
+  elif ((rc != 0)); then
+    status=1
+  fi
+  echo "== GPU check done in ${SECONDS}s: $( ((status == 0)) && echo PASS || echo FAIL)"
+  return $status
+}
+
+main "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"

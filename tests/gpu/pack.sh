@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# tests/gpu/pack.sh: build the CUDA backend's test and benchmark binaries (Release, sm_90, no
+# -march=native: the GPU machine's CPU is not this one) in build-gpu/, and copy them with the
+# non-CUDA shared libraries they load into build-gpu/pack/, which tests/gpu/check.sh runs on a GPU
+# machine. The CUDA libraries (runtime, cuBLAS(Lt), cuDNN, NCCL) and the driver are not copied:
+# there they come from the pip wheels and the driver. glibc is not copied either (it must match
+# the machine's loader). Fails when a binary needs the driver stub libcuda or the pack exceeds
+# 60 MiB (the device machine takes 64 MiB of carried files).
+#
+# Usage: tests/gpu/pack.sh        (env: JOBS=2 parallel compile jobs, BUILD=build-gpu)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+build=${BUILD:-build-gpu}
+pack="$build/pack"
+jobs=${JOBS:-2}
+limit_mib=60
+bins=(keel_gpu_tests keel-gpu-gemm-bench cuda_backend_test)
+
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+# RUNPATH (not RPATH), so LD_LIBRARY_PATH on the GPU machine takes precedence over build paths.
+cmake -S . -B "$build" "${gen[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON \
+  -DKEEL_NATIVE=OFF -DKEEL_BUILD_TESTS=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_EXE_LINKER_FLAGS=-Wl,--enable-new-dtags >/dev/null
+cmake --build "$build" -j "$jobs" --target "${bins[@]}"
+
+rm -rf "$pack"
+mkdir -p "$pack"
+for b in "${bins[@]}"; do
+  src="$build/tests/$b"
+  [[ -x "$src" ]] || { echo "pack.sh: $src was not built" >&2; exit 1; }
+  if readelf -d "$src" | grep -q 'NEEDED.*\[libcuda\.so'; then
+    echo "pack.sh: $b needs libcuda (the driver stub); it would not start without a driver" >&2
+    exit 1
+  fi
+  cp "$src" "$pack/$b"
+  strip --strip-unneeded "$pack/$b"
+done
+
+# Shared libraries: everything ldd resolves except the CUDA libraries, the driver and glibc.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libresolv\.so|libutil\.so|libcuda\.so|libcudart\.so|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink|libcufft|libcurand|libcusparse|libcusolver)'
+for b in "${bins[@]}"; do
+  if ldd "$build/tests/$b" | grep -q 'not found'; then
+    echo "pack.sh: $b has unresolved libraries here:" >&2
+    ldd "$build/tests/$b" | grep 'not found' >&2
+    exit 1
+  fi
+  ldd "$build/tests/$b" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' |
+    while read -r name path; do
+      if [[ "$name" =~ $skip ]] || [[ -e "$pack/$name" ]]; then continue; fi
+      cp -L "$path" "$pack/$name"
+      chmod u+w "$pack/$name"
+    done
+done
+
+# The C++ runtime goes to gcc/: this machine's libstdc++ needs a newer glibc (2.36) than the
+# binaries (2.34), so check.sh uses the GPU machine's own libstdc++ when it is new enough (the
+# binaries need GLIBCXX_3.4.29, GCC 11) and falls back to these only when it is not.
+mkdir -p "$pack/gcc"
+for lib in libstdc++.so.6 libgcc_s.so.1; do
+  [[ -e "$pack/$lib" ]] && mv "$pack/$lib" "$pack/gcc/$lib"
+done
+glibc=$(find "$pack" -maxdepth 1 -type f -exec objdump -T {} \; 2>/dev/null |
+  grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+glibcxx=$(find "$pack" -maxdepth 1 -type f -exec objdump -T {} \; 2>/dev/null |
+  grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
+bytes=$(du -sb "$pack" | cut -f1)
+{
+  echo "keel GPU pack: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+changes'), built $(date -u +%FT%TZ) on $(uname -m)"
+  echo "needs: glibc >= ${glibc#GLIBC_}, libstdc++ with ${glibcxx} (else gcc/), libcudart.so.13 and libcublasLt.so.13 (CUDA 13 wheels), an sm_90 GPU"
+  find "$pack" -type f ! -name MANIFEST.txt -printf '%s %P\n' | sort -k2
+} >"$pack/MANIFEST.txt"
+cat "$pack/MANIFEST.txt"
+echo "pack: $pack, $((bytes / 1024 / 1024)) MiB ($bytes bytes)"
+if ((bytes > limit_mib * 1024 * 1024)); then
+  echo "pack.sh: $pack is larger than $limit_mib MiB" >&2
+  exit 1
+fi
