@@ -49,7 +49,9 @@ const Named kConfigs[] = {
 double flops_per_token(const KeelConfig& c) {
   const double L = c.model().n_layers(), d = c.model().d_model(), T = c.model().seq_len();
   const double f = c.model().d_ff() > 0 ? c.model().d_ff() : 4 * d, V = c.model().vocab_size();
-  const double n_matmul = L * (4 * d * d + 2 * d * f) + V * d;
+  // Gated MLPs (SWIGLU, GEGLU) have three d x f matrices: gate, up and down.
+  const double mlp_mats = c.model().mlp() == keel::config::GELU ? 2 : 3;
+  const double n_matmul = L * (4 * d * d + mlp_mats * d * f) + V * d;
   return 6 * n_matmul + 12 * L * T * d;
 }
 
