@@ -118,16 +118,13 @@ void Attention::qk_scales(float* out) const {
   }
 }
 
-float* Attention::param_or_null(int id) const { return id >= 0 ? ps_.param(id) : nullptr; }
-float* Attention::grad_or_null(int id) const { return id >= 0 ? ps_.grad(id) : nullptr; }
-
 float Attention::forward(const float* x, float* y, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), param_or_null(qkv_b_), BT, d.C,
+    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
                             3 * HD);
   }
   float* q = qkv_.f32();
@@ -138,7 +135,7 @@ float Attention::forward(const float* x, float* y, int64_t B) {
     const kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
     const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
-    auto w = [&](int id) { return param_or_null(id); };
+    auto w = [&](int id) { return ps_.param_or_null(id); };
     if (d.qk_scope == config::PROJECTION) {
       // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
       // partial sums, never the activations.
@@ -184,7 +181,7 @@ float Attention::forward(const float* x, float* y, int64_t B) {
   {
     ProfileScope p(prof, "matmul.attn_proj");
     // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
-    const float* bias = d.tp_rank == 0 ? param_or_null(proj_b_) : nullptr;
+    const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
     kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
   {
@@ -201,7 +198,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.attn_proj");
-    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), grad_or_null(proj_b_), dy,
+    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
                              att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
@@ -239,8 +236,8 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     // Gradients flow from the normalised q, k (stride 2 HD) to the raw ones inside dqkv.
     kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
-    auto w = [&](int id) { return param_or_null(id); };
-    auto g = [&](int id) { return grad_or_null(id); };
+    auto w = [&](int id) { return ps_.param_or_null(id); };
+    auto g = [&](int id) { return ps_.grad_or_null(id); };
     // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
     if (d.qk_scope == config::PROJECTION) {
       Communicator& tp = *ctx_.topo->tp_comm;
@@ -268,7 +265,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   }
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), grad_or_null(qkv_b_), dqkv, x,
+    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
                              ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
   {

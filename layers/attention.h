@@ -26,8 +26,6 @@ class Attention {
  private:
   void qk_scales(float* out) const;  // [Hl] logit scale per local head
   kernels::NormShape qk_norm_shape(int64_t B) const;
-  float* param_or_null(int id) const;  // nullptr for an absent parameter (id -1)
-  float* grad_or_null(int id) const;
 
   ParamStore& ps_;
   const LayerContext& ctx_;

@@ -37,9 +37,9 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), param_or_null(fc_b_), BT, d.C, d.Fl);
+    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT, d.C, d.Fl);
     if (gated_) {
-      kernels::linear_forward(a_.f32(), x, ps_.param(gate_w_), param_or_null(gate_b_), BT, d.C,
+      kernels::linear_forward(a_.f32(), x, ps_.param(gate_w_), ps_.param_or_null(gate_b_), BT, d.C,
                               d.Fl);
     }
   }
@@ -53,7 +53,7 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
-    const float* bias = d.tp_rank == 0 ? param_or_null(proj_b_) : nullptr;
+    const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
     kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
   {
@@ -69,7 +69,7 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_proj");
-    kernels::linear_backward(dh, false, ps_.grad(proj_w_), grad_or_null(proj_b_), dy, g_.f32(),
+    kernels::linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy, g_.f32(),
                              ps_.param(proj_w_), BT, d.Fl, d.C);
   }
   float* da = gated_ ? ctx_.scratch->dgate.f32() : nullptr;
@@ -83,11 +83,11 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_backward(dx, false, ps_.grad(fc_w_), grad_or_null(fc_b_), dh, x,
+    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad_or_null(fc_b_), dh, x,
                              ps_.param(fc_w_), BT, d.C, d.Fl);
     if (gated_) {
       // Both projections read x: their input gradients add up before the one all-reduce.
-      kernels::linear_backward(dx, true, ps_.grad(gate_w_), grad_or_null(gate_b_), da, x,
+      kernels::linear_backward(dx, true, ps_.grad(gate_w_), ps_.grad_or_null(gate_b_), da, x,
                                ps_.param(gate_w_), BT, d.C, d.Fl);
     }
   }

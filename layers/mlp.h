@@ -21,9 +21,6 @@ class Mlp {
   void backward(const float* x, const float* dy, float* dx, int64_t B);  // dx[BT, C] (=)
 
  private:
-  float* param_or_null(int id) const { return id >= 0 ? ps_.param(id) : nullptr; }
-  float* grad_or_null(int id) const { return id >= 0 ? ps_.grad(id) : nullptr; }
-
   ParamStore& ps_;
   const LayerContext& ctx_;
   bool gated_;

@@ -28,15 +28,14 @@ kernels::NormShape Norm::shape(int64_t B) const {
 
 void Norm::forward(const float* x, float* y, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
-  kernels::norm_forward(op_, shape(B), y, x, ps_.param(w_), b_ >= 0 ? ps_.param(b_) : nullptr,
-                        mean_.f32(), rstd_.f32(), kBlockNormEps);
+  kernels::norm_forward(op_, shape(B), y, x, ps_.param(w_), ps_.param_or_null(b_), mean_.f32(),
+                        rstd_.f32(), kBlockNormEps);
 }
 
 void Norm::backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
-  kernels::norm_backward(op_, shape(B), dx, accumulate, ps_.grad(w_),
-                         b_ >= 0 ? ps_.grad(b_) : nullptr, dy, x, ps_.param(w_), mean_.f32(),
-                         rstd_.f32());
+  kernels::norm_backward(op_, shape(B), dx, accumulate, ps_.grad(w_), ps_.grad_or_null(b_), dy, x,
+                         ps_.param(w_), mean_.f32(), rstd_.f32());
 }
 
 }  // namespace keel

@@ -51,6 +51,10 @@ class ParamStore {
 
   float* param(int id) { return params_.f32() + infos_[id].offset; }
   float* grad(int id) { return grads_.f32() + infos_[id].offset; }
+  // nullptr for a parameter a model option leaves out (its id is -1, e.g. a bias with
+  // model.bias=false), so kernels that take an optional bias can be handed the id's storage as is.
+  float* param_or_null(int id) { return id >= 0 ? param(id) : nullptr; }
+  float* grad_or_null(int id) { return id >= 0 ? grad(id) : nullptr; }
   const ParamInfo& info(int id) const { return infos_[id]; }
   int find(const std::string& name) const;  // -1 when absent
   int size() const { return static_cast<int>(infos_.size()); }
