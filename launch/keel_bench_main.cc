@@ -195,6 +195,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
                " goes with --checkpoint");
   }
   keel::kernels::set_num_threads(threads);
+  keel::kernels::set_flush_denormals(true);  // as keel-train does by default (train.keep_denormals)
   const bool root = mpi.world_rank() == 0;
   if (checkpoint) {
     if (root) {

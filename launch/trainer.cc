@@ -18,6 +18,7 @@
 #include "framework/error.h"
 #include "framework/file_io.h"
 #include "framework/kernels/elementwise.h"
+#include "framework/kernels/gemm.h"
 #include "framework/philox.h"
 #include "launch/fault_injector.h"
 
@@ -47,6 +48,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
       faults_(cfg.debug(), topo.world_rank),
       guard_(cfg.spike()) {
   const auto& t = cfg_.train();
+  kernels::set_flush_denormals(!t.keep_denormals());
   const uint64_t train_fp = fingerprint(data_.train());
   const uint64_t val_fp = data_.has_val() ? fingerprint(data_.val()) : 0;
   if (topo_.world_comm) check_same_data_on_every_rank(train_fp, val_fp);
@@ -636,7 +638,7 @@ StepResult Trainer::compute_gradients() {
   // debug.inject_nan_at_step: every gradient of the step becomes NaN (the loss stays finite).
   const float loss_weight = inject_nan ? std::numeric_limits<float>::quiet_NaN()
                                        : 1.0f / static_cast<float>(accum_ * topo_.dp);
-  double stats[2] = {0.0, 0.0};  // ce, z summed over micro-batches
+  double stats[3] = {0.0, 0.0, 0.0};  // ce, z, log Z summed over micro-batches
   for (int64_t m = 0; m < accum_; ++m) {
     sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
     const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_);
@@ -651,6 +653,7 @@ StepResult Trainer::compute_gradients() {
     model_->set_grad_ready_hook({});
     stats[0] += st.ce;
     stats[1] += st.z_loss;
+    stats[2] += st.log_z;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
   }
   state_->sampler.next_sample = first + static_cast<uint64_t>(global_batch);
@@ -680,13 +683,13 @@ StepResult Trainer::compute_gradients() {
   }
   // Loss statistics: identical on every rank (every rank decides alike).
   if (topo_.world_comm) {
-    topo_.world_comm->all_reduce(stats, 2, ReduceOp::kSum);
-    stats[0] /= topo_.world_size;  // TP ranks of one replica hold the same values
-    stats[1] /= topo_.world_size;
+    topo_.world_comm->all_reduce(stats, 3, ReduceOp::kSum);
+    for (double& s : stats) s /= topo_.world_size;  // TP ranks of one replica hold the same values
     topo_.world_comm->all_reduce(&r.max_attn_logit, 1, ReduceOp::kMax);
   }
   r.loss = stats[0] / static_cast<double>(accum_);
   r.z_loss = stats[1] / static_cast<double>(accum_);
+  r.log_z = stats[2] / static_cast<double>(accum_);
   {
     ProfileScope p(&model_->profiler(), "optimizer");
     double sq;
@@ -749,6 +752,7 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     o.add("step", r.step)
         .add("loss", r.loss)
         .add("z_loss", r.z_loss)
+        .add("log_z", r.log_z)
         .add("grad_norm", r.grad_norm)
         .add_f("lr", r.lr)
         .add("tokens", tokens)
@@ -760,6 +764,7 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     std::string nonfinite;
     for (const auto& [name, v] : {std::pair<const char*, double>{"loss", r.loss},
                                   {"z_loss", r.z_loss},
+                                  {"log_z", r.log_z},
                                   {"grad_norm", r.grad_norm},
                                   {"max_attn_logit", r.max_attn_logit}}) {
       if (!std::isfinite(v)) {
@@ -780,6 +785,7 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     const double now = TensorBoardWriter::now();
     tensorboard_->scalar("train/loss", r.step, static_cast<float>(r.loss), now);
     tensorboard_->scalar("train/z_loss", r.step, static_cast<float>(r.z_loss), now);
+    tensorboard_->scalar("train/log_z", r.step, static_cast<float>(r.log_z), now);
     tensorboard_->scalar("train/grad_norm", r.step, static_cast<float>(r.grad_norm), now);
     tensorboard_->scalar("train/lr", r.step, r.lr, now);
     tensorboard_->scalar("train/tokens_per_s", r.step, static_cast<float>(tps), now);

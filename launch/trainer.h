@@ -32,9 +32,10 @@
 namespace keel {
 
 struct StepResult {
-  int64_t step = 0;        // 1-based optimizer step just taken
-  double loss = 0.0;       // mean cross-entropy over the global batch, nats/token
-  double z_loss = 0.0;     // z-loss term (coefficient included)
+  int64_t step = 0;     // 1-based optimizer step just taken
+  double loss = 0.0;    // mean cross-entropy over the global batch, nats/token
+  double z_loss = 0.0;  // z-loss term (coefficient included)
+  double log_z = 0.0;   // mean log-partition of the output logits (logged with or without z-loss)
   double grad_norm = 0.0;  // global gradient norm before clipping
   float lr = 0.0f;
   float max_attn_logit = 0.0f;

@@ -227,14 +227,16 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   tp.all_reduce(lse, BT, ReduceOp::kSum);
   kernels::xent_target_logit(logits_.f32(), targets, BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
-  double ce = 0.0, z = 0.0;
+  double ce = 0.0, z = 0.0, lz = 0.0;
   for (int64_t n = 0; n < BT; ++n) {
     const double l = static_cast<double>(mx[n]) + std::log(static_cast<double>(lse[n]));
     lse[n] = static_cast<float>(l);
     ce += l - tl[n];
     z += l * l;
+    lz += l;
   }
   stats.ce = ce / static_cast<double>(BT);
+  stats.log_z = lz / static_cast<double>(BT);
   stats.z_loss = z_coef_ * z / static_cast<double>(BT);
   return stats;
 }

@@ -41,6 +41,7 @@ class Block {
 struct LossStats {
   double ce = 0.0;              // mean cross-entropy, nats/token
   double z_loss = 0.0;          // z_coef * mean(lse^2), the term added to the loss
+  double log_z = 0.0;           // mean(lse): the output-logit scale z-loss pulls towards 0
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
 };
 

@@ -37,4 +37,10 @@ int num_threads();
 // concurrent callers when it is built; keel's per-head attention calls sgemm from every OpenMP
 // thread, and past that limit OpenBLAS spins or aborts). 0 when the library does not say.
 int max_threads();
+// Flush-to-zero and denormals-are-zero (x86 MXCSR) on the calling thread and every thread of the
+// OpenMP pool (which BLAS shares; threads created later inherit the mode). Arithmetic on
+// denormal floats takes a slow microcode path on x86, and a saturated softmax (exactly what an
+// unstable run produces) fills attention's probabilities and their gradients with them. false:
+// IEEE denormals again. Returns false, changing nothing, on CPUs without these modes.
+bool set_flush_denormals(bool on);
 }  // namespace keel::kernels

@@ -202,8 +202,9 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
   }
 
   std::istringstream lines(read_file(run_dir + "/metrics.jsonl"));
-  const std::set<std::string> base = {"step",   "loss",         "z_loss",         "grad_norm", "lr",
-                                      "tokens", "tokens_per_s", "max_attn_logit", "epoch"};
+  const std::set<std::string> base = {"step",           "loss", "z_loss", "log_z",
+                                      "grad_norm",      "lr",   "tokens", "tokens_per_s",
+                                      "max_attn_logit", "epoch"};
   const double windows = static_cast<double>(Sampler(manual->dataset(), cfg).windows_per_epoch());
   std::vector<int64_t> steps;
   std::string line;
@@ -225,6 +226,7 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
     // Doubles and floats read back to exactly the value the trainer computed.
     EXPECT_EQ(parse_number(f["loss"]), r.loss);
     EXPECT_EQ(parse_number(f["z_loss"]), r.z_loss);
+    EXPECT_EQ(parse_number(f["log_z"]), r.log_z);
     EXPECT_EQ(parse_number(f["grad_norm"]), r.grad_norm);
     EXPECT_EQ(static_cast<float>(parse_number(f["lr"])), r.lr);
     EXPECT_EQ(static_cast<float>(parse_number(f["max_attn_logit"])), r.max_attn_logit);
@@ -285,6 +287,13 @@ TEST(TrainerTest, ZLossAccounting) {
   const double expected = 1e-4 * std::log(256.0) * std::log(256.0);
   EXPECT_GT(r_on.z_loss, 0.5 * expected);
   EXPECT_LT(r_on.z_loss, 2.0 * expected);
+  // log_z, the mean log-partition, is logged whether or not z-loss is on: the forward is the same,
+  // so it is bit for bit equal, near ln(256) = 5.545 at init, and z_loss = 1e-4 mean(lse^2) is at
+  // least 1e-4 mean(lse)^2 (Jensen), within 1% since the rows' lse hardly differ at init.
+  EXPECT_EQ(r_on.log_z, r_off.log_z);
+  EXPECT_NEAR(r_on.log_z, std::log(256.0), 0.1);
+  EXPECT_GE(r_on.z_loss, 1e-4 * r_on.log_z * r_on.log_z);
+  EXPECT_LT(r_on.z_loss, 1.01e-4 * r_on.log_z * r_on.log_z);
   for (int s = 2; s <= 3; ++s) EXPECT_EQ(off->step().z_loss, 0.0) << "step " << s;
 }
 

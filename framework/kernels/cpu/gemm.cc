@@ -75,8 +75,28 @@ KEEL_INSTANTIATE(double)
 }  // namespace keel::kernels
 
 #include <omp.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace keel::kernels {
+bool set_flush_denormals(bool on) {
+#if defined(__SSE__)
+  constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bits 15 (flush to zero) and 6 (denormals are zero)
+  const auto apply = [on] {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(on ? (csr | kFtzDaz) : (csr & ~kFtzDaz));
+  };
+  apply();
+#pragma omp parallel
+  apply();
+  return true;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 void set_num_threads(int n) {
   omp_set_num_threads(n);
   openblas_set_num_threads(n);
