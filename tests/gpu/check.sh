@@ -100,7 +100,8 @@ main() {
   else
     echo "using the system libstdc++ and libgcc_s"
   fi
-  for lib in libcudart.so.13 libcublasLt.so.13; do
+  # libcudnn.so.9: cuDNN fused attention, in builds with the cuDNN frontend (MANIFEST.txt's needs)
+  for lib in libcudart.so.13 libcublasLt.so.13 libcudnn.so.9; do
     local hit=""
     for d in ${ldpath//:/ }; do [[ -e "$d/$lib" ]] && hit="$d/$lib" && break; done
     echo "  $lib: ${hit:-NOT FOUND in the pack or the wheels}"

@@ -69,10 +69,15 @@ glibc=$(find "$pack" -maxdepth 1 -type f -exec objdump -T {} \; 2>/dev/null |
   grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
 glibcxx=$(find "$pack" -maxdepth 1 -type f -exec objdump -T {} \; 2>/dev/null |
   grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
+# The CUDA-side libraries the binaries need from the wheels there (cuDNN only in builds with the
+# cuDNN frontend, for fused attention).
+cuda_libs=$(for b in "${bins[@]}"; do readelf -d "$pack/$b"; done |
+  grep -o 'NEEDED.*\[lib\(cudart\|cublas\|cudnn\|nccl\)[^]]*' | sed 's/.*\[//' | sort -u |
+  paste -sd' ' - || true)
 bytes=$(du -sb "$pack" | cut -f1)
 {
   echo "keel GPU pack: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+changes'), built $(date -u +%FT%TZ) on $(uname -m)"
-  echo "needs: glibc >= ${glibc#GLIBC_}, libstdc++ with ${glibcxx} (else gcc/), libcudart.so.13 and libcublasLt.so.13 (CUDA 13 wheels), an sm_90 GPU"
+  echo "needs: glibc >= ${glibc#GLIBC_}, libstdc++ with ${glibcxx} (else gcc/), ${cuda_libs} (CUDA 13 and cuDNN 9 wheels), an sm_90 GPU"
   find "$pack" -type f ! -name MANIFEST.txt -printf '%s %P\n' | sort -k2
 } >"$pack/MANIFEST.txt"
 cat "$pack/MANIFEST.txt"

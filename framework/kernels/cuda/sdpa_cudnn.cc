@@ -1,0 +1,374 @@
+// cuDNN fused attention through the cuDNN frontend's graph API (see sdpa_cudnn.h). Host code only:
+// the per-head scale fold it needs is in sdpa_fold.cu. Built without the frontend
+// (KEEL_HAVE_CUDNN_FRONTEND unset: its headers were not found at configure time) the functions
+// report "built without the cuDNN frontend" and the caller uses keel's own attention kernel.
+//
+// cuDNN sees keel's [B, T, H, D] rows as (B, H, S, D) tensors with strides (T * ld, D, ld, 1), so
+// fused-qkv rows and separate arrays both go in without a copy; the softmax stats (lse) are
+// (B, H, T, 1) with strides (H * T, T, 1, 1).
+#include "framework/kernels/cuda/sdpa_cudnn.h"
+
+#include <string>
+
+#include "framework/error.h"
+
+#if KEEL_HAVE_CUDNN_FRONTEND
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <nvrtc.h>
+// The frontend (1.20 and later) compiles in an RMSNorm+SiLU engine that builds its kernel with
+// NVRTC, called directly; only graphs of that pattern reach it, never the SDPA graphs here. Weak
+// references keep libnvrtc off the link line (the binaries neither need nor load it; an unresolved
+// weak symbol is null), so the GPU machine needs no NVRTC to start them.
+#pragma weak nvrtcCreateProgram
+#pragma weak nvrtcCompileProgram
+#pragma weak nvrtcGetProgramLogSize
+#pragma weak nvrtcGetProgramLog
+#pragma weak nvrtcDestroyProgram
+#pragma weak nvrtcGetCUBINSize
+#pragma weak nvrtcGetCUBIN
+#include <cudnn_frontend.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "framework/kernels/cuda/check.h"
+#endif
+
+namespace keel::kernels::cuda::cudnn {
+
+namespace {
+
+std::string shape_string(const AttentionShape& s) {
+  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D, " ldq=", s.ldq,
+                              " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
+}
+
+}  // namespace
+
+#if !KEEL_HAVE_CUDNN_FRONTEND
+
+namespace {
+constexpr const char* kNoFrontend = "built without the cuDNN frontend";
+}  // namespace
+
+bool sdpa_available(Context&, const AttentionShape&, std::string* why) {
+  if (why != nullptr) *why = kNoFrontend;
+  return false;
+}
+
+void sdpa_forward(Context&, const AttentionShape& s, Bf16*, float*, const Bf16*, const Bf16*,
+                  const Bf16*, const float*) {
+  KEEL_FAIL(kInternal, "cudnn sdpa_forward [", shape_string(s), "]: ", kNoFrontend);
+}
+
+void sdpa_backward(Context&, const AttentionShape& s, Bf16*, Bf16*, Bf16*, float*, const Bf16*,
+                   const Bf16*, const float*, const Bf16*, const Bf16*, const Bf16*, const float*) {
+  KEEL_FAIL(kInternal, "cudnn sdpa_backward [", shape_string(s), "]: ", kNoFrontend);
+}
+
+bool have_frontend() { return false; }
+std::string library_version() { return kNoFrontend; }
+
+#else  // KEEL_HAVE_CUDNN_FRONTEND
+
+namespace fe = cudnn_frontend;
+
+namespace {
+
+// Tensor uids of the graphs' variant packs.
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+// "<call> failed: CUDNN_STATUS_... (<cuDNN's last error>) [<where>]".
+[[noreturn]] void throw_cudnn_error(cudnnStatus_t status, const char* call,
+                                    const std::string& where, const char* file, int line) {
+  char last[512] = {};
+  cudnnGetLastErrorString(last, sizeof(last));
+  throw Error(ErrorKind::kInternal,
+              keel::detail::concat(call, " failed: ", cudnnGetErrorString(status),
+                                   last[0] != '\0' ? " (" : "", last, last[0] != '\0' ? ")" : "",
+                                   " [", where, "]"),
+              file, line);
+}
+
+#define KEEL_CUDNN_CHECK(call, where)                                          \
+  do {                                                                         \
+    const cudnnStatus_t keel_cudnn_status_ = (call);                           \
+    if (keel_cudnn_status_ != CUDNN_STATUS_SUCCESS) {                          \
+      throw_cudnn_error(keel_cudnn_status_, #call, where, __FILE__, __LINE__); \
+    }                                                                          \
+  } while (0)
+
+// A frontend call's error_t as a keel::Error naming the call and the shape.
+void fe_check(fe::error_t status, const char* call, const std::string& where) {
+  if (status.is_good()) return;
+  std::ostringstream code;
+  code << status.get_code();
+  throw Error(ErrorKind::kInternal,
+              keel::detail::concat("cudnn_frontend ", call, " failed: ", code.str(), " ",
+                                   status.get_message(), " [", where, "]"),
+              __FILE__, __LINE__);
+}
+
+// One shape's graph with its built plan; `error` (when not empty) says why cuDNN cannot run it,
+// so an unsupported shape is tried once, not on every call.
+struct Plan {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace_bytes = 0;
+  std::string error;
+};
+
+// The cuDNN state of one Context: its handle and the plans built with it.
+struct State {
+  cudnnHandle_t handle = nullptr;
+  std::map<std::string, Plan> plans;  // "fwd <shape>" / "bwd <shape>"
+};
+
+// States by (Context address, device). Context (device.h) has no slot for backend extensions, so
+// the handle lives here; it is never destroyed: a cuDNN handle holds no stream (the stream is
+// set before every call) and no memory of the Context, so a later Context at the same address
+// reuses it safely, and destroying handles at exit would race the CUDA runtime's teardown. The
+// map itself is leaked for the same reason.
+std::mutex states_mu;
+std::map<std::pair<const Context*, int>, std::unique_ptr<State> >& states() {
+  static auto* map = new std::map<std::pair<const Context*, int>, std::unique_ptr<State> >();
+  return *map;
+}
+
+State& state_locked(Context& ctx) {
+  auto& slot = states()[{&ctx, ctx.device()}];
+  if (slot == nullptr) {
+    auto st = std::make_unique<State>();
+    const std::string where = keel::detail::concat("device ", ctx.device());
+    KEEL_CUDA_CHECK(cudaSetDevice(ctx.device()), where);
+    KEEL_CUDNN_CHECK(cudnnCreate(&st->handle), where);
+    slot = std::move(st);
+  }
+  return *slot;
+}
+
+// (B, H, S, D) view of keel rows with row stride ld, and the (B, H, T, 1) lse.
+std::vector<int64_t> rows_dim(const AttentionShape& s) { return {s.B, s.H, s.T, s.D}; }
+std::vector<int64_t> rows_stride(const AttentionShape& s, int64_t ld) {
+  return {s.T * ld, s.D, ld, 1};
+}
+std::vector<int64_t> stats_dim(const AttentionShape& s) { return {s.B, s.H, s.T, 1}; }
+std::vector<int64_t> stats_stride(const AttentionShape& s) { return {s.H * s.T, s.T, 1, 1}; }
+
+fe::graph::Tensor_attributes rows_tensor(const AttentionShape& s, const char* name, Uid uid,
+                                         int64_t ld) {
+  return fe::graph::Tensor_attributes()
+      .set_name(name)
+      .set_uid(uid)
+      .set_dim(rows_dim(s))
+      .set_stride(rows_stride(s, ld));
+}
+
+std::shared_ptr<fe::graph::Graph> new_graph() {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+// The forward graph: q' (dense rows of H * D, Note [cudnn-sdpa-scale]), k, v -> out, lse.
+std::shared_ptr<fe::graph::Graph> forward_graph(const AttentionShape& s) {
+  auto g = new_graph();
+  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H * s.D));
+  auto k = g->tensor(rows_tensor(s, "k", kK, s.ldk));
+  auto v = g->tensor(rows_tensor(s, "v", kV, s.ldv));
+  auto options = fe::graph::SDPA_attributes()
+                     .set_name("sdpa_forward")
+                     .set_generate_stats(true)
+                     .set_attn_scale(1.0f)
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0);  // causal: key j <= query t
+  auto [o, stats] = g->sdpa(q, k, v, options);
+  o->set_output(true).set_uid(kO).set_dim(rows_dim(s)).set_stride(rows_stride(s, s.ldo));
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_dim(stats_dim(s))
+      .set_stride(stats_stride(s))
+      .set_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+// The backward graph: q', k, v, out, dout, lse -> dq' (written into dq), dk, dv.
+std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
+  auto g = new_graph();
+  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H * s.D));
+  auto k = g->tensor(rows_tensor(s, "k", kK, s.ldk));
+  auto v = g->tensor(rows_tensor(s, "v", kV, s.ldv));
+  auto o = g->tensor(rows_tensor(s, "out", kO, s.ldo));
+  auto dout = g->tensor(rows_tensor(s, "dout", kDO, s.ldo));
+  auto stats = g->tensor(fe::graph::Tensor_attributes()
+                             .set_name("lse")
+                             .set_uid(kStats)
+                             .set_dim(stats_dim(s))
+                             .set_stride(stats_stride(s))
+                             .set_data_type(fe::DataType_t::FLOAT));
+  auto options = fe::graph::SDPA_backward_attributes()
+                     .set_name("sdpa_backward")
+                     .set_attn_scale(1.0f)
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0);
+  auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
+  for (const auto& [t, uid, ld] :
+       {std::tuple{dq, kDQ, s.ldq}, std::tuple{dk, kDK, s.ldk}, std::tuple{dv, kDV, s.ldv}}) {
+    t->set_output(true).set_uid(uid).set_dim(rows_dim(s)).set_stride(rows_stride(s, ld));
+  }
+  return g;
+}
+
+// Shape limits checked before cuDNN is asked, with messages that name the field: cuDNN needs
+// 16-byte aligned rows (strides in multiples of 8 bf16) and head dims that are multiples of 8.
+std::string shape_problem(const AttentionShape& s) {
+  if (s.B <= 0 || s.T <= 0 || s.H <= 0 || s.D <= 0) return "empty shape";
+  if (s.D % 8 != 0 || s.D > 256) return "head dim D must be a multiple of 8 and at most 256";
+  const int64_t c = s.H * s.D;
+  if (s.ldq < c || s.ldk < c || s.ldv < c || s.ldo < c) return "a row stride is below H * D";
+  if (s.ldq % 8 != 0 || s.ldk % 8 != 0 || s.ldv % 8 != 0 || s.ldo % 8 != 0) {
+    return "row strides must be multiples of 8 elements (16-byte rows)";
+  }
+  return "";
+}
+
+// The cached plan of one direction and shape, built on first use; its `error` says why not.
+Plan& plan_locked(State& st, const AttentionShape& s, bool backward) {
+  const std::string shape = shape_string(s);
+  Plan& plan = st.plans[keel::detail::concat(backward ? "bwd " : "fwd ", shape)];
+  if (plan.graph != nullptr || !plan.error.empty()) return plan;
+  plan.error = shape_problem(s);
+  if (!plan.error.empty()) return plan;
+  const std::string where =
+      keel::detail::concat(backward ? "sdpa_backward " : "sdpa_forward ", shape);
+  try {
+    auto g = backward ? backward_graph(s) : forward_graph(s);
+    fe_check(g->validate(), "validate", where);
+    fe_check(g->build_operation_graph(st.handle), "build_operation_graph", where);
+    fe_check(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", where);
+    fe_check(g->check_support(st.handle), "check_support", where);
+    fe_check(g->build_plans(st.handle), "build_plans", where);
+    int64_t ws = 0;
+    fe_check(g->get_workspace_size(ws), "get_workspace_size", where);
+    plan.graph = std::move(g);
+    plan.workspace_bytes = ws;
+  } catch (const std::exception& e) {  // keel::Error from fe_check, or a frontend exception
+    plan.error = e.what();
+  }
+  return plan;
+}
+
+// The handle (bound to ctx's stream) and the built plan, or a keel::Error naming the shape.
+std::pair<cudnnHandle_t, const Plan*> ready(Context& ctx, const AttentionShape& s, bool backward) {
+  std::lock_guard<std::mutex> lock(states_mu);
+  State& st = state_locked(ctx);
+  const Plan& plan = plan_locked(st, s, backward);
+  KEEL_CHECK(plan.graph != nullptr, kInternal, "cudnn ",
+             backward ? "sdpa_backward" : "sdpa_forward", " unavailable [", shape_string(s),
+             "]: ", plan.error);
+  KEEL_CUDNN_CHECK(cudnnSetStream(st.handle, ctx.stream()), shape_string(s));
+  return {st.handle, &plan};
+}
+
+void check_aligned(const void* p, const char* name, const AttentionShape& s) {
+  KEEL_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, kInternal, "cudnn sdpa: ", name,
+             " is not 16-byte aligned [", shape_string(s), "]");
+}
+
+void execute(Context& ctx, cudnnHandle_t handle, const Plan& plan,
+             std::unordered_map<int64_t, void*>& pack, const char* what, const AttentionShape& s) {
+  DeviceBuffer workspace = ctx.alloc(static_cast<size_t>(plan.workspace_bytes));
+  fe_check(plan.graph->execute(handle, pack, workspace.data()), "execute",
+           keel::detail::concat(what, " ", shape_string(s)));
+  // workspace goes back to the allocator's cache here; the kernels using it are already enqueued
+  // on ctx's stream (Note [cuda-stream-order]).
+}
+
+}  // namespace
+
+bool sdpa_available(Context& ctx, const AttentionShape& s, std::string* why) {
+  std::lock_guard<std::mutex> lock(states_mu);
+  State& st = state_locked(ctx);
+  for (bool backward : {false, true}) {
+    const Plan& plan = plan_locked(st, s, backward);
+    if (plan.graph == nullptr) {
+      if (why != nullptr) *why = plan.error;
+      return false;
+    }
+  }
+  if (why != nullptr) why->clear();
+  return true;
+}
+
+void sdpa_forward(Context& ctx, const AttentionShape& s, Bf16* out, float* lse, const Bf16* q,
+                  const Bf16* k, const Bf16* v, const float* scale) {
+  auto [handle, plan] = ready(ctx, s, false);
+  for (auto [p, name] : {std::pair<const void*, const char*>{out, "out"},
+                         {lse, "lse"},
+                         {q, "q"},
+                         {k, "k"},
+                         {v, "v"}}) {
+    check_aligned(p, name, s);
+  }
+  DeviceBuffer qs = ctx.alloc(static_cast<size_t>(s.B * s.T * s.H * s.D) * sizeof(Bf16));
+  fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, qs.data()}, {kK, const_cast<Bf16*>(k)}, {kV, const_cast<Bf16*>(v)}, {kO, out},
+      {kStats, lse},
+  };
+  execute(ctx, handle, *plan, pack, "sdpa_forward", s);
+}
+
+void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf16* dv,
+                   float* dscale, const Bf16* dout, const Bf16* out, const float* lse,
+                   const Bf16* q, const Bf16* k, const Bf16* v, const float* scale) {
+  auto [handle, plan] = ready(ctx, s, true);
+  for (auto [p, name] : {std::pair<const void*, const char*>{dq, "dq"},
+                         {dk, "dk"},
+                         {dv, "dv"},
+                         {dout, "dout"},
+                         {out, "out"},
+                         {lse, "lse"},
+                         {q, "q"},
+                         {k, "k"},
+                         {v, "v"}}) {
+    check_aligned(p, name, s);
+  }
+  DeviceBuffer qs = ctx.alloc(static_cast<size_t>(s.B * s.T * s.H * s.D) * sizeof(Bf16));
+  fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, qs.data()},
+      {kK, const_cast<Bf16*>(k)},
+      {kV, const_cast<Bf16*>(v)},
+      {kO, const_cast<Bf16*>(out)},
+      {kDO, const_cast<Bf16*>(dout)},
+      {kStats, const_cast<float*>(lse)},
+      {kDQ, dq},
+      {kDK, dk},
+      {kDV, dv},
+  };
+  execute(ctx, handle, *plan, pack, "sdpa_backward", s);
+  unfold_head_scale_grad(ctx, s, dq, dscale, q, scale);
+}
+
+bool have_frontend() { return true; }
+
+std::string library_version() {
+  const size_t v = cudnnGetVersion();  // 91900 for 9.19.0
+  return keel::detail::concat("cuDNN ", v / 10000, ".", v % 10000 / 100, ".", v % 100,
+                              " (frontend ", CUDNN_FRONTEND_MAJOR_VERSION, ".",
+                              CUDNN_FRONTEND_MINOR_VERSION, ".", CUDNN_FRONTEND_PATCH_VERSION, ")");
+}
+
+#endif  // KEEL_HAVE_CUDNN_FRONTEND
+
+}  // namespace keel::kernels::cuda::cudnn

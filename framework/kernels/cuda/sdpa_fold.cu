@@ -1,0 +1,104 @@
+// The per-head attention scale folded into q for cuDNN's SDPA, and its gradient mapped back
+// (Note [cudnn-sdpa-scale] in sdpa_cudnn.h). Element-wise passes over B * T * H * D elements; the
+// dscale sum uses a fixed partition (kPartials blocks per head, summed in order), so it is
+// reproducible run to run, unlike atomics.
+#include <cuda_runtime.h>
+
+#include "framework/kernels/cuda/check.h"
+#include "framework/kernels/cuda/common.cuh"
+#include "framework/kernels/cuda/internal.h"
+#include "framework/kernels/cuda/sdpa_cudnn.h"
+
+namespace keel::kernels::cuda::cudnn {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPartials = 128;  // blocks per head in the dscale sum: enough to fill the GPU
+
+__global__ void fold_kernel(__nv_bfloat16* qs, const __nv_bfloat16* q, const float* scale,
+                            int64_t rows, int64_t H, int64_t D, int64_t ldq) {
+  const int64_t C = H * D, n = rows * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / C, c = i % C;
+    qs[i] = __float2bfloat16_rn(scale[c / D] * __bfloat162float(q[r * ldq + c]));
+  }
+}
+
+__global__ void unfold_kernel(__nv_bfloat16* dq, const float* scale, int64_t rows, int64_t H,
+                              int64_t D, int64_t ldq) {
+  const int64_t C = H * D, n = rows * C;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t at = i / C * ldq + i % C;
+    dq[at] = __float2bfloat16_rn(scale[i % C / D] * __bfloat162float(dq[at]));
+  }
+}
+
+// Block (p, h) sums dq' * q over the elements p * blockDim + t + j * kPartials * blockDim of head
+// h's rows * D elements into partial[h * kPartials + p], then writes dq = scale[h] * dq' for the
+// same elements.
+__global__ void unfold_sum_kernel(__nv_bfloat16* dq, float* partial, const __nv_bfloat16* q,
+                                  const float* scale, int64_t rows, int64_t D, int64_t ldq) {
+  __shared__ float shared[32];
+  const int64_t h = blockIdx.y, n = rows * D;
+  const float sh = scale[h];
+  float acc = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t at = i / D * ldq + h * D + i % D;
+    const float g = __bfloat162float(dq[at]);
+    acc += g * __bfloat162float(q[at]);
+    dq[at] = __float2bfloat16_rn(sh * g);
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) partial[h * gridDim.x + blockIdx.x] = acc;
+}
+
+__global__ void sum_partials_kernel(float* dscale, const float* partial, int64_t H, int parts) {
+  const int64_t h = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (h >= H) return;
+  double sum = 0.0;
+  for (int p = 0; p < parts; ++p) sum += partial[h * parts + p];
+  dscale[h] += static_cast<float>(sum);
+}
+
+std::string shape_string(const AttentionShape& s) {
+  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D, " ldq=", s.ldq);
+}
+
+}  // namespace
+
+void fold_head_scale(Context& ctx, const AttentionShape& s, Bf16* qs, const Bf16* q,
+                     const float* scale) {
+  const int64_t rows = s.B * s.T, n = rows * s.H * s.D;
+  if (n <= 0) return;
+  fold_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dev(qs), dev(q), scale, rows,
+                                                                    s.H, s.D, s.ldq);
+  KEEL_CUDA_LAUNCH_CHECK("fold_head_scale", shape_string(s));
+}
+
+void unfold_head_scale_grad(Context& ctx, const AttentionShape& s, Bf16* dq, float* dscale,
+                            const Bf16* q, const float* scale) {
+  const int64_t rows = s.B * s.T, n = rows * s.H * s.D;
+  if (n <= 0) return;
+  if (dscale == nullptr) {
+    unfold_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dev(dq), scale, rows, s.H,
+                                                                        s.D, s.ldq);
+    KEEL_CUDA_LAUNCH_CHECK("unfold_head_scale_grad", shape_string(s));
+    return;
+  }
+  // Partials live in a buffer from the allocator's cache; freeing it at return is safe because
+  // its users are already enqueued on this stream (Note [cuda-stream-order]).
+  DeviceBuffer partial = ctx.alloc(static_cast<size_t>(s.H) * kPartials * sizeof(float));
+  const dim3 grid(kPartials, static_cast<unsigned>(s.H));
+  unfold_sum_kernel<<<grid, kThreads, 0, ctx.stream()>>>(dev(dq), partial.as<float>(), dev(q),
+                                                         scale, rows, s.D, s.ldq);
+  KEEL_CUDA_LAUNCH_CHECK("unfold_head_scale_grad (dscale sum)", shape_string(s));
+  sum_partials_kernel<<<grid_for(s.H, 128), 128, 0, ctx.stream()>>>(dscale, partial.as<float>(),
+                                                                    s.H, kPartials);
+  KEEL_CUDA_LAUNCH_CHECK("unfold_head_scale_grad (dscale partials)", shape_string(s));
+}
+
+}  // namespace keel::kernels::cuda::cudnn

@@ -1,0 +1,285 @@
+// cuDNN fused attention (framework/kernels/cuda/sdpa_cudnn.h) against the CPU kernel
+// (framework/kernels/attention.h) in fp32 on the same bf16-rounded inputs: out, lse (against a
+// float64 log-sum-exp computed here), dq, dk, dv and dscale, for D in {64, 128}, T not a multiple
+// of 64, B, H > 1, different per-head scales, and q, k, v (and their gradients) both as strided
+// views of one fused qkv buffer and as dense arrays. Outputs are poisoned with NaN first, and the
+// fused rows' columns no view covers must stay untouched. Also the per-head scale fold's kernels
+// against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips without a GPU, and
+// the cuDNN comparisons skip in a build without the cuDNN frontend.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "framework/error.h"
+#include "framework/kernels/attention.h"
+#include "framework/kernels/cuda/sdpa_cudnn.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace keel::gpu_test {
+namespace {
+
+using cuda::DeviceBuffer;
+namespace cudnn = cuda::cudnn;
+
+// Bounds (besides gpu_test_util.h's). cuDNN runs on q' = bf16(scale[h] * q) (Note
+// [cudnn-sdpa-scale]): that rounding moves each logit by up to 2^-9 of scale * sum |q_d k_d|, so
+// even the fp32 lse gets the bf16 bound. dq is rounded twice (dq' by cuDNN, then scale * dq') and
+// dscale sums the rounded dq': twice the bf16 bound. A wrong result is off by O(1).
+constexpr double kLseRtol = kBf16Rtol;
+constexpr double kDqRtol = 2 * kBf16Rtol;
+
+struct SdpaCase {
+  int64_t B, T, H, D;
+  bool fused;  // q, k, v at columns [0, HD), [HD, 2HD), [2HD, 3HD) of rows of 3HD + 8 and out in
+               // rows of HD + 8 (cuDNN needs 16-byte rows); otherwise dense [B * T, HD] arrays.
+};
+
+std::string describe(const SdpaCase& c) {
+  return "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) +
+         " D=" + std::to_string(c.D) + (c.fused ? " fused" : " dense");
+}
+
+struct Layout {
+  int64_t ld, off_q, off_k, off_v, size, ldo, out_size;
+};
+Layout layout_of(const SdpaCase& c) {
+  const int64_t N = c.B * c.T, HD = c.H * c.D;
+  if (c.fused) return {3 * HD + 8, 0, HD, 2 * HD, N * (3 * HD + 8), HD + 8, N * (HD + 8)};
+  return {HD, 0, N * HD, 2 * N * HD, 3 * N * HD, HD, N * HD};
+}
+
+// The [N, HD] elements of a view (row stride ld, first element at off), densely.
+std::vector<float> gather(const std::vector<float>& buf, int64_t N, int64_t HD, int64_t ld,
+                          int64_t off) {
+  std::vector<float> out(N * HD);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < HD; ++j) out[n * HD + j] = buf[off + n * ld + j];
+  }
+  return out;
+}
+
+// Elements no view covers are still NaN (the poison).
+::testing::AssertionResult untouched_outside(const std::vector<float>& buf, int64_t N, int64_t HD,
+                                             int64_t ld, const std::vector<int64_t>& offsets) {
+  std::vector<char> covered(buf.size(), 0);
+  for (int64_t off : offsets) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < HD; ++j) covered[off + n * ld + j] = 1;
+    }
+  }
+  for (size_t i = 0; i < buf.size(); ++i) {
+    if (!covered[i] && !std::isnan(buf[i])) {
+      return ::testing::AssertionFailure() << "element " << i << " outside the views was written";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// lse[(b * H + h) * T + t] = ln sum_{u <= t} exp(scale[h] q_t . k_u), in double.
+std::vector<float> reference_lse(const kernels::AttentionShape& s, const float* q, const float* k,
+                                 const std::vector<float>& scale) {
+  std::vector<float> lse(s.B * s.H * s.T);
+  std::vector<double> x(s.T);
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t h = 0; h < s.H; ++h) {
+      for (int64_t t = 0; t < s.T; ++t) {
+        double mx = -INFINITY;
+        for (int64_t u = 0; u <= t; ++u) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < s.D; ++d) {
+            dot += static_cast<double>(q[(b * s.T + t) * s.ldq + h * s.D + d]) *
+                   k[(b * s.T + u) * s.ldk + h * s.D + d];
+          }
+          x[u] = scale[h] * dot;
+          mx = std::max(mx, x[u]);
+        }
+        double sum = 0.0;
+        for (int64_t u = 0; u <= t; ++u) sum += std::exp(x[u] - mx);
+        lse[(b * s.H + h) * s.T + t] = static_cast<float>(mx + std::log(sum));
+      }
+    }
+  }
+  return lse;
+}
+
+std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
+class SdpaTest : public GpuTest {
+ protected:
+  void check_case(const SdpaCase& c, uint32_t seed) {
+    SCOPED_TRACE(describe(c));
+    const Layout L = layout_of(c);
+    const int64_t N = c.B * c.T, HD = c.H * c.D;
+    const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, /*threads=*/1};
+    std::string why;
+    ASSERT_TRUE(cudnn::sdpa_available(ctx(), s, &why)) << why;
+
+    const auto qkv = bf16_rounded(random_vec(L.size, -1, 1, seed));
+    const auto dout = bf16_rounded(random_vec(L.out_size, -1, 1, seed + 1));
+    // Per-head scales around 1/sqrt(D), different per head: logits of magnitude up to ~4.
+    std::vector<float> scale = random_vec(c.H, 0.5f, 2.0f, seed + 2);
+    for (float& x : scale) x /= std::sqrt(static_cast<float>(c.D));
+    const auto dscale0 = random_vec(c.H, -1, 1, seed + 3);  // dscale accumulates (+=)
+
+    // CPU reference in fp32 on the rounded inputs.
+    std::vector<float> out(L.out_size, 0.0f), probs(c.B * c.H * c.T * c.T);
+    float max_logit = 0.0f;
+    const float* q = qkv.data() + L.off_q;
+    const float* k = qkv.data() + L.off_k;
+    const float* v = qkv.data() + L.off_v;
+    kernels::attention_forward<float>(s, out.data(), probs.data(), q, k, v, scale.data(),
+                                      &max_logit);
+    std::vector<float> dqkv(L.size, 0.0f), dscale = dscale0;
+    std::vector<float> ws(kernels::attention_workspace_elems(s, 1));
+    kernels::attention_backward<float>(s, dqkv.data() + L.off_q, dqkv.data() + L.off_k,
+                                       dqkv.data() + L.off_v, dscale.data(), dout.data(),
+                                       probs.data(), q, k, v, scale.data(), ws.data());
+    const auto lse_ref = reference_lse(s, q, k, scale);
+
+    DeviceBuffer d_qkv = cuda::upload(ctx(), to_bf16(qkv));
+    DeviceBuffer d_dout = cuda::upload(ctx(), to_bf16(dout));
+    DeviceBuffer d_scale = cuda::upload(ctx(), scale), d_dscale = cuda::upload(ctx(), dscale0);
+    DeviceBuffer d_out = poisoned<Bf16>(L.out_size), d_lse = poisoned<float>(c.B * c.H * c.T);
+    DeviceBuffer d_dqkv = poisoned<Bf16>(L.size);
+    const Bf16* gq = d_qkv.as<Bf16>() + L.off_q;
+    const Bf16* gk = d_qkv.as<Bf16>() + L.off_k;
+    const Bf16* gv = d_qkv.as<Bf16>() + L.off_v;
+    cudnn::sdpa_forward(ctx(), s, d_out.as<Bf16>(), d_lse.as<float>(), gq, gk, gv,
+                        d_scale.as<float>());
+    cudnn::sdpa_backward(ctx(), s, d_dqkv.as<Bf16>() + L.off_q, d_dqkv.as<Bf16>() + L.off_k,
+                         d_dqkv.as<Bf16>() + L.off_v, d_dscale.as<float>(), d_dout.as<Bf16>(),
+                         d_out.as<Bf16>(), d_lse.as<float>(), gq, gk, gv, d_scale.as<float>());
+    const auto g_out = from_bf16(get<Bf16>(d_out, L.out_size));
+    const auto g_dqkv = from_bf16(get<Bf16>(d_dqkv, L.size));
+    const auto g_lse = get<float>(d_lse, c.B * c.H * c.T);
+    const auto g_dscale = get<float>(d_dscale, c.H);
+
+    EXPECT_TRUE(matches(gather(g_out, N, HD, L.ldo, 0), gather(out, N, HD, L.ldo, 0), kBf16Rtol))
+        << "out";
+    EXPECT_TRUE(untouched_outside(g_out, N, HD, L.ldo, {0})) << "out";
+    EXPECT_TRUE(matches(g_lse, lse_ref, kLseRtol)) << "lse";
+    const std::pair<int64_t, double> grads[] = {
+        {L.off_q, kDqRtol}, {L.off_k, kBf16Rtol}, {L.off_v, kBf16Rtol}};
+    const char* names[] = {"dq", "dk", "dv"};
+    for (int i = 0; i < 3; ++i) {
+      const auto [off, rtol] = grads[i];
+      EXPECT_TRUE(matches(gather(g_dqkv, N, HD, L.ld, off), gather(dqkv, N, HD, L.ld, off), rtol))
+          << names[i];
+    }
+    EXPECT_TRUE(untouched_outside(g_dqkv, N, HD, L.ld, {L.off_q, L.off_k, L.off_v})) << "dqkv";
+    // The increment, not the sum, against the bound: dscale0 would otherwise hide its errors.
+    EXPECT_TRUE(matches(minus(g_dscale, dscale0), minus(dscale, dscale0), kDqRtol)) << "dscale";
+  }
+};
+
+TEST_F(SdpaTest, ForwardAndBackwardMatchCpuOnRoundedInputs) {
+  if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
+  std::cout << "[          ] " << cudnn::library_version() << "\n";
+  // T = 77, 130, 45: no multiple of cuDNN's 64- or 128-row tiles.
+  const SdpaCase cases[] = {{2, 77, 3, 64, true}, {2, 130, 2, 128, false}, {3, 45, 4, 128, true}};
+  uint32_t seed = 500;
+  for (const SdpaCase& c : cases) check_case(c, seed += 10);
+}
+
+TEST_F(SdpaTest, PlansAreReusedAcrossCalls) {
+  if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
+  // The same shape twice on the same inputs: the cached plan gives the same forward result.
+  const SdpaCase c{2, 70, 2, 64, false};
+  const Layout L = layout_of(c);
+  const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, 1};
+  const auto qkv = to_bf16(random_vec(L.size, -1, 1, 601));
+  const std::vector<float> scale = {0.1f, 0.2f};
+  DeviceBuffer d_qkv = cuda::upload(ctx(), qkv), d_scale = cuda::upload(ctx(), scale);
+  std::vector<std::vector<Bf16>> outs;
+  for (int rep = 0; rep < 2; ++rep) {
+    DeviceBuffer d_out = poisoned<Bf16>(L.out_size), d_lse = poisoned<float>(c.B * c.H * c.T);
+    cudnn::sdpa_forward(ctx(), s, d_out.as<Bf16>(), d_lse.as<float>(), d_qkv.as<Bf16>() + L.off_q,
+                        d_qkv.as<Bf16>() + L.off_k, d_qkv.as<Bf16>() + L.off_v,
+                        d_scale.as<float>());
+    outs.push_back(get<Bf16>(d_out, L.out_size));
+  }
+  const auto a = from_bf16(outs[0]), b = from_bf16(outs[1]);
+  EXPECT_TRUE(identical(a, b));
+}
+
+TEST_F(SdpaTest, RefusesShapesCudnnCannotTakeNamingTheShape) {
+  // D = 12 is not a multiple of 8; ld = 36 (H * D for D = 12, H = 3) is not either.
+  const kernels::AttentionShape odd_d{1, 8, 3, 12, 36, 36, 36, 36, 1};
+  const kernels::AttentionShape odd_ld{1, 8, 1, 64, 68, 68, 68, 64, 1};
+  DeviceBuffer buf = ctx().alloc(1 << 16), lse = ctx().alloc(1 << 12), sc = ctx().alloc(64);
+  Bf16* p = buf.as<Bf16>();
+  for (const auto& s : {odd_d, odd_ld}) {
+    std::string why;
+    EXPECT_FALSE(cudnn::sdpa_available(ctx(), s, &why));
+    EXPECT_FALSE(why.empty());
+    try {
+      cudnn::sdpa_forward(ctx(), s, p, lse.as<float>(), p, p, p, sc.as<float>());
+      ADD_FAILURE() << "no error for D=" << s.D << " ld=" << s.ldq;
+    } catch (const Error& e) {
+      const std::string shape = "D=" + std::to_string(s.D) + " ldq=" + std::to_string(s.ldq);
+      EXPECT_NE(std::string(e.what()).find(shape), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST_F(SdpaTest, ScaleFoldAndUnfoldMatchHostArithmetic) {
+  // Fused rows (ld = 3 * H * D + 8): the fold reads q's columns only, the unfold writes dq's.
+  const int64_t B = 2, T = 37, H = 3, D = 64, HD = H * D, ld = 3 * HD + 8, N = B * T;
+  const kernels::AttentionShape s{B, T, H, D, ld, ld, ld, HD, 1};
+  const auto q = to_bf16(random_vec(N * ld, -2, 2, 701));
+  const auto dq = to_bf16(random_vec(N * ld, -1, 1, 702));
+  const std::vector<float> scale = {0.125f, 0.3f, 1.7f};
+  const std::vector<float> dscale0 = {0.5f, -0.25f, 2.0f};
+  DeviceBuffer d_q = cuda::upload(ctx(), q), d_scale = cuda::upload(ctx(), scale);
+
+  // fold: qs = bf16(scale[h] * q), dense rows of H * D: the same rounding as the host's.
+  DeviceBuffer d_qs = poisoned<Bf16>(N * HD);
+  cudnn::fold_head_scale(ctx(), s, d_qs.as<Bf16>(), d_q.as<Bf16>(), d_scale.as<float>());
+  std::vector<float> qs_ref(N * HD);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < HD; ++j) {
+      qs_ref[n * HD + j] = round_bf16(scale[j / D] * from_bf16(q[n * ld + j]));
+    }
+  }
+  EXPECT_TRUE(identical(from_bf16(get<Bf16>(d_qs, N * HD)), qs_ref)) << "fold";
+
+  // unfold: dscale[h] += sum dq' * q (fp32 partial sums against double), dq = bf16(scale * dq').
+  std::vector<float> dq_ref(N * ld), dscale_inc(H, 0.0f);
+  std::vector<double> sums(H, 0.0);
+  for (int64_t i = 0; i < N * ld; ++i) dq_ref[i] = from_bf16(dq[i]);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < HD; ++j) {
+      const float g = from_bf16(dq[n * ld + j]);
+      sums[j / D] += static_cast<double>(g) * from_bf16(q[n * ld + j]);
+      dq_ref[n * ld + j] = round_bf16(scale[j / D] * g);
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) dscale_inc[h] = static_cast<float>(sums[h]);
+  for (bool with_dscale : {false, true}) {
+    SCOPED_TRACE(with_dscale ? "with dscale" : "without dscale");
+    DeviceBuffer d_dq = cuda::upload(ctx(), dq), d_dscale = cuda::upload(ctx(), dscale0);
+    cudnn::unfold_head_scale_grad(ctx(), s, d_dq.as<Bf16>(),
+                                  with_dscale ? d_dscale.as<float>() : nullptr, d_q.as<Bf16>(),
+                                  d_scale.as<float>());
+    // The whole buffer: columns of k and v (and the padding) keep their values.
+    EXPECT_TRUE(identical(from_bf16(get<Bf16>(d_dq, N * ld)), dq_ref)) << "dq";
+    const auto g_dscale = get<float>(d_dscale, H);
+    if (with_dscale) {
+      EXPECT_TRUE(matches(minus(g_dscale, dscale0), dscale_inc, f32_rtol(N * D))) << "dscale";
+    } else {
+      EXPECT_TRUE(identical(g_dscale, dscale0)) << "dscale must be untouched when not given";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace keel::gpu_test
