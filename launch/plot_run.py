@@ -104,8 +104,11 @@ def rewind_jumps(segments, alerts):
             jumps.append((a["step"], a["rewound_to"], True))
     for prev, nxt in zip(segments, segments[1:]):
         back_to = nxt[0]["step"] - 1
+        # A rewind from step frm to step to explains the boundary when the next segment starts
+        # after `to` (at to + 1, or at the next multiple of train.log_every) and not after frm.
         explained = any(
-            to == back_to and back_to < frm <= prev[-1]["step"] + 1 for frm, to, _ in jumps
+            from_alert and to <= back_to < frm <= prev[-1]["step"] + 1
+            for frm, to, from_alert in jumps
         )
         if not explained:
             jumps.append((prev[-1]["step"], back_to, False))

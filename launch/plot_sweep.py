@@ -14,8 +14,10 @@ prediction) and, for the per-step plots, SWEEP/runs/NAME/metrics.jsonl and alert
   max_attn_logit_vs_lr.png  the largest attention logit of each run against the learning rate
   log_z_vs_lr.png           the final mean log Z (output-logit scale) against the learning rate
 
-"Stable" here means not diverged (keel-sweep's definition); when NONE diverged nowhere, (b) uses
-its two highest learning rates and says so. A run whose metrics are missing (a committed example
+"Stable" means not unstable (keel-sweep's definition: not diverged and within --unstable-margin of
+its setting's best final loss); when NONE is unstable nowhere, (b) uses its two highest learning
+rates and says so. In (a) and the per-lr plots, crosses are diverged runs and open circles runs
+that are unstable without diverging. A run whose metrics are missing (a committed example
 keeps only the runs the plots need) is left out of (b), said once. One line per PNG:
     plot_sweep: wrote SWEEP/plots/final_loss_vs_lr.png (runs=57 settings=8 diverged=9)
 
@@ -85,7 +87,7 @@ def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
     for qk, z in settings(grid):
         pts = sorted((num(r["lr"]), r) for r in grid if r["qk_norm"] == qk and num(r["z_loss"]) == z)
         color, ls = style(qk, z, z_values)
-        xs, ys, dx, dy = [], [], [], []
+        xs, ys, dx, dy, ux, uy = [], [], [], [], [], []
         for lr, r in pts:
             bad = r.get("diverged") == "1"
             diverged += bad
@@ -99,10 +101,15 @@ def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
             if bad:
                 dx.append(lr)
                 dy.append(v)
+            elif is_unstable(r):
+                ux.append(lr)
+                uy.append(v)
         ax.plot(xs, ys, color=color, ls=ls, marker="o", ms=4, lw=1.4,
                 label="qk_norm %s, z_loss %g" % (qk, z))
         if dx:
             ax.scatter(dx, dy, color=color, marker="x", s=70, zorder=5)
+        if ux:
+            ax.scatter(ux, uy, facecolors="none", edgecolors=color, marker="o", s=90, zorder=5)
     if key == "final_loss":
         ax.axhline(l0, color="gray", lw=0.8, ls=":", label="ln vocab (uniform prediction)")
     ax.set_xscale("log")
@@ -110,11 +117,15 @@ def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
         ax.set_yscale("log")
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel(ylabel)
-    ax.set_title(title + " (x: diverged)")
+    ax.set_title(title + " (x: diverged, o: unstable)")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
     save(fig, plt, path)
     return len(grid), len(settings(grid)), diverged
+
+
+def is_unstable(r):
+    return r.get("unstable", r.get("diverged")) == "1"
 
 
 def pick_lrs(grid):
@@ -123,14 +134,14 @@ def pick_lrs(grid):
     if not none:
         return None, None, "no qk_norm NONE runs"
     z = max(num(r["z_loss"]) for r in none)
-    runs = sorted((num(r["lr"]), r.get("diverged") == "1") for r in none if num(r["z_loss"]) == z)
+    runs = sorted((num(r["lr"]), is_unstable(r)) for r in none if num(r["z_loss"]) == z)
     unstable = [lr for lr, bad in runs if bad]
     if unstable:
         first = unstable[0]
         stable = [lr for lr, bad in runs if not bad and lr < first]
         return (stable[-1] if stable else None), first, ""
     lrs = [lr for lr, _ in runs]
-    return (lrs[-2] if len(lrs) > 1 else None), lrs[-1], "NONE diverged nowhere: its two highest"
+    return (lrs[-2] if len(lrs) > 1 else None), lrs[-1], "NONE unstable nowhere: its two highest"
 
 
 def attn_steps_plot(plt, path, sweep, rows):
