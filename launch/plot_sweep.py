@@ -85,7 +85,8 @@ def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
     diverged = 0
     for qk, z in settings(grid):
-        pts = sorted((num(r["lr"]), r) for r in grid if r["qk_norm"] == qk and num(r["z_loss"]) == z)
+        pts = sorted(((num(r["lr"]), r) for r in grid
+                      if r["qk_norm"] == qk and num(r["z_loss"]) == z), key=lambda p: p[0])
         color, ls = style(qk, z, z_values)
         xs, ys, dx, dy, ux, uy = [], [], [], [], [], []
         for lr, r in pts:
@@ -254,8 +255,8 @@ def main(argv):
     if g:
         print("%s: wrote %s (points=%d alerts=%d rewinds=%d)" % ((PROG, path) + g))
     path = os.path.join(out, "max_attn_logit_vs_lr.png")
-    n, s, d = per_lr_plot(plt, path, rows, l0, "max_attn_logit", "largest attention logit of the run",
-                          "max |scaled q.k|", True)
+    n, s, d = per_lr_plot(plt, path, rows, l0, "max_attn_logit",
+                          "largest attention logit of the run", "max |scaled q.k|", True)
     print("%s: wrote %s (runs=%d settings=%d diverged=%d)" % (PROG, path, n, s, d))
     path = os.path.join(out, "log_z_vs_lr.png")
     n, s, d = per_lr_plot(plt, path, rows, l0, "log_z", "final mean log Z (output-logit scale)",
