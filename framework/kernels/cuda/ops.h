@@ -10,6 +10,7 @@
 #include "framework/kernels/adamw.h"
 #include "framework/kernels/cuda/bf16.h"
 #include "framework/kernels/cuda/device.h"
+#include "framework/kernels/glu.h"
 #include "framework/kernels/norm.h"
 #include "framework/kernels/rope.h"
 
@@ -24,6 +25,18 @@ void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  
 void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n);
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n);  // y += x
 void add_inplace(Context& ctx, Bf16* y, const Bf16* x, int64_t n);
+
+// ---- gated linear units (framework/kernels/glu.h; the per-element math is shared) ----
+// out = act(gate) * up (=); out may be gate or up (in place).
+void glu_forward(Context& ctx, GluAct act, float* out, const float* gate, const float* up,
+                 int64_t n);
+void glu_forward(Context& ctx, GluAct act, Bf16* out, const Bf16* gate, const Bf16* up, int64_t n);
+// dgate = dout * up * act'(gate), dup = dout * act(gate) (both =); dup may be dout (in place),
+// dgate must not alias dout, gate or up.
+void glu_backward(Context& ctx, GluAct act, float* dgate, float* dup, const float* dout,
+                  const float* gate, const float* up, int64_t n);
+void glu_backward(Context& ctx, GluAct act, Bf16* dgate, Bf16* dup, const Bf16* dout,
+                  const Bf16* gate, const Bf16* up, int64_t n);
 
 // Sum of squares of x[n] in double, into the device double *out (= or += per accumulate), with a
 // fixed partition of x: bitwise reproducible run to run. Summing several tensors into one *out
