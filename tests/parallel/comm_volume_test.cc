@@ -291,7 +291,7 @@ Volume expected_volume(const Case& c, Terms* t) {
     t->buckets = v.dp_calls;
   }
   if (c.tp * c.dp > 1) {
-    v.world_bytes = 16 + 4 + (zero ? 8 : 0);
+    v.world_bytes = 24 + 4 + (zero ? 8 : 0);  // loss, z-loss and log Z sums; max logit
     v.world_calls = 2 + (zero ? 1 : 0);
   }
   return v;
