@@ -1,0 +1,302 @@
+// NCCL implementation of Communicator (see nccl_communicator.h, Note [nccl errors]).
+#include "parallel/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "framework/error.h"
+#include "framework/kernels/cuda/check.h"
+
+namespace keel {
+
+static_assert(NcclCommunicator::kUniqueIdBytes == NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES);
+
+namespace {
+
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
+
+// Marks a host wait as a collective in flight for the watchdog (as MpiCommunicator does).
+class Guard {
+ public:
+  Guard(Watchdog* w, const char* op, const std::string& group) : w_(w) {
+    if (w_) w_->begin(op, group.c_str());
+  }
+  ~Guard() {
+    if (w_) w_->end();
+  }
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+
+ private:
+  Watchdog* w_;
+};
+
+// Polling: spin (yielding) for the first 50 us, the latency of a small all-reduce on NVLink,
+// then sleep 20 us between polls so a long collective does not hold a core.
+class Backoff {
+ public:
+  void pause() {
+    if (std::chrono::steady_clock::now() - start_ < std::chrono::microseconds(50)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace
+
+// A non-blocking all-reduce: an event recorded after it on the communicator's stream.
+class NcclRequest final : public CommRequest {
+ public:
+  NcclRequest(NcclCommunicator& comm, int64_t n) : comm_(comm), n_(n) {
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "iall_reduce over ",
+                    comm_.name(), " n=", n_);
+    const cudaError_t rc = cudaEventRecord(event_, comm_.ctx_.stream());
+    if (rc != cudaSuccess) {
+      cudaEventDestroy(event_);
+      KEEL_CUDA_CHECK(rc, "iall_reduce over ", comm_.name(), " n=", n_);
+    }
+  }
+  ~NcclRequest() override {
+    if (!done_) {
+      try {
+        wait();
+      } catch (const Error&) {
+        // Destroyed while unwinding from an earlier error: that error is the one reported.
+      }
+    }
+    cudaEventDestroy(event_);
+  }
+  NcclRequest(const NcclRequest&) = delete;
+  NcclRequest& operator=(const NcclRequest&) = delete;
+
+  void wait() override {
+    if (done_) return;
+    comm_.wait_until([this] { return cudaEventQuery(event_); }, "all_reduce (non-blocking)", n_);
+    done_ = true;
+  }
+  bool test() override {
+    if (done_) return true;
+    const cudaError_t rc = cudaEventQuery(event_);
+    if (rc == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: clear the runtime's record of it
+      comm_.throw_if_aborted("all_reduce (non-blocking)", n_);
+      comm_.check_async_error("all_reduce (non-blocking)", n_);
+      return false;
+    }
+    if (rc != cudaSuccess) comm_.failed_ = true;
+    KEEL_CUDA_CHECK(rc, "all_reduce (non-blocking) over the ", comm_.name(), " group n=", n_);
+    done_ = true;
+    return true;
+  }
+
+ private:
+  NcclCommunicator& comm_;
+  int64_t n_;
+  cudaEvent_t event_ = nullptr;
+  bool done_ = false;
+};
+
+std::string NcclCommunicator::error_message(int status, const char* call, const std::string& group,
+                                            int rank, int size, int64_t n, long long step,
+                                            const std::string& detail) {
+  const auto rc = static_cast<ncclResult_t>(status);
+  const std::string elements =
+      n < 0 ? std::string() : detail::concat(", ", n, n == 1 ? " element" : " elements");
+  return detail::concat(call, " over the ", group, " group (rank ", rank, " of ", size, elements,
+                        ")", step > 0 ? detail::concat(" at step ", step) : std::string(),
+                        " failed: ", ncclGetErrorString(rc), detail.empty() ? "" : " (", detail,
+                        detail.empty() ? "" : ")");
+}
+
+NcclCommunicator::UniqueId NcclCommunicator::make_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t rc = ncclGetUniqueId(&id);
+  KEEL_CHECK(rc == ncclSuccess, kComm, "ncclGetUniqueId failed: ", ncclGetErrorString(rc), " (",
+             ncclGetLastError(nullptr), ")");
+  UniqueId out;
+  std::copy(id.internal, id.internal + NCCL_UNIQUE_ID_BYTES, out.begin());
+  return out;
+}
+
+NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::string name,
+                                   kernels::cuda::Context& ctx, Watchdog* watchdog)
+    : name_(std::move(name)), ctx_(ctx), watchdog_(watchdog), rank_(rank), size_(size) {
+  KEEL_CHECK(size >= 1 && rank >= 0 && rank < size, kInternal, "NcclCommunicator ", name_,
+             ": rank ", rank, " of ", size);
+  KEEL_CUDA_CHECK(cudaSetDevice(ctx_.device()), "NcclCommunicator ", name_, " device ",
+                  ctx_.device());
+  ncclUniqueId nid;
+  std::copy(id.begin(), id.end(), nid.internal);
+  {
+    Guard g(watchdog_, "ncclCommInitRank", name_);
+    ncclComm_t comm = nullptr;
+    check(ncclCommInitRank(&comm, size_, nid, rank_), "ncclCommInitRank", -1);
+    comm_ = comm;
+  }
+  barrier_word_ = ctx_.alloc(sizeof(float));
+  ctx_.fill_bytes(barrier_word_.data(), 0, sizeof(float));
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_.load() || comm_ == nullptr) return;
+  // After a failed call, peers may never finish what they started with this rank: destroying
+  // would wait for them, aborting does not. Otherwise every call and request waited for its work.
+  if (failed_) {
+    ncclCommAbort(comm_);
+  } else {
+    ncclCommDestroy(comm_);
+  }
+  comm_ = nullptr;
+}
+
+void NcclCommunicator::abort() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_.exchange(true) || comm_ == nullptr) return;
+  ncclCommAbort(comm_);
+}
+
+void NcclCommunicator::fail(int status, const char* call, int64_t n, const std::string& detail) {
+  failed_ = true;
+  const long long step = watchdog_ ? watchdog_->step() : 0;
+  throw Error(ErrorKind::kComm, error_message(status, call, name_, rank_, size_, n, step, detail),
+              __FILE__, __LINE__);
+}
+
+void NcclCommunicator::check(int status, const char* call, int64_t n) {
+  if (status == ncclSuccess) return;
+  // ncclGetLastError holds NCCL's own words (which peer, which transport) for the failed call.
+  const char* last = ncclGetLastError(comm_);
+  fail(status, call, n, last != nullptr ? last : "");
+}
+
+void NcclCommunicator::throw_if_aborted(const char* op, int64_t n) {
+  if (!aborted_.load()) return;
+  const long long step = watchdog_ ? watchdog_->step() : 0;
+  KEEL_FAIL(kComm, op, " over the ", name_, " group (rank ", rank_, " of ", size_, ", ", n,
+            " elements)", step > 0 ? detail::concat(" at step ", step) : std::string(),
+            " failed: the communicator was aborted (ncclCommAbort)");
+}
+
+void NcclCommunicator::check_async_error(const char* op, int64_t n) {
+  ncclResult_t async = ncclSuccess, rc = ncclSuccess;
+  std::string last;  // NCCL's words, copied before the abort frees the communicator
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.load() || comm_ == nullptr) return;
+    rc = ncclCommGetAsyncError(comm_, &async);
+    if (rc == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      const char* words = ncclGetLastError(comm_);
+      if (words != nullptr) last = words;
+    }
+  }
+  if (rc != ncclSuccess) fail(rc, "ncclCommGetAsyncError", n, "");
+  if (async == ncclSuccess || async == ncclInProgress) return;
+  const std::string detail = detail::concat("asynchronous NCCL error; communicator aborted",
+                                            last.empty() ? std::string() : ": " + last);
+  abort();
+  fail(async, op, n, detail);
+}
+
+template <typename Query>
+void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
+  Guard g(watchdog_, op, name_);
+  Backoff backoff;
+  for (;;) {
+    const cudaError_t rc = done();
+    if (rc == cudaSuccess) return;
+    if (rc != cudaErrorNotReady) {
+      failed_ = true;
+      KEEL_CUDA_CHECK(rc, op, " over the ", name_, " group (rank ", rank_, " of ", size_, ", ", n,
+                      " elements)");
+    }
+    cudaGetLastError();  // "not ready" is not an error: clear the runtime's record of it
+    throw_if_aborted(op, n);
+    check_async_error(op, n);
+    backoff.pause();
+  }
+}
+
+void NcclCommunicator::wait_stream(const char* op, int64_t n) {
+  CUstream_st* stream = ctx_.stream();
+  wait_until([stream] { return cudaStreamQuery(stream); }, op, n);
+}
+
+void NcclCommunicator::all_reduce(float* data, int64_t n, ReduceOp op) {
+  throw_if_aborted("all_reduce", n);
+  if (n == 0) return;
+  if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
+  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, nccl_op(op), comm_,
+                      ctx_.stream()),
+        "ncclAllReduce", n);
+  wait_stream("all_reduce", n);
+}
+
+void NcclCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
+  throw_if_aborted("all_reduce", n);
+  if (n == 0) return;
+  if (size_ > 1) count(n * static_cast<int64_t>(sizeof(double)));
+  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclDouble, nccl_op(op), comm_,
+                      ctx_.stream()),
+        "ncclAllReduce", n);
+  wait_stream("all_reduce", n);
+}
+
+void NcclCommunicator::all_gather(const float* send, float* recv, int64_t n) {
+  throw_if_aborted("all_gather", n);
+  if (size_ > 1) count(n * size_ * static_cast<int64_t>(sizeof(float)));
+  if (n == 0) return;
+  check(ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, comm_, ctx_.stream()),
+        "ncclAllGather", n);
+  wait_stream("all_gather", n);
+}
+
+void NcclCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) {
+  throw_if_aborted("reduce_scatter", n);
+  if (size_ > 1) count(n * size_ * static_cast<int64_t>(sizeof(float)));
+  if (n == 0) return;
+  check(ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, comm_,
+                          ctx_.stream()),
+        "ncclReduceScatter", n);
+  wait_stream("reduce_scatter", n);
+}
+
+void NcclCommunicator::broadcast(float* data, int64_t n, int root) {
+  throw_if_aborted("broadcast", n);
+  if (n == 0) return;
+  KEEL_CHECK(root >= 0 && root < size_, kInternal, "broadcast over the ", name_, " group: root ",
+             root, " of ", size_);
+  if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
+  check(ncclBroadcast(data, data, static_cast<size_t>(n), ncclFloat, root, comm_, ctx_.stream()),
+        "ncclBroadcast", n);
+  wait_stream("broadcast", n);
+}
+
+void NcclCommunicator::barrier() {
+  throw_if_aborted("barrier", 1);
+  check(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclFloat, ncclSum, comm_,
+                      ctx_.stream()),
+        "ncclAllReduce (barrier)", 1);
+  wait_stream("barrier", 1);
+}
+
+std::unique_ptr<CommRequest> NcclCommunicator::iall_reduce(float* data, int64_t n) {
+  throw_if_aborted("all_reduce (non-blocking)", n);
+  if (n == 0) return std::make_unique<DoneRequest>();
+  if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
+  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, ctx_.stream()),
+        "ncclAllReduce (non-blocking)", n);
+  return std::make_unique<NcclRequest>(*this, n);
+}
+
+}  // namespace keel

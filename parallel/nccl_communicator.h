@@ -1,0 +1,121 @@
+// Communicator over NCCL on device buffers (the CUDA backend's transport). Built only when CUDA
+// and NCCL are found, into its own library keel_nccl (parallel/CMakeLists.txt), so CPU-only
+// binaries never link NCCL or CUDA. This header includes neither the NCCL, CUDA nor MPI headers:
+// the MPI bootstrap (an ncclUniqueId made on the group's first rank and broadcast over the
+// group's MPI communicator) is parallel/nccl_mpi.h, and a single-process program (the 1-rank
+// tests) makes the id itself.
+//
+// Semantics, as MpiCommunicator's (parallel/communicator.h): the same element types and
+// operations, the same byte counters (0 for a group of one), and every blocking call is complete
+// when it returns. A collective is enqueued on the Context's stream, so it is ordered after the
+// kernels that produced its input and before those that read its output (Note [cuda-stream-order]
+// in framework/kernels/cuda/device.h), and the host then waits for the stream by polling (below).
+// Overlap with compute on a separate communication stream is the next step (issue 11); a group
+// of one still calls NCCL (a device copy at most), so a 1-rank job runs the NCCL path.
+//
+// Note [nccl errors]: every NCCL call is checked; a failure throws kComm with one line naming the
+// call, the group, this rank, the element count and the step ("ncclAllReduce over the
+// tensor-parallel group (rank 3 of 8, 1048576 elements) at step 12 failed: ..."). While the host
+// waits for a collective it polls the stream and ncclCommGetAsyncError (network errors, a peer's
+// failure seen by NCCL's proxy thread); an asynchronous error aborts the communicator
+// (ncclCommAbort: NCCL's kernels stop, the stream drains) and throws the same kind of line naming
+// the collective waited for ("all_reduce over the ... failed: <NCCL's reason> (asynchronous NCCL
+// error; communicator aborted: <NCCL's last error>)"). A communicator that saw an error is
+// aborted, not destroyed, when it goes (destroying would wait for peers that may be gone). The
+// wait runs under the Watchdog (begin/end, as MPI collectives do), so a stalled peer ends the job
+// within parallel.timeout_s.
+//
+// Abort path: abort() may be called from any thread, once or more (e.g. by the watchdog's thread
+// when a collective outlives the timeout, before it ends the process): it calls ncclCommAbort,
+// which makes NCCL's device kernels give up so the stream and a host thread polling it are
+// released; the waiting call then throws kComm ("... aborted"), and every later call throws
+// too. The poll loop and abort() share a mutex, so the handle is never used after it was freed;
+// an NCCL call that blocks inside NCCL itself (connection set-up on a first collective) is not
+// protected by it: after aborting, the watchdog ends the process, as it does for MPI.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "framework/kernels/cuda/device.h"
+#include "parallel/communicator.h"
+#include "parallel/watchdog.h"
+
+struct ncclComm;  // ncclComm_t is ncclComm*
+
+namespace keel {
+
+class NcclCommunicator final : public Communicator {
+ public:
+  static constexpr size_t kUniqueIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES (checked in the .cc)
+  using UniqueId = std::array<char, kUniqueIdBytes>;
+
+  // ncclGetUniqueId: called by the group's first rank only; the others receive its bytes.
+  static UniqueId make_unique_id();
+
+  // Joins the group `id` names as `rank` of `size` (ncclCommInitRank on ctx's device; blocks,
+  // under the watchdog, until all `size` ranks have joined). Collectives run on ctx's stream;
+  // ctx must outlive the communicator. `name` labels messages ("tensor-parallel").
+  NcclCommunicator(const UniqueId& id, int rank, int size, std::string name,
+                   kernels::cuda::Context& ctx, Watchdog* watchdog);
+  // ncclCommDestroy, or nothing after abort().
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const { return name_; }
+  // All pointers are device pointers on ctx's device.
+  void all_reduce(float* data, int64_t n, ReduceOp op) override;
+  void all_reduce(double* data, int64_t n, ReduceOp op) override;
+  // In place when send == recv + rank() * n (NCCL's in-place all-gather).
+  void all_gather(const float* send, float* recv, int64_t n) override;
+  void reduce_scatter(const float* send, float* recv, int64_t n) override;
+  void broadcast(float* data, int64_t n, int root) override;
+  // An all-reduce of one float (NCCL has no barrier): every rank has reached it on the device.
+  void barrier() override;
+  // Enqueued on the stream at once; the request's test() polls an event (and the asynchronous
+  // error), wait() blocks under the watchdog. Kernels enqueued later on ctx's stream see the sum.
+  std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override;
+
+  // The abort path (see the file comment). Thread-safe; idempotent.
+  void abort() noexcept;
+  bool aborted() const { return aborted_.load(); }
+  // Throws kComm (after aborting) when NCCL reports an asynchronous error; `op` and `n` name the
+  // collective being waited for. Called by the waits; public for a caller that polls between
+  // steps.
+  void check_async_error(const char* op, int64_t n);
+
+  // The one-line message of Note [nccl errors] (public so it is tested without a GPU); n < 0
+  // leaves the element count out (set-up calls).
+  static std::string error_message(int status, const char* call, const std::string& group, int rank,
+                                   int size, int64_t n, long long step, const std::string& detail);
+
+ private:
+  friend class NcclRequest;
+  // Polls until `done()` (a stream or event query) says complete; throws on a CUDA error, an
+  // asynchronous NCCL error or abort().
+  template <typename Query>
+  void wait_until(Query done, const char* op, int64_t n);
+  void wait_stream(const char* op, int64_t n);
+  [[noreturn]] void fail(int status, const char* call, int64_t n, const std::string& detail);
+  void check(int status, const char* call, int64_t n);
+  void throw_if_aborted(const char* op, int64_t n);
+
+  std::string name_;
+  kernels::cuda::Context& ctx_;
+  Watchdog* watchdog_;
+  int rank_ = 0, size_ = 1;
+  ncclComm* comm_ = nullptr;
+  std::mutex mu_;  // guards comm_ between the poll loop and abort()
+  std::atomic<bool> aborted_{false};
+  bool failed_ = false;  // a call failed: the destructor aborts instead of destroying
+  kernels::cuda::DeviceBuffer barrier_word_;  // one device float for barrier()
+};
+
+}  // namespace keel
