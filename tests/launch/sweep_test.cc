@@ -456,6 +456,40 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
         "gradient-norm spike at step 22", "checkpoint of step 10, skipping 31 batches"}) {
     EXPECT_NE(readme.find(figure), std::string::npos) << figure;
   }
+  // The longer runs (launch/sweep_example/long): README's table, rebuilt from its sweep.csv.
+  const auto long_rows = read_csv(dir + "/long/sweep.csv", kColumns);
+  ASSERT_EQ(long_rows.size(), 10u);
+  for (const char* lr : {"0.003", "0.01", "0.03", "0.1", "0.3"}) {
+    const Row* none = nullptr;
+    const Row* rms = nullptr;
+    for (const Row& r : long_rows) {
+      if (r.at("lr") == lr) (r.at("qk_norm") == "NONE" ? none : rms) = &r;
+    }
+    ASSERT_TRUE(none && rms) << lr;
+    const double l = number(lr);
+    char label[16];
+    std::snprintf(label, sizeof(label), "%.0e", l);
+    std::string lr_label = label;  // 3e-03 -> 3e-3
+    lr_label.erase(lr_label.find("e-0") + 2, 1);
+    const double none_logit = number(none->at("max_attn_logit"));
+    const std::string row = "| " + lr_label + " | " + fmt("%.3f", number(none->at("final_loss"))) +
+                            " | " + with_commas(none_logit) + " | " +
+                            fmt("%.3f", number(rms->at("final_loss"))) + " | " +
+                            fmt("%.1f", number(rms->at("max_attn_logit"))) + " |";
+    EXPECT_NE(readme.find(row), std::string::npos) << "README lacks the row\n" << row;
+  }
+  const auto long_sens = read_csv(dir + "/long/sensitivity.csv",
+                                  {"qk_norm", "z_loss", "lr_sensitivity", "best_final_loss",
+                                   "best_lr", "runs", "diverged", "unstable", "max_stable_lr"});
+  ASSERT_EQ(long_sens.size(), 2u);
+  EXPECT_EQ(long_sens[0].at("max_stable_lr"), "0.01");
+  EXPECT_EQ(long_sens[1].at("max_stable_lr"), "0.1");
+  EXPECT_NE(
+      readme.find("LR sensitivity is " + fmt("%.3f", number(long_sens[0].at("lr_sensitivity"))) +
+                  " without QK-norm and " + fmt("%.3f", number(long_sens[1].at("lr_sensitivity"))) +
+                  " with it"),
+      std::string::npos);
+
   const std::string alerts = read_file(dir + "/runs/lr0.01_NONE_z0.0001_guard/alerts.jsonl");
   EXPECT_NE(alerts.find("\"step\": 22, \"kind\": \"grad_spike\""), std::string::npos) << alerts;
   EXPECT_NE(alerts.find("\"rewound_to\": 10"), std::string::npos);
