@@ -108,14 +108,12 @@ kernels::NormShape Attention::qk_norm_shape(int64_t B) const {
 
 void Attention::qk_scales(float* out) const {
   const ModelDims& d = ctx_.dims;
-  for (int64_t h = 0; h < d.Hl; ++h) {
-    if (d.qk_norm == config::L2) {
-      const float* g = const_cast<ParamStore&>(ps_).param(qk_scale_);
-      out[h] = d.qk_scope == config::HEAD ? g[h] : g[0];
-    } else {
-      out[h] = 1.0f / std::sqrt(static_cast<float>(d.D));
-    }
-  }
+  // L2 QK-norm learns the scale (per head with HEAD scope, else one for all heads); otherwise
+  // the usual 1/sqrt(D). The gain is read by a kernel, where the parameter lives.
+  const float* gain =
+      d.qk_norm == config::L2 ? const_cast<ParamStore&>(ps_).param(qk_scale_) : nullptr;
+  kernels::attention_scales(out, gain, d.Hl, d.qk_scope != config::HEAD,
+                            1.0f / std::sqrt(static_cast<float>(d.D)));
 }
 
 float Attention::forward(const float* x, float* y, int64_t B) {
@@ -221,8 +219,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     kernels::attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), probs_.f32(), q, k,
                                 qkv_.f32() + 2 * HD, scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
-      float* g = ps_.grad(qk_scale_);
-      for (int64_t h = 0; h < d.Hl; ++h) g[d.qk_scope == config::HEAD ? h : 0] += dscale[h];
+      kernels::scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl, d.qk_scope != config::HEAD);
     }
   }
   if (d.position == config::ROPE) {

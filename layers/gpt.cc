@@ -1,11 +1,7 @@
 // GPT model assembly, embedding, LM head and the cross-entropy + z-loss.
 #include "layers/gpt.h"
 
-#include <omp.h>
-
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 
 #include "framework/error.h"
 #include "framework/kernels/attention.h"
@@ -180,7 +176,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   if (d.gated_mlp()) scratch_.dgate = Tensor::zeros({BT, d.Fl});
   if (d.post_norm) scratch_.dsub = Tensor::zeros({BT, C});
   kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
-  scratch_.attn_threads = omp_get_max_threads();
+  scratch_.attn_threads = kernels::num_threads();
   scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
   scratch_.dscale = Tensor::zeros({d.Hl});
 }
@@ -193,12 +189,13 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   KEEL_ASSERT(B >= 1 && B <= d.B);
   const int64_t BT = B * d.T, C = d.C;
   last_B_ = B;
-  std::memcpy(tokens_.i32(), tokens, BT * sizeof(int32_t));
-  if (targets) std::memcpy(targets_.i32(), targets, BT * sizeof(int32_t));
+  // From here on only the model's own buffers are read (device memory on a GPU backend).
+  kernels::load_tokens(tokens_.i32(), tokens, BT);
+  if (targets) kernels::load_tokens(targets_.i32(), targets, BT);
   Communicator& tp = *ctx_.topo->tp_comm;
   {
     ProfileScope p(&profiler_, "embedding");
-    kernels::embedding_forward(x0_.f32(), tokens, BT, ps_.param(wte_), d.v_begin, d.Vl, C);
+    kernels::embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
     // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
     tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C);
     if (wpe_ >= 0) kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
@@ -225,19 +222,14 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   tp.all_reduce(mx, BT, ReduceOp::kMax);
   kernels::xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.v_valid, lse);
   tp.all_reduce(lse, BT, ReduceOp::kSum);
-  kernels::xent_target_logit(logits_.f32(), targets, BT, d.Vl, d.v_begin, tl);
+  kernels::xent_target_logit(logits_.f32(), targets_.i32(), BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
-  double ce = 0.0, z = 0.0, lz = 0.0;
-  for (int64_t n = 0; n < BT; ++n) {
-    const double l = static_cast<double>(mx[n]) + std::log(static_cast<double>(lse[n]));
-    lse[n] = static_cast<float>(l);
-    ce += l - tl[n];
-    z += l * l;
-    lz += l;
-  }
-  stats.ce = ce / static_cast<double>(BT);
-  stats.log_z = lz / static_cast<double>(BT);
-  stats.z_loss = z_coef_ * z / static_cast<double>(BT);
+  // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
+  double sums[3];  // sum of (lse - target logit), of lse^2, of lse
+  kernels::xent_finish(mx, lse, tl, BT, lse, sums);
+  stats.ce = sums[0] / static_cast<double>(BT);
+  stats.log_z = sums[2] / static_cast<double>(BT);
+  stats.z_loss = z_coef_ * sums[1] / static_cast<double>(BT);
   return stats;
 }
 

@@ -30,4 +30,16 @@ void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale,
                         const T* probs, const T* q, const T* k, const T* v, const T* scale,
                         T* workspace);
 
+// The per-head logit scale attention reads: out[h] (=) = gain[shared_gain ? 0 : h] (the learned
+// L2 QK-norm scale, a parameter) when gain is not null, else default_scale (1/sqrt(D)), for
+// h < H. A kernel rather than a host loop so the gain is read where it lives (device memory on
+// CUDA).
+template <typename T>
+void attention_scales(T* out, const T* gain, int64_t H, bool shared_gain, T default_scale);
+
+// The scale parameter's gradient from attention_backward's dscale[H]: for h = 0, 1, .., H-1 in
+// turn, grad[shared_gain ? 0 : h] += dscale[h] (a shared gain sums all heads in increasing h).
+template <typename T>
+void scale_grad_accumulate(T* grad, const T* dscale, int64_t H, bool shared_gain);
+
 }  // namespace keel::kernels

@@ -22,6 +22,16 @@ template <typename T>
 void xent_target_logit(const T* logits, const int32_t* targets, int64_t N, int64_t V_local,
                        int64_t v_begin, T* target_logit);
 
+// The finish after the row statistics are complete (all-reduced): per row n, in double,
+//   l = row_max[n] + log(sumexp[n]),  lse[n] = l (rounded to T; lse may alias sumexp),
+// and sums (=) sums[0] = sum_n (l - target_logit[n]) (cross-entropy), sums[1] = sum_n l^2
+// (z-loss), sums[2] = sum_n l (the logged log Z), accumulated in double in increasing n: one
+// fixed order, so the loss is bitwise reproducible. On the CPU every pointer, sums included, is
+// host memory; the CUDA form (cuda/ops.h) takes device memory for all of them.
+template <typename T>
+void xent_finish(const T* row_max, const T* sumexp, const T* target_logit, int64_t N, T* lse,
+                 double sums[3]);
+
 // Gradient of  grad_scale * sum_n [(lse_n - target_n) + z_coef * lse_n^2]  w.r.t. the logits:
 //   dlogits = grad_scale * (p * (1 + 2 z_coef lse) - onehot(target)),  p = exp(logit - lse).
 // dlogits may alias logits (=).

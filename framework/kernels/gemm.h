@@ -43,4 +43,7 @@ int max_threads();
 // unstable run produces) fills attention's probabilities and their gradients with them. false:
 // IEEE denormals again. Returns false, changing nothing, on CPUs without these modes.
 bool set_flush_denormals(bool on);
+// dst[n] (=) = host_src[n]: the batch's token ids (or targets) from the host into the model's
+// buffer. On the CPU a memcpy; the CUDA form (cuda/ops.h) is a host-to-device copy on the stream.
+void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n);
 }  // namespace keel::kernels

@@ -47,7 +47,7 @@ struct XentCase {
   // Closed form in long double: lse_n, ce = mean(lse - logit[target]), z = coef * mean(lse^2).
   struct Ref {
     std::vector<long double> lse;
-    long double ce = 0.0L, z = 0.0L;
+    long double ce = 0.0L, z = 0.0L, log_z = 0.0L;
   };
   Ref reference() const {
     Ref r;
@@ -59,7 +59,9 @@ struct XentCase {
       r.lse.push_back(lse);
       r.ce += lse - logits[n * V_local + targets[n]];
       r.z += lse * lse;
+      r.log_z += lse;
     }
+    r.log_z /= N;
     r.ce /= N;
     r.z = coef * r.z / N;
     return r;
@@ -68,7 +70,7 @@ struct XentCase {
   // The kernel phases, as the model runs them (single shard: v_begin = 0).
   struct Phases {
     Vec row_max, sumexp, lse, target;
-    double ce = 0.0, z = 0.0;
+    double ce = 0.0, z = 0.0, log_z = 0.0;
   };
   Phases phases() const {
     Phases p;
@@ -79,13 +81,11 @@ struct XentCase {
     xent_row_max<double>(logits.data(), N, V_local, v_valid, p.row_max.data());
     xent_row_sumexp<double>(logits.data(), p.row_max.data(), N, V_local, v_valid, p.sumexp.data());
     xent_target_logit<double>(logits.data(), targets.data(), N, V_local, 0, p.target.data());
-    for (int64_t n = 0; n < N; ++n) {
-      p.lse[n] = p.row_max[n] + std::log(p.sumexp[n]);
-      p.ce += p.lse[n] - p.target[n];
-      p.z += p.lse[n] * p.lse[n];
-    }
-    p.ce /= static_cast<double>(N);
-    p.z = coef * p.z / static_cast<double>(N);
+    double sums[3];
+    xent_finish<double>(p.row_max.data(), p.sumexp.data(), p.target.data(), N, p.lse.data(), sums);
+    p.ce = sums[0] / static_cast<double>(N);
+    p.z = coef * sums[1] / static_cast<double>(N);
+    p.log_z = sums[2] / static_cast<double>(N);
     return p;
   }
   double total() const {
@@ -114,7 +114,50 @@ TEST(CrossEntropy, PhasesMatchClosedFormLossAndZLoss) {
   }
   EXPECT_NEAR(p.ce, static_cast<double>(ref.ce), 1e-13);
   EXPECT_NEAR(p.z, static_cast<double>(ref.z), 1e-13);
+  EXPECT_NEAR(p.log_z, static_cast<double>(ref.log_z), 1e-13);
   EXPECT_GT(p.z, 1e-3);  // the z term is large enough for the comparisons to mean something
+}
+
+// xent_finish in float, as GPT::forward calls it (lse written over sum-exp in place), against the
+// loop GPT::forward ran before the finish became a kernel: the loss must stay bitwise the same,
+// so every sum is compared with ==, not a tolerance.
+TEST(CrossEntropy, FinishInPlaceIsBitwiseTheSerialDoubleLoop) {
+  const int64_t N = 257;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> mxd(-3.0f, 9.0f), sed(1.0f, 3000.0f), tld(-8.0f, 8.0f);
+  std::vector<float> mx(N), se(N), tl(N);
+  for (int64_t n = 0; n < N; ++n) {
+    mx[n] = mxd(rng);
+    se[n] = sed(rng);
+    tl[n] = tld(rng);
+  }
+  std::vector<float> lse_ref(N);
+  double ce = 0.0, z = 0.0, lz = 0.0;
+  for (int64_t n = 0; n < N; ++n) {
+    const double l = static_cast<double>(mx[n]) + std::log(static_cast<double>(se[n]));
+    lse_ref[n] = static_cast<float>(l);
+    ce += l - tl[n];
+    z += l * l;
+    lz += l;
+  }
+  std::vector<float> lse = se;  // aliased: lse == sumexp
+  double sums[3] = {-1.0, -1.0, -1.0};
+  xent_finish<float>(mx.data(), lse.data(), tl.data(), N, lse.data(), sums);
+  for (int64_t n = 0; n < N; ++n) EXPECT_EQ(lse[n], lse_ref[n]) << "row " << n;
+  EXPECT_EQ(sums[0], ce);
+  EXPECT_EQ(sums[1], z);
+  EXPECT_EQ(sums[2], lz);
+  // Out of place leaves sum-exp alone and gives the same results; N = 0 writes zero sums.
+  std::vector<float> lse2(N, -1.0f);
+  double sums2[3];
+  xent_finish<float>(mx.data(), se.data(), tl.data(), N, lse2.data(), sums2);
+  EXPECT_EQ(lse2, lse_ref);
+  EXPECT_EQ(sums2[0], ce);
+  EXPECT_EQ(sums2[2], lz);
+  xent_finish<float>(nullptr, nullptr, nullptr, 0, nullptr, sums2);
+  EXPECT_EQ(sums2[0], 0.0);
+  EXPECT_EQ(sums2[1], 0.0);
+  EXPECT_EQ(sums2[2], 0.0);
 }
 
 TEST(CrossEntropy, BackwardMatchesClosedFormAndZeroesPadding) {

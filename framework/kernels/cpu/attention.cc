@@ -129,11 +129,23 @@ void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale,
   }
 }
 
+template <typename T>
+void attention_scales(T* out, const T* gain, int64_t H, bool shared_gain, T default_scale) {
+  for (int64_t h = 0; h < H; ++h) out[h] = gain ? gain[shared_gain ? 0 : h] : default_scale;
+}
+
+template <typename T>
+void scale_grad_accumulate(T* grad, const T* dscale, int64_t H, bool shared_gain) {
+  for (int64_t h = 0; h < H; ++h) grad[shared_gain ? 0 : h] += dscale[h];
+}
+
 #define KEEL_INSTANTIATE(T)                                                                       \
   template void attention_forward<T>(const AttentionShape&, T*, T*, const T*, const T*, const T*, \
                                      const T*, T*);                                               \
   template void attention_backward<T>(const AttentionShape&, T*, T*, T*, T*, const T*, const T*,  \
-                                      const T*, const T*, const T*, const T*, T*);
+                                      const T*, const T*, const T*, const T*, T*);                \
+  template void attention_scales<T>(T*, const T*, int64_t, bool, T);                              \
+  template void scale_grad_accumulate<T>(T*, const T*, int64_t, bool);
 KEEL_INSTANTIATE(float)
 KEEL_INSTANTIATE(double)
 #undef KEEL_INSTANTIATE

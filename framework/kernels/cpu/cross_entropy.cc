@@ -47,6 +47,24 @@ void xent_target_logit(const T* logits, const int32_t* targets, int64_t N, int64
 }
 
 template <typename T>
+void xent_finish(const T* row_max, const T* sumexp, const T* target_logit, int64_t N, T* lse,
+                 double sums[3]) {
+  // Serial on purpose: the three double sums keep one order (n ascending) whatever the thread
+  // count, and N log calls are negligible next to the sum-exp over the vocabulary.
+  double ce = 0.0, z = 0.0, lz = 0.0;
+  for (int64_t n = 0; n < N; ++n) {
+    const double l = static_cast<double>(row_max[n]) + std::log(static_cast<double>(sumexp[n]));
+    lse[n] = static_cast<T>(l);  // after sumexp[n] is read: lse may alias sumexp
+    ce += l - static_cast<double>(target_logit[n]);
+    z += l * l;
+    lz += l;
+  }
+  sums[0] = ce;
+  sums[1] = z;
+  sums[2] = lz;
+}
+
+template <typename T>
 void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t N,
                    int64_t V_local, int64_t v_valid_local, int64_t v_begin, T grad_scale,
                    T z_coef) {
@@ -68,6 +86,7 @@ void xent_backward(T* dlogits, const T* logits, const T* lse, const int32_t* tar
   template void xent_row_max<T>(const T*, int64_t, int64_t, int64_t, T*);                      \
   template void xent_row_sumexp<T>(const T*, const T*, int64_t, int64_t, int64_t, T*);         \
   template void xent_target_logit<T>(const T*, const int32_t*, int64_t, int64_t, int64_t, T*); \
+  template void xent_finish<T>(const T*, const T*, const T*, int64_t, T*, double*);            \
   template void xent_backward<T>(T*, const T*, const T*, const int32_t*, int64_t, int64_t,     \
                                  int64_t, int64_t, T, T);
 KEEL_INSTANTIATE(float)

@@ -102,6 +102,9 @@ void set_num_threads(int n) {
   openblas_set_num_threads(n);
 }
 int num_threads() { return omp_get_max_threads(); }
+void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
+  if (n > 0) std::memcpy(dst, host_src, static_cast<size_t>(n) * sizeof(int32_t));
+}
 int max_threads() {
   const char* config = openblas_get_config();
   const char* at = config != nullptr ? std::strstr(config, "MAX_THREADS=") : nullptr;

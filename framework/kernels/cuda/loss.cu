@@ -1,6 +1,7 @@
 // CUDA cross-entropy with z-loss in the vocab-parallel phases (framework/kernels/cross_entropy.h):
 // one block per row for the row statistics and the gradient, exp through the CPU's fast_expf
-// (framework/kernels/fast_math.h), and the loss finish in double as GPT::forward does it.
+// (framework/kernels/fast_math.h), the loss finish in double as the CPU's xent_finish, and the
+// upload of the batch's tokens and targets.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -49,20 +50,26 @@ __global__ void target_logit_kernel(const float* logits, const int32_t* targets,
 
 __global__ void finish_kernel(const float* row_max, const float* sumexp, const float* target,
                               int64_t N, float* lse, double* sums) {
+  // One block with a fixed thread count: each thread sums a fixed strided subset in increasing n,
+  // then a fixed tree combines them, so the sums are bitwise reproducible run to run (they differ
+  // from the CPU's serial order only by double rounding).
   __shared__ double shared[32];
-  double ce = 0.0, z = 0.0;
+  double ce = 0.0, z = 0.0, lz = 0.0;
   for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
     const double l = static_cast<double>(row_max[n]) + log(static_cast<double>(sumexp[n]));
     const double t = target[n];  // read before lse[n] is written: lse may alias sumexp
     lse[n] = static_cast<float>(l);
     ce += l - t;
     z += l * l;
+    lz += l;
   }
   ce = block_sum(ce, shared);
   z = block_sum(z, shared);
+  lz = block_sum(lz, shared);
   if (threadIdx.x == 0) {
     sums[0] = ce;
     sums[1] = z;
+    sums[2] = lz;
   }
 }
 
@@ -123,6 +130,11 @@ void xent_finish(Context& ctx, const float* row_max, const float* sumexp, const 
   KEEL_CHECK(N >= 0, kUsage, "cuda xent_finish: negative N=", N);
   finish_kernel<<<1, 1024, 0, ctx.stream()>>>(row_max, sumexp, target_logit, N, lse, sums);
   KEEL_CUDA_LAUNCH_CHECK("xent_finish", "N=", N);
+}
+
+void load_tokens(Context& ctx, int32_t* dst, const int32_t* host_src, int64_t n) {
+  KEEL_CHECK(n >= 0, kUsage, "cuda load_tokens: negative n=", n);
+  ctx.copy_to_device(dst, host_src, static_cast<size_t>(n) * sizeof(int32_t));
 }
 
 void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,

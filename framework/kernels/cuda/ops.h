@@ -64,14 +64,30 @@ void xent_row_sumexp(Context& ctx, const float* logits, const float* row_max, in
                      int64_t V_local, int64_t v_valid_local, float* sumexp);
 void xent_target_logit(Context& ctx, const float* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit);
-// The finish after the all-reduces, as GPT::forward does it on the CPU: per row, in double,
-// l = row_max + log(sumexp); lse[n] = l (as float; lse may alias sumexp);
-// sums[0] = sum_n (l - target_logit[n]), sums[1] = sum_n l^2 (=; device doubles, fixed order).
+// The finish after the all-reduces (the CPU's xent_finish): per row, in double,
+// l = row_max + log(sumexp); lse[n] = l (as float; lse may alias sumexp); sums[3] (=, device
+// doubles): sums[0] = sum_n (l - target_logit[n]), sums[1] = sum_n l^2, sums[2] = sum_n l. One
+// block, a fixed order: bitwise reproducible run to run; equal to the CPU's serial sums to double
+// rounding (not bitwise: the order differs).
 void xent_finish(Context& ctx, const float* row_max, const float* sumexp, const float* target_logit,
                  int64_t N, float* lse, double* sums);
+// dst[n] (=, device) = host_src[n] (host): the batch's token ids or targets, a host-to-device copy
+// on ctx's stream (framework/kernels/gemm.h's load_tokens). Returns once the copy is complete, so
+// host_src may be reused at once (pageable memory is staged by the runtime anyway).
+void load_tokens(Context& ctx, int32_t* dst, const int32_t* host_src, int64_t n);
 void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,
                    const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
                    int64_t v_begin, float grad_scale, float z_coef);
+
+// ---- attention's logit scales (framework/kernels/attention.h; attention_scales.cu) ----
+// out[h] (=) = gain ? gain[shared_gain ? 0 : h] : default_scale for h < H; gain is the device
+// L2 QK-norm scale parameter or null.
+void attention_scales(Context& ctx, float* out, const float* gain, int64_t H, bool shared_gain,
+                      float default_scale);
+// grad[shared_gain ? 0 : h] += dscale[h] for h = 0 .. H-1 in turn (a shared gain adds the heads
+// in increasing h on one thread, the CPU's order: bitwise equal to the CPU).
+void scale_grad_accumulate(Context& ctx, float* grad, const float* dscale, int64_t H,
+                           bool shared_gain);
 
 // ---- embeddings (framework/kernels/embedding.h); tokens are device int32 ----
 void embedding_forward(Context& ctx, float* out, const int32_t* tokens, int64_t N, const float* wte,
