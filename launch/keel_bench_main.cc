@@ -197,6 +197,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   keel::kernels::set_num_threads(threads);
   keel::kernels::set_flush_denormals(true);  // as keel-train does by default (train.keep_denormals)
   const bool root = mpi.world_rank() == 0;
+  if (root) {
+    const std::string blas = keel::kernels::blas_kernel_warning();
+    if (!blas.empty()) std::fprintf(stderr, "keel-bench: warning: %s\n", blas.c_str());
+  }
   if (checkpoint) {
     if (root) {
       std::printf("keel-bench --checkpoint: %d rank(s) x %d threads; GB = 10^9 bytes\n",

@@ -194,6 +194,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         cfg.loss().z_loss(), trainer.dataset().train().describe().c_str(),
         static_cast<long long>(trainer.dataset().train().size()),
         static_cast<long long>(trainer.tokens_per_step()));
+    // With the banner (stdout), after every check that can refuse the run: a refused run prints
+    // only its error.
+    const std::string blas = kernels::blas_kernel_warning();
+    if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);
   }
   trainer.run();

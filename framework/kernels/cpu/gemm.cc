@@ -3,10 +3,12 @@
 #include "framework/kernels/gemm.h"
 
 #include <cblas.h>
+#include <strings.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace keel::kernels {
 
@@ -105,6 +107,23 @@ int num_threads() { return omp_get_max_threads(); }
 void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
   if (n > 0) std::memcpy(dst, host_src, static_cast<size_t>(n) * sizeof(int32_t));
 }
+std::string blas_kernel_warning() {
+  const char* core = openblas_get_corename();
+  const std::string name = core != nullptr ? core : "";
+  if (name.empty() || strcasecmp(name.c_str(), "prescott") != 0) return "";
+#if defined(__x86_64__)
+  const char* fix = __builtin_cpu_supports("avx512f") ? "SkylakeX"
+                    : __builtin_cpu_supports("avx2")  ? "Haswell"
+                                                      : nullptr;
+  if (fix == nullptr) return "";  // an SSE3-class CPU: Prescott is the right choice
+  return std::string("OpenBLAS chose its generic Prescott kernels for this CPU (sgemm several ") +
+         "times slower than it can be): set OPENBLAS_CORETYPE=" + fix +
+         " in the job's environment (mpirun -x OPENBLAS_CORETYPE=" + fix + ")";
+#else
+  return "";
+#endif
+}
+
 int max_threads() {
   const char* config = openblas_get_config();
   const char* at = config != nullptr ? std::strstr(config, "MAX_THREADS=") : nullptr;
