@@ -47,6 +47,7 @@ const std::map<std::string, Expected>& expected() {
       {"olmo2_small", {"OLMo 2", "olmo2", "500000.0", ""}},
       {"qwen3_small", {"Qwen3", "qwen3", "1000000.0", ""}},
       {"gemma3_small", {"keel", "", "", "model.mlp=GEGLU (Qwen3's MLP is SwiGLU)"}},
+      {"sweep", {"keel", "", "", ""}},  // launch/keel-sweep's base config
   };
   return e;
 }
@@ -140,7 +141,7 @@ TEST_P(PresetTest, TrainsAFewStepsWithFallingLossAndExportsAsItsArchitecture) {
 
 INSTANTIATE_TEST_SUITE_P(LaunchConfigs, PresetTest,
                          ::testing::Values("default", "gpt2_small", "olmo2_small", "qwen3_small",
-                                           "gemma3_small"));
+                                           "gemma3_small", "sweep"));
 
 }  // namespace
 }  // namespace keel
