@@ -1,10 +1,10 @@
-// Tensor storage and views (CPU memory; the CUDA backend adds device allocation).
+// Tensor storage and views; memory comes from, and goes back to, the device's backend
+// (framework/device_backend.h).
 #include "framework/tensor.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "framework/error.h"
 
@@ -53,18 +53,20 @@ std::string shape_str(const Shape& shape) {
 }
 
 Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
-  KEEL_CHECK(device == Device::kCpu, kInternal, "Tensor::zeros: only CPU memory is built yet");
   for (int64_t d : shape) KEEL_CHECK(d >= 0, kInternal, "negative dimension in ", shape_str(shape));
+  std::shared_ptr<DeviceBackend> backend = device_backend(device, "Tensor::zeros");
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.device_ = device;
+  // Whole 64-byte lines, padding zeroed too, so kernels that read a full last vector see zeros.
   const size_t bytes = (std::max<size_t>(t.nbytes(), 1) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, bytes);
-  KEEL_CHECK(p != nullptr, kInternal, "out of memory allocating ", bytes, " bytes");
-  std::memset(p, 0, bytes);
-  t.storage_ = std::shared_ptr<void>(p, std::free);
+  void* p = backend->allocate(bytes);
+  // The deleter holds the backend: the block goes back to the allocator that made it even if the
+  // registry has changed since.
+  t.storage_ = std::shared_ptr<void>(p, [backend](void* q) { backend->deallocate(q); });
   t.data_ = p;
+  backend->zero(p, bytes);
   return t;
 }
 
@@ -100,20 +102,38 @@ Tensor Tensor::slice(int64_t offset, Shape shape) const {
 
 void Tensor::copy_to_host(int64_t offset, int64_t n, void* dst) const {
   KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
-  KEEL_CHECK(device_ == Device::kCpu, kInternal, "copy_to_host: only CPU memory is built yet");
+  if (n == 0) return;
   const size_t es = dtype_size(dtype_);
-  if (n > 0) std::memcpy(dst, static_cast<const char*>(data_) + offset * es, n * es);
+  device_backend(device_, "Tensor::copy_to_host")
+      ->copy_to_host(dst, static_cast<const char*>(data_) + offset * es, n * es);
 }
 
 void Tensor::copy_from_host(int64_t offset, int64_t n, const void* src) const {
   KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
-  KEEL_CHECK(device_ == Device::kCpu, kInternal, "copy_from_host: only CPU memory is built yet");
+  if (n == 0) return;
   const size_t es = dtype_size(dtype_);
-  if (n > 0) std::memcpy(static_cast<char*>(data_) + offset * es, src, n * es);
+  device_backend(device_, "Tensor::copy_from_host")
+      ->copy_from_host(static_cast<char*>(data_) + offset * es, src, n * es);
 }
 
 void Tensor::zero_() {
-  if (data_) std::memset(data_, 0, nbytes());
+  if (data_ && numel() > 0) device_backend(device_, "Tensor::zero_")->zero(data_, nbytes());
+}
+
+Tensor Tensor::to(Device device) const {
+  KEEL_ASSERT(defined() || numel() == 0);
+  Tensor out = zeros(shape_, dtype_, device);
+  if (numel() == 0) return out;
+  if (device_ == Device::kCpu) {
+    out.copy_from_host(0, numel(), data_);
+  } else if (device == Device::kCpu) {
+    copy_to_host(0, numel(), out.data_);
+  } else {
+    // Device::kCuda on both sides: one device per process (one Context), so a device-side copy.
+    KEEL_ASSERT(device == device_);
+    device_backend(device_, "Tensor::to")->copy_on_device(out.data_, data_, nbytes());
+  }
+  return out;
 }
 
 }  // namespace keel

@@ -217,10 +217,13 @@ Context::Context(int device) : device_(device) {
   KEEL_CUBLAS_CHECK(cublasLtCreate(&cublaslt_), "device ", device);
   allocator_ = std::make_unique<Allocator>(device);
   workspace_ = alloc(kCublasWorkspaceBytes);
+  register_memory_backend(*this);
 }
 
 Context::~Context() {
-  // Release in reverse order; errors are ignored (destructors do not throw).
+  // Release in reverse order; errors are ignored (destructors do not throw). Tensors must stop
+  // returning blocks to the allocator before it goes.
+  unregister_memory_backend();
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   plans_.clear();
   scratch_.reset();

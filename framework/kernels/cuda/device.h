@@ -20,6 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "framework/device_backend.h"
+
 struct CUstream_st;      // cudaStream_t is CUstream_st*
 struct cublasLtContext;  // cublasLtHandle_t is cublasLtContext*
 
@@ -109,12 +111,25 @@ class DeviceBuffer {
 // fp32 rounding) or TF32 inputs (10-bit mantissa, ~8x the throughput on Hopper).
 enum class Fp32Matmul { kExact, kTf32 };
 
-struct GemmPlan;  // cached cuBLASLt descriptors and algorithm for one GEMM shape (gemm.cc)
+struct GemmPlan;      // cached cuBLASLt descriptors and algorithm for one GEMM shape (gemm.cc)
+class MemoryBackend;  // the Context as keel's Device::kCuda memory backend (memory_backend.cc)
+class Context;
+
+// Makes `ctx` the memory backend of Device::kCuda (framework/device_backend.h), so
+// Tensor::zeros(..., Device::kCuda) allocates from its caching allocator and Tensor's copies and
+// zero fill run on its stream. The Context's constructor calls it; call it again to make an older
+// Context current after a newer one was created (a no-op when `ctx` is already current). When a
+// Context is destroyed it unregisters itself, restoring the backend it replaced if that Context
+// still lives; Tensors that outlive their Context keep dangling device pointers whose release is
+// then a no-op (the allocator has freed every block). An explicit call, not a static initializer,
+// which a static library's linker may drop.
+void register_memory_backend(Context& ctx);
 
 // The execution context of the CUDA backend: one device, one stream, a cuBLASLt handle with its
 // workspace, a caching allocator and a scratch buffer for kernels that need temporary memory.
 // Kernels never allocate: they use the workspace and scratch, which grow only when a larger
 // request first arrives. One Context per device per process (keel runs one rank per GPU).
+// Constructing one registers it as the Device::kCuda memory backend (register_memory_backend).
 class Context {
  public:
   static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // NVIDIA's advice for Hopper
@@ -156,6 +171,9 @@ class Context {
                       const std::function<std::unique_ptr<GemmPlan>()>& make);
 
  private:
+  friend void register_memory_backend(Context& ctx);
+  void unregister_memory_backend() noexcept;  // memory_backend.cc; the destructor calls it
+
   int device_ = 0;
   CUstream_st* stream_ = nullptr;
   cublasLtContext* cublaslt_ = nullptr;
@@ -164,6 +182,8 @@ class Context {
   DeviceBuffer scratch_;
   Fp32Matmul fp32_matmul_ = Fp32Matmul::kExact;
   std::map<std::string, std::unique_ptr<GemmPlan>> plans_;
+  std::shared_ptr<MemoryBackend> memory_backend_;                 // this Context as a backend
+  std::shared_ptr<keel::DeviceBackend> replaced_memory_backend_;  // restored when it goes
 };
 
 // Typed helpers for tests and tools: a device copy of host data, and the host copy of a device
