@@ -1,7 +1,10 @@
 // CUDA LayerNorm / RMSNorm / L2 over grouped, strided rows (framework/kernels/norm.h): one warp
 // per (row, group), the CPU's two-pass statistics (mean, then the centred sum of squares) and its
 // expression order. Parameter gradients: one thread column per gain element and 32 row lanes,
-// summed in a fixed order, so results are deterministic.
+// summed in a fixed order, so results are deterministic. The kernels are templates on the
+// activation type (float or __nv_bfloat16: bf16 inputs, outputs, dout and dinp); statistics, math,
+// mean/rstd and gain/bias gradients are fp32 in both, so the bf16 forms differ from the fp32 ones
+// only by the roundings of their bf16 loads and stores.
 #include <cuda_runtime.h>
 
 #include "framework/error.h"
@@ -16,33 +19,34 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-__global__ void norm_forward_kernel(NormOp op, NormShape s, float* out, const float* inp,
+template <typename T>
+__global__ void norm_forward_kernel(NormOp op, NormShape s, T* out, const T* inp,
                                     const float* weight, const float* bias, float* mean,
                                     float* rstd, float eps) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;  // the whole warp leaves together
   const int64_t n = r / s.G, g = r % s.G, Cg = s.Cg;
-  const float* x = inp + n * s.ld_in + g * Cg;
-  float* y = out + n * s.ld_out + g * Cg;
+  const T* x = inp + n * s.ld_in + g * Cg;
+  T* y = out + n * s.ld_out + g * Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float* b = bias != nullptr ? bias + g * s.w_group_stride : nullptr;
   float mu = 0.0f;
   if (op == NormOp::kLayer) {
     float acc = 0.0f;
-    for (int64_t c = lane; c < Cg; c += 32) acc += x[c];
+    for (int64_t c = lane; c < Cg; c += 32) acc += to_f(x[c]);
     mu = warp_sum(acc) / static_cast<float>(Cg);
   }
   float ss = 0.0f;
-  for (int64_t c = lane; c < Cg; c += 32) ss += (x[c] - mu) * (x[c] - mu);
+  for (int64_t c = lane; c < Cg; c += 32) ss += (to_f(x[c]) - mu) * (to_f(x[c]) - mu);
   ss = warp_sum(ss);
   const float denom = op == NormOp::kL2 ? ss : ss / static_cast<float>(Cg);
   const float rs = 1.0f / sqrtf(denom + eps);
   for (int64_t c = lane; c < Cg; c += 32) {
-    float v = (x[c] - mu) * rs;
+    float v = (to_f(x[c]) - mu) * rs;
     if (w != nullptr) v *= w[c];
     if (b != nullptr) v += b[c];
-    y[c] = v;
+    y[c] = from_f<T>(v);
   }
   if (lane == 0) {
     if (mean != nullptr) mean[r] = mu;
@@ -50,24 +54,25 @@ __global__ void norm_forward_kernel(NormOp op, NormShape s, float* out, const fl
   }
 }
 
-__global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, float* dinp, bool accumulate,
-                                          const float* dout, const float* inp, const float* weight,
+template <typename T>
+__global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, T* dinp, bool accumulate,
+                                          const T* dout, const T* inp, const float* weight,
                                           const float* mean, const float* rstd) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G, Cg = s.Cg;
-  const float* x = inp + n * s.ld_in + g * Cg;
-  const float* dy = dout + n * s.ld_out + g * Cg;
-  float* dx = dinp + n * s.ld_in + g * Cg;
+  const T* x = inp + n * s.ld_in + g * Cg;
+  const T* dy = dout + n * s.ld_out + g * Cg;
+  T* dx = dinp + n * s.ld_in + g * Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float mu = op == NormOp::kLayer ? mean[r] : 0.0f;
   const float rs = rstd[r];
   float sum_dn = 0.0f, sum_dn_xhat = 0.0f;
   for (int64_t c = lane; c < Cg; c += 32) {
-    const float dn = w != nullptr ? dy[c] * w[c] : dy[c];
+    const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
     sum_dn += dn;
-    sum_dn_xhat += dn * ((x[c] - mu) * rs);
+    sum_dn_xhat += dn * ((to_f(x[c]) - mu) * rs);
   }
   sum_dn = warp_sum(sum_dn);
   sum_dn_xhat = warp_sum(sum_dn_xhat);
@@ -75,16 +80,17 @@ __global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, float* dinp, b
   const float a = op == NormOp::kLayer ? sum_dn * inv_c : 0.0f;
   const float bcoef = op == NormOp::kL2 ? sum_dn_xhat : sum_dn_xhat * inv_c;
   for (int64_t c = lane; c < Cg; c += 32) {
-    const float dn = w != nullptr ? dy[c] * w[c] : dy[c];
-    const float gi = rs * (dn - a - (x[c] - mu) * rs * bcoef);
-    dx[c] = accumulate ? dx[c] + gi : gi;
+    const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
+    const float gi = rs * (dn - a - (to_f(x[c]) - mu) * rs * bcoef);
+    dx[c] = from_f<T>(accumulate ? to_f(dx[c]) + gi : gi);
   }
 }
 
 // Gain element wi sums over every (n, g) that uses it: all groups when the gain is shared
-// (w_group_stride 0), else its own group g = wi / Cg.
+// (w_group_stride 0), else its own group g = wi / Cg. fp32 accumulation for either T.
+template <typename T>
 __global__ void norm_param_grads_kernel(NormOp op, NormShape s, float* dweight, float* dbias,
-                                        const float* dout, const float* inp, const float* mean,
+                                        const T* dout, const T* inp, const float* mean,
                                         const float* rstd) {
   __shared__ float tw[32][33], tb[32][33];
   const bool shared_gain = s.w_group_stride == 0;
@@ -99,8 +105,8 @@ __global__ void norm_param_grads_kernel(NormOp op, NormShape s, float* dweight, 
       const int64_t g = shared_gain ? j % s.G : wi / s.Cg;
       const int64_t r = n * s.G + g;
       const float mu = op == NormOp::kLayer ? mean[r] : 0.0f;
-      const float dy = dout[n * s.ld_out + g * s.Cg + c];
-      accw += dy * ((inp[n * s.ld_in + g * s.Cg + c] - mu) * rstd[r]);
+      const float dy = to_f(dout[n * s.ld_out + g * s.Cg + c]);
+      accw += dy * ((to_f(inp[n * s.ld_in + g * s.Cg + c]) - mu) * rstd[r]);
       accb += dy;
     }
   }
@@ -131,35 +137,63 @@ unsigned row_blocks(int64_t rows) {
   return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
-}  // namespace
-
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
-                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
+// The forms' shared launches; T is float or __nv_bfloat16.
+template <typename T>
+void launch_norm_forward(Context& ctx, NormOp op, const NormShape& s, T* out, const T* inp,
+                         const float* weight, const float* bias, float* mean, float* rstd,
+                         float eps) {
   check_shape(s, "norm_forward");
   KEEL_CHECK(op == NormOp::kL2 || weight != nullptr, kUsage,
              "cuda norm_forward: LayerNorm and RMSNorm need a weight");
   if (s.N == 0) return;
-  norm_forward_kernel<<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
+  norm_forward_kernel<T><<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
       op, s, out, inp, weight, bias, mean, rstd, eps);
   KEEL_CUDA_LAUNCH_CHECK("norm_forward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                   float* dweight, float* dbias, const float* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd) {
+template <typename T>
+void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, T* dinp, bool accumulate,
+                          float* dweight, float* dbias, const T* dout, const T* inp,
+                          const float* weight, const float* mean, const float* rstd) {
   check_shape(s, "norm_backward");
   if (s.N == 0) return;
   if (dinp != nullptr) {
-    norm_backward_dinp_kernel<<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
+    norm_backward_dinp_kernel<T><<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
         op, s, dinp, accumulate, dout, inp, weight, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_backward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
   }
   if (dweight != nullptr || dbias != nullptr) {
     const int64_t wsize = s.w_group_stride == 0 ? s.Cg : s.G * s.Cg;
-    norm_param_grads_kernel<<<static_cast<unsigned>((wsize + 31) / 32), dim3(32, 32), 0,
-                              ctx.stream()>>>(op, s, dweight, dbias, dout, inp, mean, rstd);
+    norm_param_grads_kernel<T>
+        <<<static_cast<unsigned>((wsize + 31) / 32), dim3(32, 32), 0, ctx.stream()>>>(
+            op, s, dweight, dbias, dout, inp, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_param_grads", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
   }
+}
+
+}  // namespace
+
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
+  launch_norm_forward(ctx, op, s, out, inp, weight, bias, mean, rstd, eps);
+}
+
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
+  launch_norm_forward(ctx, op, s, dev(out), dev(inp), weight, bias, mean, rstd, eps);
+}
+
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                   float* dweight, float* dbias, const float* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd) {
+  launch_norm_backward(ctx, op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
+}
+
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const Bf16* inp,
+                   const float* weight, const float* mean, const float* rstd) {
+  launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dev(dout), dev(inp),
+                       weight, mean, rstd);
 }
 
 }  // namespace keel::kernels::cuda

@@ -51,10 +51,18 @@ void adamw_update(Context& ctx, float* param, const float* grad, float* m, float
                   const AdamWStep& step, const float* device_grad_scale = nullptr);
 
 // ---- norms (framework/kernels/norm.h): LayerNorm / RMSNorm / L2 over grouped, strided rows ----
+// The Bf16 forms take bf16 activations (inp, out, dout, dinp; dinp += rounds once per element)
+// and fp32 gains/biases (master weights); statistics and math are fp32, mean/rstd are saved in
+// fp32 and dweight/dbias accumulate in fp32 exactly as the fp32 forms do.
 void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps);
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps);
 void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
                    float* dweight, float* dbias, const float* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd);
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const Bf16* inp,
                    const float* weight, const float* mean, const float* rstd);
 
 // ---- cross-entropy with z-loss, vocab-parallel phases (framework/kernels/cross_entropy.h) ----
