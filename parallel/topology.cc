@@ -67,6 +67,9 @@ Distributed::Distributed(const MpiEnv& mpi, int tp, double timeout_s) {
   // TP: ranks [k tp, (k + 1) tp) together; DP: ranks with the same rank % tp together.
   MPI_Comm_split(MPI_COMM_WORLD, tp_group_of(rank, tp), rank, &tp_comm);
   MPI_Comm_split(MPI_COMM_WORLD, dp_group_of(rank, tp), rank, &dp_comm);
+  world_mpi_ = world_dup;
+  tp_mpi_ = tp_comm;
+  dp_mpi_ = dp_comm;
   world_ = std::make_unique<MpiCommunicator>(world_dup, "world", watchdog_.get());
   tp_ = std::make_unique<MpiCommunicator>(tp_comm, "tensor-parallel", watchdog_.get());
   dp_ = std::make_unique<MpiCommunicator>(dp_comm, "data-parallel", watchdog_.get());

@@ -3,6 +3,8 @@
 // divides the ranks per node); DP groups stride by tp. Owns the communicators.
 #pragma once
 
+#include <mpi.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,12 +38,20 @@ class Distributed {
   Watchdog& watchdog() { return *watchdog_; }
   // tp_placement_warning() of this job (the same on every rank).
   const std::string& placement_warning() const { return placement_warning_; }
+  // The MPI communicators behind the TP, DP and world groups (the world one is a duplicate of
+  // MPI_COMM_WORLD), e.g. to bootstrap an NCCL communicator on the same group and group ranks
+  // (nccl_mpi.h). Owned by the group's communicator: valid while this Distributed lives, never
+  // to be freed; collectives on them are outside the watchdog and the byte counters.
+  MPI_Comm tp_mpi_comm() const { return tp_mpi_; }
+  MPI_Comm dp_mpi_comm() const { return dp_mpi_; }
+  MPI_Comm world_mpi_comm() const { return world_mpi_; }
 
  private:
   std::unique_ptr<Watchdog> watchdog_;
   std::unique_ptr<Communicator> world_, tp_, dp_;
   Topology topo_;
   std::string placement_warning_;
+  MPI_Comm world_mpi_ = MPI_COMM_NULL, tp_mpi_ = MPI_COMM_NULL, dp_mpi_ = MPI_COMM_NULL;
 };
 
 }  // namespace keel

@@ -19,6 +19,20 @@
 // watchdog thread prints it when the collective in flight is still there kStuckAfterSignal after
 // the signal (or after it began, if later). Either way once, well inside mpirun's one second
 // before SIGKILL. A healthy collective finishes long before that; the rank then saves and exits.
+//
+// Note [abort hooks]: ending the process with _Exit is enough for MPI, whose peers the launcher
+// then ends. An NCCL collective is different: its kernel spins on the GPU and NCCL's proxy thread
+// keeps driving the network, and a process that exits under them may leave the device busy or
+// its peers waiting on a connection that never closes cleanly. ncclCommAbort stops both and makes
+// the blocked NCCL call return, so NcclCommunicator::abort() is registered as an abort hook and
+// runs after the timeout line, before _Exit. A hook may hang too (ncclCommAbort waits for the
+// proxy thread, which may sit in a dead network call), and the watchdog's one promise is that the
+// job ends: each hook runs on a thread of its own, and the watchdog thread waits for it at most
+// abort_hook_grace_s(), then leaves it running and goes on (_Exit ends it with the process). The
+// grace is short against the timeout (a quarter of it, at most 2 s), so the job ends within about
+// timeout_s plus one grace per hook. Once released, the stuck thread may end the process itself
+// (e.g. with the communicator's own "aborted" error) before the last hooks ran; either way the
+// job ends with the watchdog's line first.
 #include "parallel/watchdog.h"
 
 #include <unistd.h>
@@ -29,6 +43,10 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <system_error>
 
 namespace keel {
 
@@ -168,7 +186,80 @@ void Watchdog::loop() {
           .add(timeout)
           .add(" s (a peer rank died or hangs); ending the job")
           .write_stderr();
+      run_abort_hooks();
       std::_Exit(1);  // MPI_Abort may not be called from this thread; the launcher ends the rest
+    }
+  }
+}
+
+int Watchdog::add_abort_hook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(hooks_mu_);
+  const int id = next_hook_id_++;
+  hooks_.emplace_back(id, std::move(hook));
+  return id;
+}
+
+void Watchdog::remove_abort_hook(int id) {
+  std::lock_guard<std::mutex> lock(hooks_mu_);
+  hooks_.erase(
+      std::remove_if(hooks_.begin(), hooks_.end(), [id](const auto& h) { return h.first == id; }),
+      hooks_.end());
+}
+
+double Watchdog::abort_hook_grace_s(double timeout_s) { return std::min(2.0, timeout_s / 4); }
+
+// Note [abort hooks]. Runs on the watchdog thread, which ends the process right after.
+void Watchdog::run_abort_hooks() {
+  std::vector<std::pair<int, std::function<void()>>> hooks;
+  {
+    // A copy, so that a hook may call remove_abort_hook() and an abandoned hook can keep its own.
+    std::lock_guard<std::mutex> lock(hooks_mu_);
+    hooks = hooks_;
+  }
+  const double grace = abort_hook_grace_s(timeout_s_);
+  char grace_text[32];
+  std::snprintf(grace_text, sizeof(grace_text), "%g", grace);
+  // Shared with the hook's thread, which outlives this function when abandoned.
+  struct Run {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::string error;
+  };
+  for (size_t i = 0; i < hooks.size(); ++i) {
+    const long long number = static_cast<long long>(i) + 1;
+    auto run = std::make_shared<Run>();
+    try {
+      std::thread([run, hook = std::move(hooks[i].second)] {
+        std::string error;
+        try {
+          hook();
+        } catch (const std::exception& e) {
+          error = e.what();
+        } catch (...) {
+          error = "an exception that is not a std::exception";
+        }
+        std::lock_guard<std::mutex> lock(run->mu);
+        run->done = true;
+        run->error = std::move(error);
+        run->cv.notify_all();
+      }).detach();
+    } catch (const std::system_error& e) {
+      Line line;
+      line.add("keel-train: rank ").add(static_cast<long long>(rank_)).add(": abort hook ");
+      line.add(number).add(" not run: cannot start its thread: ").add(e.what()).write_stderr();
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(run->mu);
+    const bool returned =
+        run->cv.wait_for(lock, std::chrono::duration<double>(grace), [&run] { return run->done; });
+    Line line;
+    line.add("keel-train: rank ").add(static_cast<long long>(rank_)).add(": abort hook ");
+    if (!returned) {
+      line.add(number).add(" did not return within ").add(grace_text);
+      line.add(" s; abandoned").write_stderr();
+    } else if (!run->error.empty()) {
+      line.add(number).add(" failed: ").add(run->error.c_str()).write_stderr();
     }
   }
 }

@@ -8,12 +8,17 @@
 //   stays stuck after the signal: Note [stop signal].
 // Both lines name this rank, the collective, its group and the step. Communicators mark each
 // blocking call with begin()/end(); the trainer sets the current step.
+// - Abort hooks (add_abort_hook) run after the timeout line and before the process ends: MPI's
+//   shared-memory collectives need nothing, but NCCL's do (Note [abort hooks] in watchdog.cc).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace keel {
 
@@ -36,7 +41,25 @@ class Watchdog {
   // signal]); without a running watchdog, nothing happens.
   static void note_stop_signal(int sig);
 
+  // Abort hooks: when a collective outlives timeout_s, the watchdog thread prints its line, then
+  // runs every registered hook once, in registration order, then ends the process as before.
+  // The intended hook is NcclCommunicator::abort(): ncclCommAbort makes the NCCL call blocked in
+  // the training thread return, so NCCL's kernels and proxy threads stop before the process goes
+  // (Note [abort hooks]). Each hook runs on its own thread started by the watchdog thread and is
+  // abandoned (one line says so; the next hook runs) when it has not returned within
+  // abort_hook_grace_s(timeout_s), so a hook that hangs too cannot keep the job alive. Hooks run
+  // concurrently with the stuck thread (and an abandoned hook with later ones): they must be
+  // thread-safe, and must not throw (an exception is reported and ignored). A disabled watchdog
+  // (timeout_s <= 0) never runs them. Both calls are thread-safe; add returns the id to remove.
+  int add_abort_hook(std::function<void()> hook);
+  // Removes the hook `id` (an id not registered, or already removed, is ignored). A hook that the
+  // watchdog has already started may still run to its end.
+  void remove_abort_hook(int id);
+  // How long each hook may run: min(2 s, timeout_s / 4).
+  static double abort_hook_grace_s(double timeout_s);
+
  private:
+  void run_abort_hooks();
   void loop();
   static void on_sigterm(int sig);   // async-signal-safe: formats with write(2) only
   void report_stuck_after_signal();  // async-signal-safe; prints once
@@ -53,6 +76,9 @@ class Watchdog {
   std::condition_variable cv_;
   bool stop_ = false;
   bool handles_sigterm_ = false;
+  std::mutex hooks_mu_;                                       // guards hooks_ and next_hook_id_
+  std::vector<std::pair<int, std::function<void()>>> hooks_;  // in registration order
+  int next_hook_id_ = 1;
   std::thread thread_;
 };
 
