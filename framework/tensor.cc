@@ -65,6 +65,7 @@ Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   // The deleter holds the backend: the block goes back to the allocator that made it even if the
   // registry has changed since.
   t.storage_ = std::shared_ptr<void>(p, [backend](void* q) { backend->deallocate(q); });
+  t.backend_ = backend;
   t.data_ = p;
   backend->zero(p, bytes);
   return t;
@@ -92,6 +93,10 @@ double* Tensor::f64() const {
   return static_cast<double*>(data_);
 }
 
+std::shared_ptr<DeviceBackend> Tensor::backend(const char* what) const {
+  return backend_ ? backend_ : device_backend(device_, what);
+}
+
 Tensor Tensor::slice(int64_t offset, Shape shape) const {
   KEEL_ASSERT(offset >= 0 && offset + shape_numel(shape) <= numel());
   Tensor t = *this;
@@ -104,7 +109,7 @@ void Tensor::copy_to_host(int64_t offset, int64_t n, void* dst) const {
   KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
   if (n == 0) return;
   const size_t es = dtype_size(dtype_);
-  device_backend(device_, "Tensor::copy_to_host")
+  backend("Tensor::copy_to_host")
       ->copy_to_host(dst, static_cast<const char*>(data_) + offset * es, n * es);
 }
 
@@ -112,12 +117,12 @@ void Tensor::copy_from_host(int64_t offset, int64_t n, const void* src) const {
   KEEL_ASSERT(offset >= 0 && n >= 0 && offset + n <= numel());
   if (n == 0) return;
   const size_t es = dtype_size(dtype_);
-  device_backend(device_, "Tensor::copy_from_host")
+  backend("Tensor::copy_from_host")
       ->copy_from_host(static_cast<char*>(data_) + offset * es, src, n * es);
 }
 
 void Tensor::zero_() {
-  if (data_ && numel() > 0) device_backend(device_, "Tensor::zero_")->zero(data_, nbytes());
+  if (data_ && numel() > 0) backend("Tensor::zero_")->zero(data_, nbytes());
 }
 
 Tensor Tensor::to(Device device) const {
@@ -131,7 +136,7 @@ Tensor Tensor::to(Device device) const {
   } else {
     // Device::kCuda on both sides: one device per process (one Context), so a device-side copy.
     KEEL_ASSERT(device == device_);
-    device_backend(device_, "Tensor::to")->copy_on_device(out.data_, data_, nbytes());
+    backend("Tensor::to")->copy_on_device(out.data_, data_, nbytes());
   }
   return out;
 }

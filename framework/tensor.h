@@ -67,7 +67,14 @@ class Tensor {
   Tensor to(Device device) const;
 
  private:
+  // backend_, or for a view of foreign memory the device's registered backend.
+  std::shared_ptr<DeviceBackend> backend(const char* what) const;
+
   std::shared_ptr<void> storage_;
+  // The backend that allocated storage_ (null for views of foreign memory): copies and zeroing
+  // use it, so a tensor keeps talking to its own Context's stream even after another Context
+  // registered itself for the device.
+  std::shared_ptr<DeviceBackend> backend_;
   void* data_ = nullptr;
   Shape shape_;
   DType dtype_ = DType::kF32;

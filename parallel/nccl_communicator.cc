@@ -57,12 +57,18 @@ class Backoff {
 // A non-blocking all-reduce: an event recorded after it on the communicator's stream.
 class NcclRequest final : public CommRequest {
  public:
+  // The all-reduce is already enqueued: if this throws, nobody waits for it, so the communicator
+  // is marked failed (its destructor aborts instead of waiting on peers).
   NcclRequest(NcclCommunicator& comm, int64_t n) : comm_(comm), n_(n) {
-    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "iall_reduce over ",
-                    comm_.name(), " n=", n_);
-    const cudaError_t rc = cudaEventRecord(event_, comm_.ctx_.stream());
+    cudaError_t rc = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    if (rc != cudaSuccess) {
+      comm_.failed_ = true;
+      KEEL_CUDA_CHECK(rc, "iall_reduce over ", comm_.name(), " n=", n_);
+    }
+    rc = cudaEventRecord(event_, comm_.ctx_.stream());
     if (rc != cudaSuccess) {
       cudaEventDestroy(event_);
+      comm_.failed_ = true;
       KEEL_CUDA_CHECK(rc, "iall_reduce over ", comm_.name(), " n=", n_);
     }
   }
@@ -95,6 +101,7 @@ class NcclRequest final : public CommRequest {
     }
     if (rc != cudaSuccess) comm_.failed_ = true;
     KEEL_CUDA_CHECK(rc, "all_reduce (non-blocking) over the ", comm_.name(), " group n=", n_);
+    comm_.throw_if_aborted("all_reduce (non-blocking)", n_);  // drained by an abort: partial
     done_ = true;
     return true;
   }
@@ -143,8 +150,14 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
     check(ncclCommInitRank(&comm, size_, nid, rank_), "ncclCommInitRank", -1);
     comm_ = comm;
   }
-  barrier_word_ = ctx_.alloc(sizeof(float));
-  ctx_.fill_bytes(barrier_word_.data(), 0, sizeof(float));
+  try {
+    barrier_word_ = ctx_.alloc(sizeof(float));
+    ctx_.fill_bytes(barrier_word_.data(), 0, sizeof(float));
+  } catch (...) {
+    ncclCommAbort(comm_);  // no destructor runs for a half-built object
+    comm_ = nullptr;
+    throw;
+  }
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -214,7 +227,12 @@ void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
   Backoff backoff;
   for (;;) {
     const cudaError_t rc = done();
-    if (rc == cudaSuccess) return;
+    if (rc == cudaSuccess) {
+      // ncclCommAbort stops NCCL's kernels and the stream drains: "complete" then holds a
+      // partial result, so an abort still throws.
+      throw_if_aborted(op, n);
+      return;
+    }
     if (rc != cudaErrorNotReady) {
       failed_ = true;
       KEEL_CUDA_CHECK(rc, op, " over the ", name_, " group (rank ", rank_, " of ", size_, ", ", n,
@@ -227,6 +245,24 @@ void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
   }
 }
 
+template <typename Enqueue>
+void NcclCommunicator::enqueue(Enqueue enqueue, const char* call, const char* op, int64_t n) {
+  int status = ncclSuccess;
+  std::string last;  // NCCL's words, copied while the communicator is alive
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.load() && comm_ != nullptr) {
+      status = enqueue(comm_);
+      if (status != ncclSuccess) {
+        const char* words = ncclGetLastError(comm_);
+        if (words != nullptr) last = words;
+      }
+    }
+  }
+  throw_if_aborted(op, n);
+  if (status != ncclSuccess) fail(status, call, n, last);
+}
+
 void NcclCommunicator::wait_stream(const char* op, int64_t n) {
   CUstream_st* stream = ctx_.stream();
   wait_until([stream] { return cudaStreamQuery(stream); }, op, n);
@@ -236,9 +272,12 @@ void NcclCommunicator::all_reduce(float* data, int64_t n, ReduceOp op) {
   throw_if_aborted("all_reduce", n);
   if (n == 0) return;
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
-  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, nccl_op(op), comm_,
-                      ctx_.stream()),
-        "ncclAllReduce", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, nccl_op(op), c,
+                             ctx_.stream());
+      },
+      "ncclAllReduce", "all_reduce", n);
   wait_stream("all_reduce", n);
 }
 
@@ -246,9 +285,12 @@ void NcclCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
   throw_if_aborted("all_reduce", n);
   if (n == 0) return;
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(double)));
-  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclDouble, nccl_op(op), comm_,
-                      ctx_.stream()),
-        "ncclAllReduce", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllReduce(data, data, static_cast<size_t>(n), ncclDouble, nccl_op(op), c,
+                             ctx_.stream());
+      },
+      "ncclAllReduce", "all_reduce", n);
   wait_stream("all_reduce", n);
 }
 
@@ -256,8 +298,11 @@ void NcclCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   throw_if_aborted("all_gather", n);
   if (size_ > 1) count(n * size_ * static_cast<int64_t>(sizeof(float)));
   if (n == 0) return;
-  check(ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, comm_, ctx_.stream()),
-        "ncclAllGather", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, c, ctx_.stream());
+      },
+      "ncclAllGather", "all_gather", n);
   wait_stream("all_gather", n);
 }
 
@@ -265,9 +310,12 @@ void NcclCommunicator::reduce_scatter(const float* send, float* recv, int64_t n)
   throw_if_aborted("reduce_scatter", n);
   if (size_ > 1) count(n * size_ * static_cast<int64_t>(sizeof(float)));
   if (n == 0) return;
-  check(ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, comm_,
-                          ctx_.stream()),
-        "ncclReduceScatter", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, c,
+                                 ctx_.stream());
+      },
+      "ncclReduceScatter", "reduce_scatter", n);
   wait_stream("reduce_scatter", n);
 }
 
@@ -277,16 +325,22 @@ void NcclCommunicator::broadcast(float* data, int64_t n, int root) {
   KEEL_CHECK(root >= 0 && root < size_, kInternal, "broadcast over the ", name_, " group: root ",
              root, " of ", size_);
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
-  check(ncclBroadcast(data, data, static_cast<size_t>(n), ncclFloat, root, comm_, ctx_.stream()),
-        "ncclBroadcast", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclBroadcast(data, data, static_cast<size_t>(n), ncclFloat, root, c, ctx_.stream());
+      },
+      "ncclBroadcast", "broadcast", n);
   wait_stream("broadcast", n);
 }
 
 void NcclCommunicator::barrier() {
   throw_if_aborted("barrier", 1);
-  check(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclFloat, ncclSum, comm_,
-                      ctx_.stream()),
-        "ncclAllReduce (barrier)", 1);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclFloat, ncclSum, c,
+                             ctx_.stream());
+      },
+      "ncclAllReduce (barrier)", "barrier", 1);
   wait_stream("barrier", 1);
 }
 
@@ -294,8 +348,12 @@ std::unique_ptr<CommRequest> NcclCommunicator::iall_reduce(float* data, int64_t 
   throw_if_aborted("all_reduce (non-blocking)", n);
   if (n == 0) return std::make_unique<DoneRequest>();
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
-  check(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, ctx_.stream()),
-        "ncclAllReduce (non-blocking)", n);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, c,
+                             ctx_.stream());
+      },
+      "ncclAllReduce (non-blocking)", "all_reduce (non-blocking)", n);
   return std::make_unique<NcclRequest>(*this, n);
 }
 

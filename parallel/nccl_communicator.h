@@ -106,6 +106,12 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(int status, const char* call, int64_t n, const std::string& detail);
   void check(int status, const char* call, int64_t n);
   void throw_if_aborted(const char* op, int64_t n);
+  // Runs `enqueue(comm_)` (an NCCL collective call) under mu_, so abort() never frees the
+  // communicator under it, and throws like check() on failure or like throw_if_aborted() when the
+  // communicator was aborted before or during the call. (An enqueue that blocked while holding
+  // mu_ would hold up abort(); the watchdog bounds every abort hook, so the job still ends.)
+  template <typename Enqueue>
+  void enqueue(Enqueue enqueue, const char* call, const char* op, int64_t n);
 
   std::string name_;
   kernels::cuda::Context& ctx_;

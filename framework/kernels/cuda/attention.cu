@@ -448,6 +448,9 @@ void check_shape(const AttentionShape& s, const char* name) {
   KEEL_CHECK(s.ldq >= HD && s.ldk >= HD && s.ldv >= HD && s.ldo >= HD, kUsage, "cuda ", name,
              ": row strides ldq=", s.ldq, " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo,
              " must be at least H * D = ", HD);
+  // The delta kernel's grid is one block per kWarps rows of B * H * T.
+  KEEL_CHECK(s.B * s.H * s.T / kWarps < INT32_MAX, kUsage, "cuda ", name,
+             ": B * H * T = ", s.B * s.H * s.T, " rows is too many for one launch");
   KEEL_CHECK(s.B * s.H <= INT32_MAX && tiles_of(s) <= 65535, kUsage, "cuda ", name,
              ": grid too large for B * H = ", s.B * s.H, " (at most 2^31 - 1) or T = ", s.T,
              " (at most ", int64_t{65535} * kTile, ")");

@@ -28,7 +28,9 @@ void attention_forward(Context& ctx, const AttentionShape& s, T* out, float* lse
 
 // dq, dk, dv (=, strides ldq, ldk, ldv); dscale[H] (+=, device fp32, nullable) the gradient of
 // scale; dout has stride ldo; out and lse as the forward wrote them. dq, dk and dv may be views
-// of one fused buffer (disjoint columns of the same rows). As in FlashAttention-2, the softmax
+// of one fused buffer (disjoint columns of the same rows), but must not alias q, k, v, dout or
+// out: the dq pass reads k and v after the dk/dv pass has written. As in FlashAttention-2, the
+// softmax
 // backward's row term delta = rowsum(dout * out) comes from this out: for bf16 its rounding (2^-9)
 // reaches dq, dk and dscale undamped at rows with few keys (up to ~2% of their scale), where the
 // CPU kernel takes delta from its exact probabilities.

@@ -2,6 +2,8 @@
 // memory from the Context's caching allocator, zero fill and copies on its stream. Registered by
 // the Context's constructor (register_memory_backend), unregistered by its destructor.
 #include <atomic>
+#include <cstdio>
+#include <exception>
 #include <utility>
 
 #include "framework/device_backend.h"
@@ -26,7 +28,13 @@ class MemoryBackend final : public DeviceBackend {
   void deallocate(void* ptr) noexcept override {
     // After detach the allocator has freed every block (Allocator::~Allocator): nothing to do.
     Context* c = ctx_.load();
-    if (c != nullptr && ptr != nullptr) c->allocator().deallocate(ptr);
+    if (c == nullptr || ptr == nullptr) return;
+    try {
+      c->allocator().deallocate(ptr);
+    } catch (const std::exception& e) {
+      // Called from Tensor destructors: a throw here would be std::terminate without a word.
+      std::fprintf(stderr, "keel: CUDA memory backend: deallocate: %s\n", e.what());
+    }
   }
   void zero(void* ptr, size_t bytes) override { ctx("zero").fill_bytes(ptr, 0, bytes); }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
