@@ -189,12 +189,17 @@ def draw(plt, out_path, title, keys, ylabel, segments, alerts, jumps, alert_valu
     handles, _ = ax.get_legend_handles_labels()
     if handles:
         ax.legend(loc="upper right", fontsize=8)
+    save_png(fig, plt, out_path)
+    return points
+
+
+def save_png(fig, plt, out_path):
+    """Writes fig to out_path through a temporary name and closes it."""
     fig.tight_layout()
     tmp = out_path + ".tmp"
     fig.savefig(tmp, format="png")
     plt.close(fig)
     os.replace(tmp, out_path)  # a viewer never sees a half-written PNG
-    return points
 
 
 def key_is_log(keys, values):

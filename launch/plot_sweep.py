@@ -71,14 +71,6 @@ def style(qk, z, z_values):
     return QK_COLORS.get(qk, "gray"), ls
 
 
-def save(fig, plt, path):
-    fig.tight_layout()
-    tmp = path + ".tmp"
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
 def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
     grid = [r for r in rows if r.get("guard") != "on"]
     z_values = sorted({num(r["z_loss"]) for r in grid})
@@ -121,7 +113,7 @@ def per_lr_plot(plt, path, rows, l0, key, title, ylabel, log_y):
     ax.set_title(title + " (x: diverged, o: unstable)")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
-    save(fig, plt, path)
+    plot_run.save_png(fig, plt, path)
     return len(grid), len(settings(grid)), diverged
 
 
@@ -183,7 +175,7 @@ def attn_steps_plot(plt, path, sweep, rows):
     ax.set_ylabel("max |scaled q.k| of the step")
     ax.set_title("max attention logit, z_loss %g%s" % (z_none, (" (" + note + ")") if note else ""))
     ax.grid(True, alpha=0.3, which="both")
-    save(fig, plt, path)
+    plot_run.save_png(fig, plt, path)
     return drawn, stable, unstable
 
 
