@@ -18,7 +18,11 @@
 #include "framework/config/config.h"
 #include "framework/data/dataset.h"
 #include "framework/error.h"
+#include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
+#if KEEL_HAVE_CUDA
+#include "framework/kernels/cuda/exec_context.h"
+#endif
 #include "launch/cli.h"
 #include "launch/stop_signals.h"
 #include "launch/trainer.h"
@@ -149,6 +153,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     return 0;
   }
   config::KeelConfig cfg = load_config(args.config_path, args.sets);
+#if KEEL_HAVE_CUDA
+  // train.device=AUTO|CUDA can pick a GPU (without one, or without a driver, AUTO is the CPU).
+  kernels::cuda::register_cuda_exec_factory();
+#endif
   // Every rank validates the same config, so a layout error stops all of them before any
   // collective (no hang); rank 0 alone prints it.
   Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
@@ -196,6 +204,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         static_cast<long long>(trainer.tokens_per_step()));
     // With the banner (stdout), after every check that can refuse the run: a refused run prints
     // only its error.
+    std::printf("keel-train: device %s\n", trainer.exec().describe().c_str());
     const std::string blas = kernels::blas_kernel_warning();
     if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);

@@ -17,7 +17,7 @@
 #include "framework/data/fingerprint.h"
 #include "framework/error.h"
 #include "framework/file_io.h"
-#include "framework/kernels/elementwise.h"
+#include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
 #include "framework/philox.h"
 #include "launch/fault_injector.h"
@@ -59,7 +59,14 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   KEEL_CHECK(per_rank % micro_ == 0, kConfig, "train.micro_batch=", micro_,
              " does not divide the per-rank batch ", per_rank, " (train.global_batch / dp)");
   accum_ = per_rank / micro_;
-  model_ = std::make_unique<GPT>(cfg_, topo_, micro_);
+  const Device device = kernels::resolve_device(t.device());
+  KEEL_CHECK(device == Device::kCpu || topo_.world_size == 1, kConfig, "train.device=", t.device(),
+             " with ", topo_.world_size,
+             " ranks: the trainer runs on one GPU for now (multi-GPU TP/DP needs the NCCL "
+             "communicators wired into the trainer); use train.device=CPU for multi-rank runs");
+  exec_ = kernels::make_exec(device, 0);
+  grad_sq_ = Tensor::zeros({1}, DType::kF64, device);
+  model_ = std::make_unique<GPT>(cfg_, topo_, micro_, *exec_);
   model_->init(t.seed());
   ParamStore& ps = model_->params();
   for (int id = 0; id < ps.size(); ++id) {
@@ -75,12 +82,12 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     if (!own.empty())
       segs.push_back({own.offset - part.mine().offset, own.n, ps.info(id).spec.decay});
   }
-  opt_ = std::make_unique<AdamW>(cfg_.optim(), part.mine().n, std::move(segs));
+  opt_ = std::make_unique<AdamW>(cfg_.optim(), part.mine().n, std::move(segs), *exec_);
   state_ = std::make_unique<TrainState>(ps, *opt_, part);
   state_->train_fingerprint = train_fp;
   state_->val_fingerprint = val_fp;
   if (part.sharded()) {
-    shard_grads_ = Tensor::zeros({part.mine().n});
+    shard_grads_ = Tensor::zeros({part.mine().n}, DType::kF32, device);
   } else if (topo_.dp > 1) {
     std::vector<ArenaRange> ranges;
     for (int id = 0; id < ps.size(); ++id)
@@ -373,13 +380,18 @@ double Trainer::grad_sum_squares(const float* grads, ArenaSlice range) const {
   // Global-norm contributions of this rank's moments slice (grads[0] is arena element
   // range.offset): a TP-sharded parameter counts on every TP rank (each holds a different
   // slice), a replicated one on TP rank 0 only.
-  double sq = 0.0;
+  // Summed on the device in parameter order, then one 8-byte read.
+  bool any = false;
   for (const StateParam& p : state_->tensors()) {
     if (!p.info->sharded() && topo_.tp_rank != 0) continue;
     if (!p.moments.empty()) {
-      sq += kernels::sum_squares(grads + (p.moments.offset - range.offset), p.moments.n);
+      exec_->sum_squares(grads + (p.moments.offset - range.offset), p.moments.n, grad_sq_.f64(),
+                         /*accumulate=*/any);
+      any = true;
     }
   }
+  double sq = 0.0;
+  if (any) grad_sq_.copy_to_host(0, 1, &sq);
   return sq;
 }
 
@@ -924,7 +936,8 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
                                 ctx.begin() + std::min<int64_t>(len, start + T));
     window.resize(T, 0);
     model_->forward(window.data(), nullptr, 1);
-    const float* row = model_->logits() + (len - start - 1) * d.Vl;
+    std::vector<float> row(static_cast<size_t>(d.Vl));
+    model_->logits().copy_to_host((len - start - 1) * d.Vl, d.Vl, row.data());
     double mx = -1e300, sum = 0.0;
     for (int64_t v = 0; v < d.V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / temperature);
     for (int64_t v = 0; v < d.V; ++v) sum += p[v] = std::exp(row[v] / temperature - mx);

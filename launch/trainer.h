@@ -109,6 +109,7 @@ class Trainer {
   GPT& model() { return *model_; }
   const Dataset& dataset() const { return data_; }
   AdamW& optimizer() { return *opt_; }
+  kernels::ExecContext& exec() { return *exec_; }
   int64_t steps_done() const { return state_->step; }
   // Everything a resume needs (Note [run state]).
   TrainState& state() { return *state_; }
@@ -181,6 +182,10 @@ class Trainer {
   Dataset data_;
   Sampler sampler_;  // stateless here: the position is state_->sampler
   FaultInjector faults_;
+  // Where the model runs (train.device): every tensor of the model and optimizer lives on its
+  // device. Declared before them so it outlives them.
+  std::unique_ptr<kernels::ExecContext> exec_;
+  Tensor grad_sq_;  // [1] f64 on exec_'s device: the gradient's sum of squares
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<TrainState> state_;

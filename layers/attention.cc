@@ -6,9 +6,6 @@
 #include <cmath>
 
 #include "framework/error.h"
-#include "framework/kernels/attention.h"
-#include "framework/kernels/gemm.h"
-#include "framework/kernels/rope.h"
 #include "parallel/tp_regions.h"
 
 namespace keel {
@@ -70,22 +67,25 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
 void Attention::allocate(const LayerContext& ctx) {
   const ModelDims& d = ctx.dims;
   const int64_t HD = d.Hl * d.D;
-  qkv_ = Tensor::zeros({d.BT(), 3 * HD});
+  qkv_ = ctx.zeros({d.BT(), 3 * HD});
   const int64_t groups = d.qk_scope == config::PROJECTION ? 1 : d.Hl;
   if (d.qk_norm != config::NONE) {
-    qk_ = Tensor::zeros({d.BT(), 2 * HD});
-    q_mean_ = Tensor::zeros({d.BT() * groups});
-    q_rstd_ = Tensor::zeros({d.BT() * groups});
-    k_mean_ = Tensor::zeros({d.BT() * groups});
-    k_rstd_ = Tensor::zeros({d.BT() * groups});
+    qk_ = ctx.zeros({d.BT(), 2 * HD});
+    q_mean_ = ctx.zeros({d.BT() * groups});
+    q_rstd_ = ctx.zeros({d.BT() * groups});
+    k_mean_ = ctx.zeros({d.BT() * groups});
+    k_rstd_ = ctx.zeros({d.BT() * groups});
   }
   if (d.qk_scope == config::PROJECTION && d.qk_norm != config::NONE) {
-    q_stats_ = Tensor::zeros({d.BT(), 2});
-    k_stats_ = Tensor::zeros({d.BT(), 2});
+    q_stats_ = ctx.zeros({d.BT(), 2});
+    k_stats_ = ctx.zeros({d.BT(), 2});
   }
-  probs_ = Tensor::zeros({d.B, d.Hl, d.T, d.T});
-  att_ = Tensor::zeros({d.BT(), HD});
-  scales_ = Tensor::zeros({d.Hl});
+  // What the forward keeps for the backward: the probabilities on the CPU, the log-sum-exp of a
+  // fused GPU kernel (the execution context says how much).
+  const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
+  saved_ = ctx.zeros({ctx.exec->attention_saved_elems(as)});
+  att_ = ctx.zeros({d.BT(), HD});
+  scales_ = ctx.zeros({d.Hl});
 }
 
 kernels::NormShape Attention::qk_norm_shape(int64_t B) const {
@@ -112,18 +112,18 @@ void Attention::qk_scales(float* out) const {
   // the usual 1/sqrt(D). The gain is read by a kernel, where the parameter lives.
   const float* gain =
       d.qk_norm == config::L2 ? const_cast<ParamStore&>(ps_).param(qk_scale_) : nullptr;
-  kernels::attention_scales(out, gain, d.Hl, d.qk_scope != config::HEAD,
-                            1.0f / std::sqrt(static_cast<float>(d.D)));
+  ctx_.exec->attention_scales(out, gain, d.Hl, d.qk_scope != config::HEAD,
+                              1.0f / std::sqrt(static_cast<float>(d.D)));
 }
 
-float Attention::forward(const float* x, float* y, int64_t B) {
+void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
-                            3 * HD);
+    ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
+                              3 * HD);
   }
   float* q = qkv_.f32();
   float* k = qkv_.f32() + HD;
@@ -139,21 +139,21 @@ float Attention::forward(const float* x, float* y, int64_t B) {
       // partial sums, never the activations.
       Communicator& tp = *ctx_.topo->tp_comm;
       const int64_t Cg_total = d.H * d.D;
-      kernels::norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
-      kernels::norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
+      ctx_.exec->norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
+      ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
       tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
       tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
-      kernels::norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), qk_.f32(), qkv_.f32(),
-                                       w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
-                                       eps);
-      kernels::norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), qk_.f32() + HD,
-                                       qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
-                                       k_rstd_.f32(), eps);
+      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), qk_.f32(), qkv_.f32(),
+                                         w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
+                                         eps);
+      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), qk_.f32() + HD,
+                                         qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
+                                         k_rstd_.f32(), eps);
     } else {
-      kernels::norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_), q_mean_.f32(),
-                            q_rstd_.f32(), eps);
-      kernels::norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
-                            k_mean_.f32(), k_rstd_.f32(), eps);
+      ctx_.exec->norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
+                              q_mean_.f32(), q_rstd_.f32(), eps);
+      ctx_.exec->norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
+                              k_mean_.f32(), k_rstd_.f32(), eps);
     }
     q = qk_.f32();
     k = qk_.f32() + HD;
@@ -166,27 +166,25 @@ float Attention::forward(const float* x, float* y, int64_t B) {
     // unrotated values. A row's q heads and k heads are adjacent, so one call rotates both as
     // 2 Hl heads.
     ProfileScope p(prof, "rope");
-    kernels::rope_forward(*ctx_.rope, q, q, B, d.T, 2 * d.Hl, d.D, ldqk);
+    ctx_.exec->rope_forward(*ctx_.rope, q, q, B, d.T, 2 * d.Hl, d.D, ldqk);
   }
   qk_scales(scales_.f32());
-  float max_logit = 0.0f;
   {
     ProfileScope p(prof, "attention");
     kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
-    kernels::attention_forward(s, att_.f32(), probs_.f32(), q, k, qkv_.f32() + 2 * HD,
-                               scales_.f32(), &max_logit);
+    ctx_.exec->attention_forward(s, att_.f32(), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
+                                 scales_.f32(), max_logit);
   }
   {
     ProfileScope p(prof, "matmul.attn_proj");
     // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    kernels::linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
+    ctx_.exec->linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
     tp_region::reduce_from_tp_forward(*ctx_.topo->tp_comm, y, BT * d.C);
   }
-  return max_logit;
 }
 
 void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) {
@@ -196,8 +194,8 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.attn_proj");
-    kernels::linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
-                             att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
+    ctx_.exec->linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_),
+                               dy, att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
   float* dqkv = sc.dqkv.f32();
@@ -216,17 +214,19 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    kernels::attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), probs_.f32(), q, k,
-                                qkv_.f32() + 2 * HD, scales_.f32(), sc.attn_ws.f32());
+    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), att_.f32(),
+                                  saved_.f32(), q, k, qkv_.f32() + 2 * HD, scales_.f32(),
+                                  sc.attn_ws.f32());
     if (dscale) {
-      kernels::scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl, d.qk_scope != config::HEAD);
+      ctx_.exec->scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl,
+                                       d.qk_scope != config::HEAD);
     }
   }
   if (d.position == config::ROPE) {
     // dq, dk are gradients w.r.t. the rotated q, k; the transposed rotation gives them w.r.t. the
     // (normalised) q, k before RoPE, in place. dk follows dq in the same rows, as in forward.
     ProfileScope p(prof, "rope");
-    kernels::rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
+    ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
   }
   if (normed) {
     ProfileScope p(prof, "qk_norm");
@@ -241,29 +241,30 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
       const int64_t Cg_total = d.H * d.D;
       float* qp = q_stats_.f32();  // reused: forward statistics are no longer needed
       float* kp = k_stats_.f32();
-      kernels::norm_backward_partials(s, sc.dqk.f32(), qkv_.f32(), w(q_norm_w_), q_mean_.f32(),
-                                      q_rstd_.f32(), qp);
-      kernels::norm_backward_partials(s, sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_),
-                                      k_mean_.f32(), k_rstd_.f32(), kp);
+      ctx_.exec->norm_backward_partials(s, sc.dqk.f32(), qkv_.f32(), w(q_norm_w_), q_mean_.f32(),
+                                        q_rstd_.f32(), qp);
+      ctx_.exec->norm_backward_partials(s, sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_),
+                                        k_mean_.f32(), k_rstd_.f32(), kp);
       tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
       tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
-      kernels::norm_backward_from_partials(op, s, Cg_total, qp, dqkv, false, g(q_norm_w_),
-                                           g(q_norm_b_), sc.dqk.f32(), qkv_.f32(), w(q_norm_w_),
-                                           q_mean_.f32(), q_rstd_.f32());
-      kernels::norm_backward_from_partials(op, s, Cg_total, kp, dqkv + HD, false, g(k_norm_w_),
-                                           g(k_norm_b_), sc.dqk.f32() + HD, qkv_.f32() + HD,
-                                           w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
+      ctx_.exec->norm_backward_from_partials(op, s, Cg_total, qp, dqkv, false, g(q_norm_w_),
+                                             g(q_norm_b_), sc.dqk.f32(), qkv_.f32(), w(q_norm_w_),
+                                             q_mean_.f32(), q_rstd_.f32());
+      ctx_.exec->norm_backward_from_partials(op, s, Cg_total, kp, dqkv + HD, false, g(k_norm_w_),
+                                             g(k_norm_b_), sc.dqk.f32() + HD, qkv_.f32() + HD,
+                                             w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     } else {
-      kernels::norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
-                             qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      kernels::norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_), sc.dqk.f32() + HD,
-                             qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
+      ctx_.exec->norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
+                               qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
+      ctx_.exec->norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
+                               sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
+                               k_rstd_.f32());
     }
   }
   {
     ProfileScope p(prof, "matmul.qkv");
-    kernels::linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
-                             ps_.param(qkv_w_), BT, d.C, 3 * HD);
+    ctx_.exec->linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
+                               ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
   {
     // Column-parallel input: each rank's dx covers its heads only.

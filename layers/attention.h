@@ -18,8 +18,9 @@ class Attention {
  public:
   Attention(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
   void allocate(const LayerContext& ctx);
-  // y[BT, C] (=) from x[BT, C] (the block's normalised input). Returns the max |scaled logit|.
-  float forward(const float* x, float* y, int64_t B);
+  // y[BT, C] (=) from x[BT, C] (the block's normalised input). *max_logit (=, memory of the
+  // execution context's device) the largest |scaled logit| of this layer.
+  void forward(const float* x, float* y, int64_t B, float* max_logit);
   // dx[BT, C] (=) from dy[BT, C]; parameter gradients +=.
   void backward(const float* x, const float* dy, float* dx, int64_t B);
 
@@ -37,7 +38,7 @@ class Attention {
   Tensor qk_;  // [BT, 2 Hl D] QK-normalised (then rotated, ROPE) q, k; unused for NONE
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
   Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
-  Tensor probs_;              // [B, Hl, T, T]
+  Tensor saved_;              // what attention's backward reads: CPU probabilities [B, Hl, T, T]
   Tensor att_;                // [BT, Hl D]
   Tensor scales_;             // [Hl]
 };

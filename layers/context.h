@@ -1,10 +1,13 @@
-// What every layer needs besides its own weights: the resolved model dimensions, the topology
-// (for TP collectives), the shared backward scratch and the profiler.
+// What every layer needs besides its own weights: the resolved model dimensions, the execution
+// context (the device its tensors live on and the one way to its kernels), the topology (for TP
+// collectives), the shared backward scratch and the profiler.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "framework/config/keel.pb.h"
+#include "framework/kernels/exec_context.h"
 #include "framework/kernels/rope.h"
 #include "framework/profiler.h"
 #include "framework/tensor.h"
@@ -45,18 +48,26 @@ struct Scratch {
   Tensor dh;       // [BT, Fl]    gradient w.r.t. the MLP hidden (GELU input; gated: up output)
   Tensor dgate;    // [BT, Fl]    gated MLPs: gradient w.r.t. the gate projection's output
   Tensor dsub;     // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
-  Tensor attn_ws;  // attention backward workspace, sized for attn_threads OpenMP threads
+  Tensor attn_ws;  // attention backward workspace, sized for attn_threads (CPU: OpenMP threads)
   int attn_threads = 1;
   Tensor dscale;  // [Hl] per-head gradient of the attention scale
 };
 
 struct LayerContext {
   ModelDims dims;
+  // Every kernel call goes through it and every tensor is made on its device: layers never ask
+  // which device they run on (framework/kernels/exec_context.h).
+  kernels::ExecContext* exec = nullptr;
   const Topology* topo = nullptr;
   Scratch* scratch = nullptr;
   Profiler* profiler = nullptr;
   // position == ROPE: cos/sin for positions [0, T), built once by GPT and shared by every layer.
   const kernels::RopeTable* rope = nullptr;
+
+  // A zero-filled tensor on the execution context's device.
+  Tensor zeros(Shape shape, DType dtype = DType::kF32) const {
+    return Tensor::zeros(std::move(shape), dtype, exec->device());
+  }
 };
 
 }  // namespace keel

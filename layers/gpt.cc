@@ -2,13 +2,9 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "framework/error.h"
-#include "framework/kernels/attention.h"
-#include "framework/kernels/cross_entropy.h"
-#include "framework/kernels/elementwise.h"
-#include "framework/kernels/embedding.h"
-#include "framework/kernels/gemm.h"
 #include "parallel/tp_regions.h"
 
 namespace keel {
@@ -70,34 +66,33 @@ void Block::allocate(const LayerContext& ctx) {
   attn_.allocate(ctx);
   mlp_.allocate(ctx);
   const Shape s{ctx.dims.BT(), ctx.dims.C};
-  n1_ = Tensor::zeros(s);
-  r1_ = Tensor::zeros(s);
-  n2_ = Tensor::zeros(s);
-  out_ = Tensor::zeros(s);
+  n1_ = ctx.zeros(s);
+  r1_ = ctx.zeros(s);
+  n2_ = ctx.zeros(s);
+  out_ = ctx.zeros(s);
 }
 
-float Block::forward(const float* x, int64_t B) {
+void Block::forward(const float* x, int64_t B, float* max_logit) {
   const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
   if (ctx_.dims.post_norm) {
     // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)). n1_, n2_ keep the sublayer outputs (the
     // norms' inputs, which their backward reads); the norm outputs pass through out_.
-    const float max_logit = attn_.forward(x, n1_.f32(), B);
+    attn_.forward(x, n1_.f32(), B, max_logit);
     ln1_.forward(n1_.f32(), out_.f32(), B);
-    kernels::add(r1_.f32(), x, out_.f32(), n);
+    ctx_.exec->add(r1_.f32(), x, out_.f32(), n);
     mlp_.forward(r1_.f32(), n2_.f32(), B);
     ln2_.forward(n2_.f32(), out_.f32(), B);
-    kernels::add_inplace(out_.f32(), r1_.f32(), n);
-    return max_logit;
+    ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
+    return;
   }
   // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)). n1_, n2_ keep the norm outputs (the sublayer
   // inputs); the attention and MLP outputs pass through out_ before the residual adds.
   ln1_.forward(x, n1_.f32(), B);
-  const float max_logit = attn_.forward(n1_.f32(), out_.f32(), B);
-  kernels::add(r1_.f32(), x, out_.f32(), n);
+  attn_.forward(n1_.f32(), out_.f32(), B, max_logit);
+  ctx_.exec->add(r1_.f32(), x, out_.f32(), n);
   ln2_.forward(r1_.f32(), n2_.f32(), B);
   mlp_.forward(n2_.f32(), out_.f32(), B);
-  kernels::add_inplace(out_.f32(), r1_.f32(), n);
-  return max_logit;
+  ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
 }
 
 void Block::backward(const float* x, float* dres, int64_t B) {
@@ -109,10 +104,10 @@ void Block::backward(const float* x, float* dres, int64_t B) {
     float* dsub = ctx_.scratch->dsub.f32();
     ln2_.backward(n2_.f32(), dres, dn, /*accumulate=*/false, B);
     mlp_.backward(r1_.f32(), dn, dsub, B);
-    kernels::add_inplace(dres, dsub, n);
+    ctx_.exec->add_inplace(dres, dsub, n);
     ln1_.backward(n1_.f32(), dres, dn, /*accumulate=*/false, B);
     attn_.backward(x, dn, dsub, B);
-    kernels::add_inplace(dres, dsub, n);
+    ctx_.exec->add_inplace(dres, dsub, n);
     return;
   }
   mlp_.backward(n2_.f32(), dres, dn, B);
@@ -123,8 +118,10 @@ void Block::backward(const float* x, float* dres, int64_t B) {
 
 // ---- GPT ---------------------------------------------------------------------------------------
 
-GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch) {
+GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch,
+         kernels::ExecContext& exec) {
   ctx_.dims = ModelDims::from(cfg.model(), micro_batch, topo);
+  ctx_.exec = &exec;
   ctx_.topo = &topo;
   ctx_.scratch = &scratch_;
   ctx_.profiler = &profiler_;
@@ -150,7 +147,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   }
   head_params_ = {head_first, ps_.size()};
   // The arena is padded to a multiple of dp so ZeRO-1 can split it evenly.
-  ps_.allocate(topo.tp_rank, topo.tp, topo.dp);
+  ps_.allocate(topo.tp_rank, topo.tp, topo.dp, exec.device());
   if (d.position == config::ROPE) {
     rope_ = kernels::make_rope_table(d.T, d.D, d.rope_theta);
     ctx_.rope = &rope_;
@@ -159,26 +156,28 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   for (auto& b : blocks_) b->allocate(ctx_);
   ln_f_->allocate(ctx_);
   const int64_t BT = d.BT(), C = d.C, HD = d.Hl * d.D;
-  tokens_ = Tensor::zeros({BT}, DType::kI32);
-  targets_ = Tensor::zeros({BT}, DType::kI32);
-  x0_ = Tensor::zeros({BT, C});
-  xf_ = Tensor::zeros({BT, C});
-  logits_ = Tensor::zeros({BT, d.Vl});
-  row_max_ = Tensor::zeros({BT});
-  lse_ = Tensor::zeros({BT});
-  tl_ = Tensor::zeros({BT});
-  dres_ = Tensor::zeros({BT, C});
-  scratch_.dn = Tensor::zeros({BT, C});
-  scratch_.datt = Tensor::zeros({BT, HD});
-  scratch_.dqkv = Tensor::zeros({BT, 3 * HD});
-  if (d.qk_norm != config::NONE) scratch_.dqk = Tensor::zeros({BT, 2 * HD});
-  scratch_.dh = Tensor::zeros({BT, d.Fl});
-  if (d.gated_mlp()) scratch_.dgate = Tensor::zeros({BT, d.Fl});
-  if (d.post_norm) scratch_.dsub = Tensor::zeros({BT, C});
-  kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
-  scratch_.attn_threads = kernels::num_threads();
-  scratch_.attn_ws = Tensor::zeros({kernels::attention_workspace_elems(as, scratch_.attn_threads)});
-  scratch_.dscale = Tensor::zeros({d.Hl});
+  tokens_ = ctx_.zeros({BT}, DType::kI32);
+  targets_ = ctx_.zeros({BT}, DType::kI32);
+  x0_ = ctx_.zeros({BT, C});
+  xf_ = ctx_.zeros({BT, C});
+  logits_ = ctx_.zeros({BT, d.Vl});
+  row_max_ = ctx_.zeros({BT});
+  lse_ = ctx_.zeros({BT});
+  tl_ = ctx_.zeros({BT});
+  dres_ = ctx_.zeros({BT, C});
+  scratch_.dn = ctx_.zeros({BT, C});
+  scratch_.datt = ctx_.zeros({BT, HD});
+  scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
+  if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, 2 * HD});
+  scratch_.dh = ctx_.zeros({BT, d.Fl});
+  if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl});
+  if (d.post_norm) scratch_.dsub = ctx_.zeros({BT, C});
+  scratch_.attn_threads = exec.threads();
+  const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0, scratch_.attn_threads};
+  scratch_.attn_ws = ctx_.zeros({std::max<int64_t>(1, exec.attention_workspace_elems(as))});
+  scratch_.dscale = ctx_.zeros({d.Hl});
+  max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
+  sums_ = ctx_.zeros({3}, DType::kF64);
 }
 
 float* GPT::head_weight() { return ps_.param(lm_head_ >= 0 ? lm_head_ : wte_); }
@@ -190,26 +189,32 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   const int64_t BT = B * d.T, C = d.C;
   last_B_ = B;
   // From here on only the model's own buffers are read (device memory on a GPU backend).
-  kernels::load_tokens(tokens_.i32(), tokens, BT);
-  if (targets) kernels::load_tokens(targets_.i32(), targets, BT);
+  ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
+  if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
   Communicator& tp = *ctx_.topo->tp_comm;
   {
     ProfileScope p(&profiler_, "embedding");
-    kernels::embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
+    ctx_.exec->embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
     // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
     tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C);
-    if (wpe_ >= 0) kernels::position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
+    if (wpe_ >= 0) ctx_.exec->position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
   }
   LossStats stats;
   const float* x = x0_.f32();
-  for (auto& b : blocks_) {
-    stats.max_attn_logit = std::max(stats.max_attn_logit, b->forward(x, B));
-    x = b->out();
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    blocks_[l]->forward(x, B, max_logits_.f32() + l);
+    x = blocks_[l]->out();
+  }
+  // One small read per forward (which waits for the device): the layers' maxima.
+  if (!blocks_.empty()) {
+    std::vector<float> maxima(blocks_.size());
+    max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
+    for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
   }
   ln_f_->forward(x, xf_.f32(), B);
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    kernels::linear_forward<float>(logits_.f32(), xf_.f32(), head_weight(), nullptr, BT, C, d.Vl);
+    ctx_.exec->linear_forward(logits_.f32(), xf_.f32(), head_weight(), nullptr, BT, C, d.Vl);
   }
   if (!targets) return stats;
 
@@ -218,15 +223,16 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
-  kernels::xent_row_max(logits_.f32(), BT, d.Vl, d.v_valid, mx);
+  ctx_.exec->xent_row_max(logits_.f32(), BT, d.Vl, d.v_valid, mx);
   tp.all_reduce(mx, BT, ReduceOp::kMax);
-  kernels::xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.v_valid, lse);
+  ctx_.exec->xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.v_valid, lse);
   tp.all_reduce(lse, BT, ReduceOp::kSum);
-  kernels::xent_target_logit(logits_.f32(), targets_.i32(), BT, d.Vl, d.v_begin, tl);
+  ctx_.exec->xent_target_logit(logits_.f32(), targets_.i32(), BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
   // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
   double sums[3];  // sum of (lse - target logit), of lse^2, of lse
-  kernels::xent_finish(mx, lse, tl, BT, lse, sums);
+  ctx_.exec->xent_finish(mx, lse, tl, BT, lse, sums_.f64());
+  sums_.copy_to_host(0, 3, sums);
   stats.ce = sums[0] / static_cast<double>(BT);
   stats.log_z = sums[2] / static_cast<double>(BT);
   stats.z_loss = z_coef_ * sums[1] / static_cast<double>(BT);
@@ -239,14 +245,14 @@ void GPT::backward(float loss_weight) {
   float* dxf = scratch_.dn.f32();
   {
     ProfileScope p(&profiler_, "loss");
-    kernels::xent_backward(logits_.f32(), logits_.f32(), lse_.f32(), targets_.i32(), BT, d.Vl,
-                           d.v_valid, d.v_begin, loss_weight / static_cast<float>(BT),
-                           static_cast<float>(z_coef_));
+    ctx_.exec->xent_backward(logits_.f32(), logits_.f32(), lse_.f32(), targets_.i32(), BT, d.Vl,
+                             d.v_valid, d.v_begin, loss_weight / static_cast<float>(BT),
+                             static_cast<float>(z_coef_));
   }
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    kernels::linear_backward<float>(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
-                                    head_weight(), BT, C, d.Vl);
+    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
+                               head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
     tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dxf, BT * C);
   }
@@ -260,8 +266,9 @@ void GPT::backward(float loss_weight) {
   }
   {
     ProfileScope p(&profiler_, "embedding");
-    kernels::embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl, C);
-    if (wpe_ >= 0) kernels::position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+    ctx_.exec->embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl,
+                                  C);
+    if (wpe_ >= 0) ctx_.exec->position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
   }
   notify(wte_, wte_ + 1);
   if (wpe_ >= 0) notify(wpe_, wpe_ + 1);

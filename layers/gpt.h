@@ -23,7 +23,8 @@ class Block {
  public:
   Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
   void allocate(const LayerContext& ctx);
-  float forward(const float* x, int64_t B);  // writes out(); returns max |attention logit|
+  // Writes out(); *max_logit (=, device memory) the largest |attention logit| of the block.
+  void forward(const float* x, int64_t B, float* max_logit);
   // On entry dres = d(out); on exit dres = d(x).
   void backward(const float* x, float* dres, int64_t B);
   const float* out() const { return out_.f32(); }
@@ -47,22 +48,27 @@ struct LossStats {
 
 class GPT {
  public:
-  // micro_batch: sequences per forward; a forward may use fewer (B <= micro_batch).
-  GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch);
+  // micro_batch: sequences per forward; a forward may use fewer (B <= micro_batch). Parameters,
+  // activations and gradients live on exec's device and every kernel runs through exec, which
+  // must outlive the model.
+  GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch,
+      kernels::ExecContext& exec = kernels::cpu_exec());
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
   void init(uint64_t seed) { ps_.init(seed); }
   ParamStore& params() { return ps_; }
   const ModelDims& dims() const { return ctx_.dims; }
+  kernels::ExecContext& exec() const { return *ctx_.exec; }
   Profiler& profiler() { return profiler_; }
 
   // tokens, targets: [B, T]. targets may be null (inference: logits only, no loss).
   LossStats forward(const int32_t* tokens, const int32_t* targets, int64_t B);
   // Gradient of (loss_weight * (ce + z_loss)) of the last forward, accumulated into params().grads.
   void backward(float loss_weight);
-  // [B T, V_local] logits of the last forward (valid until backward overwrites them).
-  const float* logits() const { return logits_.f32(); }
+  // [B T, V_local] logits of the last forward (valid until backward overwrites them), on the
+  // execution context's device: read them on the host with Tensor::copy_to_host.
+  const Tensor& logits() const { return logits_; }
 
   // Called during backward with each parameter id as soon as its gradient is complete for this
   // backward (DP gradient sync starts its buckets from here). Empty: no calls.
@@ -85,6 +91,8 @@ class GPT {
   Tensor x0_, xf_, logits_;    // [BT, C], [BT, C], [BT, Vl]
   Tensor row_max_, lse_, tl_;  // [BT]
   Tensor dres_;                // [BT, C] residual-stream gradient
+  Tensor max_logits_;          // [L] each block's max |attention logit| of the last forward
+  Tensor sums_;                // [3] f64: the loss finish's sums (kernels::xent_finish)
   int64_t last_B_ = 0;
   std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block
   std::pair<int, int> head_params_;                // ln_f (+ lm_head when untied)

@@ -3,8 +3,6 @@
 
 #include <cmath>
 
-#include "framework/kernels/elementwise.h"
-#include "framework/kernels/gemm.h"
 #include "parallel/tp_regions.h"
 
 namespace keel {
@@ -26,9 +24,9 @@ Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : p
 }
 
 void Mlp::allocate(const LayerContext& ctx) {
-  h_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
-  if (gated_) a_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
-  g_ = Tensor::zeros({ctx.dims.BT(), ctx.dims.Fl});
+  h_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
+  if (gated_) a_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
+  g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
 }
 
 void Mlp::forward(const float* x, float* y, int64_t B) {
@@ -37,24 +35,25 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT, d.C, d.Fl);
-    if (gated_) {
-      kernels::linear_forward(a_.f32(), x, ps_.param(gate_w_), ps_.param_or_null(gate_b_), BT, d.C,
+    ctx_.exec->linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT, d.C,
                               d.Fl);
+    if (gated_) {
+      ctx_.exec->linear_forward(a_.f32(), x, ps_.param(gate_w_), ps_.param_or_null(gate_b_), BT,
+                                d.C, d.Fl);
     }
   }
   if (gated_) {
     ProfileScope p(prof, "glu");
-    kernels::glu_forward(act_, g_.f32(), a_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->glu_forward(act_, g_.f32(), a_.f32(), h_.f32(), BT * d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    kernels::gelu_forward(g_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->gelu_forward(g_.f32(), h_.f32(), BT * d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    kernels::linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
+    ctx_.exec->linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
@@ -69,26 +68,26 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.mlp_proj");
-    kernels::linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy, g_.f32(),
-                             ps_.param(proj_w_), BT, d.Fl, d.C);
+    ctx_.exec->linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
+                               g_.f32(), ps_.param(proj_w_), BT, d.Fl, d.C);
   }
   float* da = gated_ ? ctx_.scratch->dgate.f32() : nullptr;
   if (gated_) {
     ProfileScope p(prof, "glu");
     // dh: d(act(a) * h) in, d(h) out (in place); da: d(a).
-    kernels::glu_backward(act_, da, dh, dh, a_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->glu_backward(act_, da, dh, dh, a_.f32(), h_.f32(), BT * d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    kernels::gelu_backward(dh, h_.f32(), dh, BT * d.Fl);
+    ctx_.exec->gelu_backward(dh, h_.f32(), dh, BT * d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    kernels::linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad_or_null(fc_b_), dh, x,
-                             ps_.param(fc_w_), BT, d.C, d.Fl);
+    ctx_.exec->linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad_or_null(fc_b_), dh, x,
+                               ps_.param(fc_w_), BT, d.C, d.Fl);
     if (gated_) {
       // Both projections read x: their input gradients add up before the one all-reduce.
-      kernels::linear_backward(dx, true, ps_.grad(gate_w_), ps_.grad_or_null(gate_b_), da, x,
-                               ps_.param(gate_w_), BT, d.C, d.Fl);
+      ctx_.exec->linear_backward(dx, true, ps_.grad(gate_w_), ps_.grad_or_null(gate_b_), da, x,
+                                 ps_.param(gate_w_), BT, d.C, d.Fl);
     }
   }
   {

@@ -17,8 +17,8 @@ Norm::Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
 }
 
 void Norm::allocate(const LayerContext& ctx) {
-  mean_ = Tensor::zeros({ctx.dims.BT()});
-  rstd_ = Tensor::zeros({ctx.dims.BT()});
+  mean_ = ctx.zeros({ctx.dims.BT()});
+  rstd_ = ctx.zeros({ctx.dims.BT()});
 }
 
 kernels::NormShape Norm::shape(int64_t B) const {
@@ -28,14 +28,14 @@ kernels::NormShape Norm::shape(int64_t B) const {
 
 void Norm::forward(const float* x, float* y, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
-  kernels::norm_forward(op_, shape(B), y, x, ps_.param(w_), ps_.param_or_null(b_), mean_.f32(),
-                        rstd_.f32(), kBlockNormEps);
+  ctx_.exec->norm_forward(op_, shape(B), y, x, ps_.param(w_), ps_.param_or_null(b_), mean_.f32(),
+                          rstd_.f32(), kBlockNormEps);
 }
 
 void Norm::backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
-  kernels::norm_backward(op_, shape(B), dx, accumulate, ps_.grad(w_), ps_.grad_or_null(b_), dy, x,
-                         ps_.param(w_), mean_.f32(), rstd_.f32());
+  ctx_.exec->norm_backward(op_, shape(B), dx, accumulate, ps_.grad(w_), ps_.grad_or_null(b_), dy, x,
+                           ps_.param(w_), mean_.f32(), rstd_.f32());
 }
 
 }  // namespace keel

@@ -2,6 +2,7 @@
 #include "layers/params.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "framework/error.h"
 #include "framework/philox.h"
@@ -24,7 +25,7 @@ int ParamStore::find(const std::string& name) const {
   return -1;
 }
 
-void ParamStore::allocate(int tp_rank, int tp_size, int pad_multiple) {
+void ParamStore::allocate(int tp_rank, int tp_size, int pad_multiple, Device device) {
   KEEL_ASSERT(!allocated_);
   int64_t offset = 0;
   for (auto& info : infos_) {
@@ -42,8 +43,8 @@ void ParamStore::allocate(int tp_rank, int tp_size, int pad_multiple) {
   }
   const int64_t quantum = 16 * static_cast<int64_t>(std::max(1, pad_multiple));
   total_ = (offset + quantum - 1) / quantum * quantum;
-  params_ = Tensor::zeros({total_});
-  grads_ = Tensor::zeros({total_});
+  params_ = Tensor::zeros({total_}, DType::kF32, device);
+  grads_ = Tensor::zeros({total_}, DType::kF32, device);
   allocated_ = true;
 }
 
@@ -62,20 +63,24 @@ int64_t ParamStore::logical_index(int id, int64_t j) const {
 
 void ParamStore::init(uint64_t seed) {
   KEEL_ASSERT(allocated_);
+  // Drawn on the host, one parameter at a time, then copied to wherever the arena lives.
+  std::vector<float> host;
   for (int id = 0; id < size(); ++id) {
     const ParamInfo& info = infos_[id];
-    float* p = param(id);
     const int64_t n = info.numel();
+    host.resize(static_cast<size_t>(n));
+    float* p = host.data();
     if (info.spec.init == ParamInit::kConstant) {
-      for (int64_t j = 0; j < n; ++j) p[j] = info.spec.value;
-      continue;
-    }
-    const uint64_t stream = fnv1a64(info.spec.name);
-    const double stdv = info.spec.value;
+      std::fill(p, p + n, info.spec.value);
+    } else {
+      const uint64_t stream = fnv1a64(info.spec.name);
+      const double stdv = info.spec.value;
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; ++j) {
-      p[j] = static_cast<float>(stdv * philox_normal(seed, stream, logical_index(id, j)));
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = static_cast<float>(stdv * philox_normal(seed, stream, logical_index(id, j)));
+      }
     }
+    params_.copy_from_host(info.offset, n, p);
   }
 }
 

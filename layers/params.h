@@ -43,12 +43,16 @@ class ParamStore {
  public:
   // Registers a parameter; returns its id. Only before allocate().
   int add(ParamSpec spec);
-  // Lays out the arenas for this TP rank (64-byte aligned per tensor) and zeros them; the total
-  // is padded to a multiple of 16 x pad_multiple elements (pad_multiple = dp, for ZeRO-1).
-  void allocate(int tp_rank, int tp_size, int pad_multiple = 1);
-  // Draws every parameter from Philox(seed, name, logical index).
+  // Lays out the arenas for this TP rank (64-byte aligned per tensor) on `device` and zeros them;
+  // the total is padded to a multiple of 16 x pad_multiple elements (pad_multiple = dp, for
+  // ZeRO-1).
+  void allocate(int tp_rank, int tp_size, int pad_multiple = 1, Device device = Device::kCpu);
+  // Draws every parameter from Philox(seed, name, logical index) on the host and copies it to
+  // the arenas' device.
   void init(uint64_t seed);
 
+  // Pointers into the arenas: memory of their device (dereference on the host only on the CPU;
+  // otherwise hand them to kernels, or copy with params().copy_to_host).
   float* param(int id) { return params_.f32() + infos_[id].offset; }
   float* grad(int id) { return grads_.f32() + infos_[id].offset; }
   // nullptr for a parameter a model option leaves out (its id is -1, e.g. a bias with

@@ -73,6 +73,7 @@ train {
   micro_batch: 0  # global_batch / dp
   plot: true
   tensorboard: true
+  device: "AUTO"
 }
 optim {
   lr: 3e-3
@@ -491,6 +492,14 @@ void validate_train(const config::Train& t) {
              " must be >= 0");
   KEEL_CHECK(t.sample_chars() <= kMaxSampleChars, kConfig, "train.sample_chars=", t.sample_chars(),
              " exceeds ", kMaxSampleChars, " (each sampled byte is one forward pass of the model)");
+  {
+    std::string dev = t.device();
+    for (char& c : dev) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    // Whether a GPU is there is the launcher's question (kernels::resolve_device); only the
+    // spelling is checked here.
+    KEEL_CHECK(dev.empty() || dev == "AUTO" || dev == "CPU" || dev == "CUDA", kConfig,
+               "train.device=", t.device(), ": invalid value (choose AUTO, CPU or CUDA)");
+  }
   // Whether micro_batch divides the per-rank batch depends on dp: the launcher checks that.
   KEEL_CHECK(t.micro_batch() >= 0, kConfig, "train.micro_batch=", t.micro_batch(),
              " must be >= 0 (0: global_batch / dp)");

@@ -4,14 +4,13 @@
 #include <algorithm>
 #include <cmath>
 
-#include "framework/kernels/adamw.h"
-
 namespace keel {
 
-AdamW::AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments)
-    : cfg_(cfg), segments_(std::move(segments)) {
-  m_ = Tensor::zeros({total_elems});
-  v_ = Tensor::zeros({total_elems});
+AdamW::AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments,
+             kernels::ExecContext& exec)
+    : cfg_(cfg), segments_(std::move(segments)), exec_(&exec) {
+  m_ = Tensor::zeros({total_elems}, DType::kF32, exec.device());
+  v_ = Tensor::zeros({total_elems}, DType::kF32, exec.device());
 }
 
 void AdamW::step(float* params, const float* grads, float lr, float grad_scale) {
@@ -19,8 +18,8 @@ void AdamW::step(float* params, const float* grads, float lr, float grad_scale) 
   kernels::AdamWStep s{lr, cfg_.beta1(), cfg_.beta2(), cfg_.eps(), 0.0f, grad_scale, t_};
   for (const ParamSegment& seg : segments_) {
     s.weight_decay = seg.decay ? cfg_.weight_decay() : 0.0f;
-    kernels::adamw_update(params + seg.offset, grads + seg.offset, m_.f32() + seg.offset,
-                          v_.f32() + seg.offset, seg.n, s);
+    exec_->adamw_update(params + seg.offset, grads + seg.offset, m_.f32() + seg.offset,
+                        v_.f32() + seg.offset, seg.n, s);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "framework/config/keel.pb.h"
+#include "framework/kernels/exec_context.h"
 #include "framework/tensor.h"
 
 namespace keel {
@@ -19,8 +20,11 @@ struct ParamSegment {
 
 class AdamW {
  public:
-  AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments);
+  // The moments live on exec's device and the update runs through exec (which must outlive it).
+  AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments,
+        kernels::ExecContext& exec = kernels::cpu_exec());
   // One update with learning rate lr; grads are multiplied by grad_scale first (clipping).
+  // params and grads are memory of exec's device.
   void step(float* params, const float* grads, float lr, float grad_scale);
   int64_t t() const { return t_; }
   void set_t(int64_t t) { t_ = t; }  // restoring a checkpoint
@@ -32,6 +36,7 @@ class AdamW {
  private:
   config::Optim cfg_;
   std::vector<ParamSegment> segments_;
+  kernels::ExecContext* exec_;
   Tensor m_, v_;
   int64_t t_ = 0;
 };

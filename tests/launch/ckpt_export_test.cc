@@ -172,7 +172,8 @@ void write_reference(const std::string& ckpt_dir, const std::string& ref) {
     model.forward(tokens.data(), nullptr, kBatch);
     std::vector<float> logits;
     for (int i = 0; i < kBatch * kSeqLen; ++i) {
-      logits.insert(logits.end(), model.logits() + i * rows, model.logits() + i * rows + V);
+      logits.insert(logits.end(), model.logits().f32() + i * rows,
+                    model.logits().f32() + i * rows + V);
     }
     testing::write_file(path, std::string(reinterpret_cast<const char*>(logits.data()),
                                           logits.size() * sizeof(float)));

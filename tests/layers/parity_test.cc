@@ -136,7 +136,7 @@ TEST_P(ParityTest, MatchesPyTorch) {
   double norm = 0.0;
   const auto& ref_logits = fx.at("logits").values;
   ASSERT_EQ(static_cast<int64_t>(ref_logits.size()), B * T * V);
-  const double logits_err = rel_err(model.logits(), ref_logits, &norm);
+  const double logits_err = rel_err(model.logits().f32(), ref_logits, &norm);
   EXPECT_LT(logits_err, 1e-5) << "logits";
 
   ps.zero_grads();

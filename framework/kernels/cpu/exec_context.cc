@@ -1,0 +1,248 @@
+// The CPU execution context (the reference every device context is tested against) and the
+// registry of device context factories.
+#include "framework/kernels/exec_context.h"
+
+#include <cctype>
+#include <mutex>
+
+#include "framework/error.h"
+#include "framework/kernels/cross_entropy.h"
+#include "framework/kernels/elementwise.h"
+#include "framework/kernels/embedding.h"
+#include "framework/kernels/gemm.h"
+
+namespace keel::kernels {
+
+namespace {
+
+class CpuExec final : public ExecContext {
+ public:
+  Device device() const override { return Device::kCpu; }
+  std::string describe() const override {
+    return "CPU, " + std::to_string(num_threads()) + " threads";
+  }
+  int threads() const override { return num_threads(); }
+  void synchronize() override {}
+
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                      int64_t N, int64_t IC, int64_t OC) override {
+    kernels::linear_forward<float>(out, inp, weight, bias, N, IC, OC);
+  }
+  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+                       const float* dout, const float* inp, const float* weight, int64_t N,
+                       int64_t IC, int64_t OC) override {
+    kernels::linear_backward<float>(dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC,
+                                    OC);
+  }
+  void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override {
+    kernels::load_tokens(dst, host_src, n);
+  }
+
+  void gelu_forward(float* out, const float* inp, int64_t n) override {
+    kernels::gelu_forward(out, inp, n);
+  }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+    kernels::gelu_backward(dinp, inp, dout, n);
+  }
+  void add(float* out, const float* a, const float* b, int64_t n) override {
+    kernels::add(out, a, b, n);
+  }
+  void add_inplace(float* y, const float* x, int64_t n) override { kernels::add_inplace(y, x, n); }
+  void glu_forward(GluAct act, float* out, const float* gate, const float* up, int64_t n) override {
+    kernels::glu_forward(act, out, gate, up, n);
+  }
+  void glu_backward(GluAct act, float* dgate, float* dup, const float* dout, const float* gate,
+                    const float* up, int64_t n) override {
+    kernels::glu_backward(act, dgate, dup, dout, gate, up, n);
+  }
+  void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override {
+    const double s = kernels::sum_squares(x, n);
+    *out = accumulate ? *out + s : s;
+  }
+
+  void norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+                    const float* weight, const float* bias, float* mean, float* rstd,
+                    float eps) override {
+    kernels::norm_forward(op, s, out, inp, weight, bias, mean, rstd, eps);
+  }
+  void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate, float* dweight,
+                     float* dbias, const float* dout, const float* inp, const float* weight,
+                     const float* mean, const float* rstd) override {
+    kernels::norm_backward(op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
+  }
+  void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override {
+    kernels::norm_partial_stats(s, inp, stats);
+  }
+  void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
+                               float* out, const float* inp, const float* weight, const float* bias,
+                               float* mean, float* rstd, float eps) override {
+    kernels::norm_forward_from_stats(op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
+                                     eps);
+  }
+  void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
+                              const float* weight, const float* mean, const float* rstd,
+                              float* part) override {
+    kernels::norm_backward_partials(s, dout, inp, weight, mean, rstd, part);
+  }
+  void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
+                                   const float* part, float* dinp, bool accumulate, float* dweight,
+                                   float* dbias, const float* dout, const float* inp,
+                                   const float* weight, const float* mean,
+                                   const float* rstd) override {
+    kernels::norm_backward_from_partials(op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
+                                         dout, inp, weight, mean, rstd);
+  }
+
+  // The CPU saves the probabilities; the backward's workspace is per OpenMP thread.
+  int64_t attention_saved_elems(const AttentionShape& s) const override {
+    return s.B * s.H * s.T * s.T;
+  }
+  int64_t attention_workspace_elems(const AttentionShape& s) const override {
+    return kernels::attention_workspace_elems(s, s.threads > 0 ? s.threads : num_threads());
+  }
+  void attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+                         const float* k, const float* v, const float* scale,
+                         float* max_abs_logit) override {
+    kernels::attention_forward<float>(s, out, saved, q, k, v, scale, max_abs_logit);
+  }
+  void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
+                          const float* dout, const float* /*out*/, const float* saved,
+                          const float* q, const float* k, const float* v, const float* scale,
+                          float* workspace) override {
+    kernels::attention_backward<float>(s, dq, dk, dv, dscale, dout, saved, q, k, v, scale,
+                                       workspace);
+  }
+  void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
+                        float default_scale) override {
+    kernels::attention_scales<float>(out, gain, H, shared_gain, default_scale);
+  }
+  void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
+                             bool shared_gain) override {
+    kernels::scale_grad_accumulate<float>(grad, dscale, H, shared_gain);
+  }
+
+  void rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+                    int64_t H, int64_t D, int64_t row_stride) override {
+    kernels::rope_forward<float>(table, y, x, B, T, H, D, row_stride);
+  }
+  void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B, int64_t T,
+                     int64_t H, int64_t D, int64_t row_stride) override {
+    kernels::rope_backward<float>(table, dx, dy, B, T, H, D, row_stride);
+  }
+
+  void embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,
+                         int64_t v_begin, int64_t V_local, int64_t C) override {
+    kernels::embedding_forward(out, tokens, N, wte, v_begin, V_local, C);
+  }
+  void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N,
+                          int64_t v_begin, int64_t V_local, int64_t C) override {
+    kernels::embedding_backward(dwte, dout, tokens, N, v_begin, V_local, C);
+  }
+  void position_forward(float* out, const float* wpe, int64_t B, int64_t T, int64_t C) override {
+    kernels::position_forward(out, wpe, B, T, C);
+  }
+  void position_backward(float* dwpe, const float* dout, int64_t B, int64_t T, int64_t C) override {
+    kernels::position_backward(dwpe, dout, B, T, C);
+  }
+
+  void xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                    float* row_max) override {
+    kernels::xent_row_max(logits, N, V_local, v_valid_local, row_max);
+  }
+  void xent_row_sumexp(const float* logits, const float* row_max, int64_t N, int64_t V_local,
+                       int64_t v_valid_local, float* sumexp) override {
+    kernels::xent_row_sumexp(logits, row_max, N, V_local, v_valid_local, sumexp);
+  }
+  void xent_target_logit(const float* logits, const int32_t* targets, int64_t N, int64_t V_local,
+                         int64_t v_begin, float* target_logit) override {
+    kernels::xent_target_logit(logits, targets, N, V_local, v_begin, target_logit);
+  }
+  void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,
+                   float* lse, double* sums) override {
+    kernels::xent_finish(row_max, sumexp, target_logit, N, lse, sums);
+  }
+  void xent_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                     int64_t N, int64_t V_local, int64_t v_valid_local, int64_t v_begin,
+                     float grad_scale, float z_coef) override {
+    kernels::xent_backward(dlogits, logits, lse, targets, N, V_local, v_valid_local, v_begin,
+                           grad_scale, z_coef);
+  }
+
+  void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+                    const AdamWStep& step) override {
+    kernels::adamw_update(param, grad, m, v, n, step);
+  }
+};
+
+struct Factories {
+  std::mutex mu;
+  ExecFactory cuda = nullptr;
+  DeviceCounter cuda_count = nullptr;
+};
+Factories& factories() {
+  static Factories* f = new Factories;  // never destroyed (used from other statics' destructors)
+  return *f;
+}
+
+}  // namespace
+
+ExecContext& cpu_exec() {
+  static CpuExec* exec = new CpuExec;
+  return *exec;
+}
+
+void set_exec_factory(Device device, ExecFactory factory, DeviceCounter device_count) {
+  KEEL_CHECK(device != Device::kCpu, kInternal, "the CPU execution context is built in");
+  std::lock_guard<std::mutex> lock(factories().mu);
+  factories().cuda = factory;
+  factories().cuda_count = factory ? device_count : nullptr;
+}
+
+bool has_exec_factory(Device device) {
+  if (device == Device::kCpu) return true;
+  std::lock_guard<std::mutex> lock(factories().mu);
+  return factories().cuda != nullptr;
+}
+
+int exec_device_count(Device device) {
+  if (device == Device::kCpu) return 1;
+  DeviceCounter count;
+  {
+    std::lock_guard<std::mutex> lock(factories().mu);
+    if (factories().cuda == nullptr) return 0;
+    count = factories().cuda_count;
+  }
+  return count ? count() : 1;
+}
+
+std::unique_ptr<ExecContext> make_exec(Device device, int device_index) {
+  if (device == Device::kCpu) return std::make_unique<CpuExec>();
+  ExecFactory factory;
+  {
+    std::lock_guard<std::mutex> lock(factories().mu);
+    factory = factories().cuda;
+  }
+  KEEL_CHECK(factory != nullptr, kConfig, "train.device=", device_name(device),
+             ": this keel was built without ", device_name(device),
+             " (configure with -DKEEL_CUDA=ON where the CUDA toolkit is installed)");
+  return factory(device_index);
+}
+
+Device resolve_device(const std::string& setting) {
+  std::string v = setting;
+  for (char& c : v) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (v.empty() || v == "AUTO") {
+    return exec_device_count(Device::kCuda) > 0 ? Device::kCuda : Device::kCpu;
+  }
+  if (v == "CPU") return Device::kCpu;
+  KEEL_CHECK(v == "CUDA", kConfig, "train.device=", setting,
+             ": invalid value (choose AUTO, CPU or CUDA)");
+  KEEL_CHECK(has_exec_factory(Device::kCuda), kConfig,
+             "train.device=CUDA: this keel was built without CUDA (configure with -DKEEL_CUDA=ON "
+             "where the CUDA toolkit is installed)");
+  KEEL_CHECK(exec_device_count(Device::kCuda) > 0, kConfig,
+             "train.device=CUDA: no usable GPU on this machine (no device, or no driver)");
+  return Device::kCuda;
+}
+
+}  // namespace keel::kernels

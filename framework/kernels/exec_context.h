@@ -1,0 +1,163 @@
+// ExecContext: where a model's kernels run (a device, its stream on CUDA, the CPU's thread count)
+// and the one dispatch point through which layers, the loss and the optimizer reach every kernel.
+// Layers hold an ExecContext& and never ask which device they run on: the CPU context calls the
+// kernels of framework/kernels/*.h (the reference implementation), the CUDA context
+// (kernels/cuda/exec_context.h) their CUDA twins on its stream. Every pointer a method takes is
+// memory of device() (Tensor::zeros(shape, dtype, ctx.device())) unless its name says host_.
+//
+// The semantics of each method are those of the free function of the same name in
+// framework/kernels/*.h (fp32 forms); only the differences are written here. Device methods are
+// asynchronous: results reach the host through Tensor::copy_to_host (which waits) or
+// synchronize(). A method never allocates.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "framework/device_backend.h"
+#include "framework/kernels/adamw.h"
+#include "framework/kernels/attention.h"
+#include "framework/kernels/glu.h"
+#include "framework/kernels/norm.h"
+#include "framework/kernels/rope.h"
+
+namespace keel::kernels {
+
+class ExecContext {
+ public:
+  virtual ~ExecContext() = default;
+
+  virtual Device device() const = 0;
+  // One line for the run's banner: "CPU, 2 threads (OpenBLAS 0.3.21)", "CUDA 0: NVIDIA H200".
+  virtual std::string describe() const = 0;
+  // Threads the CPU kernels use (1 on a device: the host only enqueues).
+  virtual int threads() const = 0;
+  // Waits for every kernel enqueued so far (a no-op on the CPU).
+  virtual void synchronize() = 0;
+
+  // ---- gemm.h ----
+  virtual void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                              int64_t N, int64_t IC, int64_t OC) = 0;
+  virtual void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+                               const float* dout, const float* inp, const float* weight, int64_t N,
+                               int64_t IC, int64_t OC) = 0;
+  // dst[n] (=) = host_src[n]; returns once host_src may be reused.
+  virtual void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) = 0;
+
+  // ---- elementwise.h, glu.h ----
+  virtual void gelu_forward(float* out, const float* inp, int64_t n) = 0;
+  virtual void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) = 0;
+  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
+  virtual void add_inplace(float* y, const float* x, int64_t n) = 0;
+  virtual void glu_forward(GluAct act, float* out, const float* gate, const float* up,
+                           int64_t n) = 0;
+  virtual void glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
+                            const float* gate, const float* up, int64_t n) = 0;
+  // *out (= or += per accumulate; device double) the sum of squares of x[n] in double, with a
+  // fixed partition of x (bitwise reproducible run to run; the CPU's is the free function's).
+  virtual void sum_squares(const float* x, int64_t n, double* out, bool accumulate) = 0;
+
+  // ---- norm.h (the split forms serve a row sharded over TP ranks) ----
+  virtual void norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+                            const float* weight, const float* bias, float* mean, float* rstd,
+                            float eps) = 0;
+  virtual void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                             float* dweight, float* dbias, const float* dout, const float* inp,
+                             const float* weight, const float* mean, const float* rstd) = 0;
+  virtual void norm_partial_stats(const NormShape& s, const float* inp, float* stats) = 0;
+  virtual void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
+                                       const float* stats, float* out, const float* inp,
+                                       const float* weight, const float* bias, float* mean,
+                                       float* rstd, float eps) = 0;
+  virtual void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
+                                      const float* weight, const float* mean, const float* rstd,
+                                      float* part) = 0;
+  virtual void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
+                                           const float* part, float* dinp, bool accumulate,
+                                           float* dweight, float* dbias, const float* dout,
+                                           const float* inp, const float* weight, const float* mean,
+                                           const float* rstd) = 0;
+
+  // ---- attention.h ----
+  // What the forward saves for the backward differs by backend: the CPU keeps the probabilities
+  // [B, H, T, T], a fused GPU kernel only the log-sum-exp [B, H, T]. The caller allocates
+  // attention_saved_elems(s) floats for it and attention_workspace_elems(s) for the backward
+  // (s.threads: the CPU threads the backward will use; 0 means threads()).
+  virtual int64_t attention_saved_elems(const AttentionShape& s) const = 0;
+  virtual int64_t attention_workspace_elems(const AttentionShape& s) const = 0;
+  // out (=); saved (=); *max_abs_logit (=, device float) the largest |scale q.k| unmasked.
+  virtual void attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+                                 const float* k, const float* v, const float* scale,
+                                 float* max_abs_logit) = 0;
+  // dq, dk, dv (=); dscale (+=, nullable). out and saved as the forward left them; dq, dk, dv
+  // must not alias q, k, v, out or dout.
+  virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
+                                  float* dscale, const float* dout, const float* out,
+                                  const float* saved, const float* q, const float* k,
+                                  const float* v, const float* scale, float* workspace) = 0;
+  virtual void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
+                                float default_scale) = 0;
+  virtual void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
+                                     bool shared_gain) = 0;
+
+  // ---- rope.h (the table is the host table; a device context keeps its own copy of it) ----
+  virtual void rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+                            int64_t H, int64_t D, int64_t row_stride) = 0;
+  virtual void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
+                             int64_t T, int64_t H, int64_t D, int64_t row_stride) = 0;
+
+  // ---- embedding.h ----
+  virtual void embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,
+                                 int64_t v_begin, int64_t V_local, int64_t C) = 0;
+  virtual void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N,
+                                  int64_t v_begin, int64_t V_local, int64_t C) = 0;
+  virtual void position_forward(float* out, const float* wpe, int64_t B, int64_t T, int64_t C) = 0;
+  virtual void position_backward(float* dwpe, const float* dout, int64_t B, int64_t T,
+                                 int64_t C) = 0;
+
+  // ---- cross_entropy.h ----
+  virtual void xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                            float* row_max) = 0;
+  virtual void xent_row_sumexp(const float* logits, const float* row_max, int64_t N,
+                               int64_t V_local, int64_t v_valid_local, float* sumexp) = 0;
+  virtual void xent_target_logit(const float* logits, const int32_t* targets, int64_t N,
+                                 int64_t V_local, int64_t v_begin, float* target_logit) = 0;
+  // sums[3] (=): device doubles, as the free function's host ones.
+  virtual void xent_finish(const float* row_max, const float* sumexp, const float* target_logit,
+                           int64_t N, float* lse, double* sums) = 0;
+  virtual void xent_backward(float* dlogits, const float* logits, const float* lse,
+                             const int32_t* targets, int64_t N, int64_t V_local,
+                             int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                             float z_coef) = 0;
+
+  // ---- adamw.h ----
+  virtual void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+                            const AdamWStep& step) = 0;
+};
+
+// The CPU context: the kernels of framework/kernels/*.h on host memory with the process's
+// OpenMP/BLAS threads. One per process, never destroyed.
+ExecContext& cpu_exec();
+
+// The context for `device`: the CPU's, or a device context made by the factory registered for
+// it. A CUDA build registers its factory when keel-train starts (kernels/cuda/exec_context.h);
+// tests register fakes. Throws keel::Error (kConfig) naming the device when none is registered:
+// "train.device=CUDA but this keel was built without CUDA".
+// device_count (nullable: one device) says how many devices of the kind are usable now (0 on
+// a machine without a GPU or driver).
+using ExecFactory = std::unique_ptr<ExecContext> (*)(int device_index);
+using DeviceCounter = int (*)();
+void set_exec_factory(Device device, ExecFactory factory,
+                      DeviceCounter device_count = nullptr);  // factory nullptr unregisters
+bool has_exec_factory(Device device);
+// Usable devices of the kind: 0 without a registered factory; the CPU counts as 1.
+int exec_device_count(Device device);
+std::unique_ptr<ExecContext> make_exec(Device device, int device_index = 0);
+
+// train.device: "AUTO" (a GPU when one is usable, else the CPU), "CPU" or "CUDA"
+// (case-insensitive). Throws keel::Error (kConfig) for another value, and for CUDA in a build
+// without CUDA or on a machine where no GPU is usable, naming the field and the reason.
+Device resolve_device(const std::string& setting);
+
+}  // namespace keel::kernels
