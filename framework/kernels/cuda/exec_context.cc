@@ -1,0 +1,260 @@
+// The CUDA execution context (exec_context.h): each method forwards to the CUDA kernel of the same
+// name on the owned Context's stream.
+//
+// Note [cuda-exec-attention]: the fp32 attention runs the backend's own fused kernel
+// (cuda/attention.h) for the forward and the backward. cuDNN's fused SDPA (sdpa_cudnn.h) takes
+// bf16 q/k/v/out only, so it cannot serve these fp32 forms; the own kernel is fp32 throughout,
+// reports max |logit| from the forward itself, and is deterministic. What the forward saves for
+// the backward is its log-sum-exp [B, H, T] (not the CPU's [B, H, T, T] probabilities). The
+// backward takes its temporaries (delta[B * H * T] and the dscale partials) from the Context's
+// scratch, which grows only on the first call of a larger shape, so it needs no workspace from
+// the caller.
+#include "framework/kernels/cuda/exec_context.h"
+
+#include <cuda_runtime.h>
+
+#include "framework/error.h"
+#include "framework/kernels/cuda/attention.h"
+#include "framework/kernels/cuda/check.h"
+#include "framework/kernels/cuda/gemm.h"
+#include "framework/kernels/cuda/norm_split.h"
+#include "framework/kernels/cuda/ops.h"
+
+namespace keel::kernels::cuda {
+
+namespace {
+
+std::string describe_device(int device_index) {
+  cudaDeviceProp prop{};
+  KEEL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index), "CudaExec describe device ",
+                  device_index);
+  return "CUDA " + std::to_string(device_index) + ": " + prop.name;
+}
+
+std::unique_ptr<kernels::ExecContext> make_cuda_exec(int device_index) {
+  const int count = device_count();
+  KEEL_CHECK(device_index >= 0 && device_index < count, kConfig, "train.device=CUDA: GPU ",
+             device_index, " is not usable (", count, " CUDA device(s) on this machine)");
+  return std::make_unique<CudaExec>(device_index);
+}
+
+}  // namespace
+
+CudaExec::CudaExec(int device_index)
+    : ctx_(device_index), description_(describe_device(device_index)) {}
+
+// Kernels still in flight may read the cached rope tables and write memory of this Context's
+// allocator: wait for them before either goes. A failure here cannot be reported from a
+// destructor, and the Context's own teardown releases what it can.
+CudaExec::~CudaExec() { cudaStreamSynchronize(ctx_.stream()); }
+
+void CudaExec::synchronize() { ctx_.synchronize(); }
+
+// ---- gemm.h ----
+
+void CudaExec::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                              int64_t N, int64_t IC, int64_t OC) {
+  cuda::linear_forward(ctx_, out, inp, weight, bias, N, IC, OC);
+}
+
+void CudaExec::linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+                               const float* dout, const float* inp, const float* weight, int64_t N,
+                               int64_t IC, int64_t OC) {
+  cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+}
+
+void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
+  cuda::load_tokens(ctx_, dst, host_src, n);
+}
+
+// ---- elementwise.h, glu.h ----
+
+void CudaExec::gelu_forward(float* out, const float* inp, int64_t n) {
+  cuda::gelu_forward(ctx_, out, inp, n);
+}
+
+void CudaExec::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  cuda::gelu_backward(ctx_, dinp, inp, dout, n);
+}
+
+void CudaExec::add(float* out, const float* a, const float* b, int64_t n) {
+  cuda::add(ctx_, out, a, b, n);
+}
+
+void CudaExec::add_inplace(float* y, const float* x, int64_t n) {
+  cuda::add_inplace(ctx_, y, x, n);
+}
+
+void CudaExec::glu_forward(GluAct act, float* out, const float* gate, const float* up, int64_t n) {
+  cuda::glu_forward(ctx_, act, out, gate, up, n);
+}
+
+void CudaExec::glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
+                            const float* gate, const float* up, int64_t n) {
+  cuda::glu_backward(ctx_, act, dgate, dup, dout, gate, up, n);
+}
+
+void CudaExec::sum_squares(const float* x, int64_t n, double* out, bool accumulate) {
+  cuda::sum_squares(ctx_, x, n, out, accumulate);
+}
+
+// ---- norm.h ----
+
+void CudaExec::norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+                            const float* weight, const float* bias, float* mean, float* rstd,
+                            float eps) {
+  cuda::norm_forward(ctx_, op, s, out, inp, weight, bias, mean, rstd, eps);
+}
+
+void CudaExec::norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                             float* dweight, float* dbias, const float* dout, const float* inp,
+                             const float* weight, const float* mean, const float* rstd) {
+  cuda::norm_backward(ctx_, op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
+}
+
+void CudaExec::norm_partial_stats(const NormShape& s, const float* inp, float* stats) {
+  cuda::norm_partial_stats(ctx_, s, inp, stats);
+}
+
+void CudaExec::norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
+                                       const float* stats, float* out, const float* inp,
+                                       const float* weight, const float* bias, float* mean,
+                                       float* rstd, float eps) {
+  cuda::norm_forward_from_stats(ctx_, op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
+                                eps);
+}
+
+void CudaExec::norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
+                                      const float* weight, const float* mean, const float* rstd,
+                                      float* part) {
+  cuda::norm_backward_partials(ctx_, s, dout, inp, weight, mean, rstd, part);
+}
+
+void CudaExec::norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
+                                           const float* part, float* dinp, bool accumulate,
+                                           float* dweight, float* dbias, const float* dout,
+                                           const float* inp, const float* weight, const float* mean,
+                                           const float* rstd) {
+  cuda::norm_backward_from_partials(ctx_, op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
+                                    dout, inp, weight, mean, rstd);
+}
+
+// ---- attention.h (Note [cuda-exec-attention]) ----
+
+int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const { return s.B * s.H * s.T; }
+
+int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const { return 0; }
+
+void CudaExec::attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+                                 const float* k, const float* v, const float* scale,
+                                 float* max_abs_logit) {
+  cuda::attention_forward<float>(ctx_, s, out, saved, q, k, v, scale, max_abs_logit);
+}
+
+void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
+                                  float* dscale, const float* dout, const float* out,
+                                  const float* saved, const float* q, const float* k,
+                                  const float* v, const float* scale, float* /*workspace*/) {
+  cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale);
+}
+
+void CudaExec::attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
+                                float default_scale) {
+  cuda::attention_scales(ctx_, out, gain, H, shared_gain, default_scale);
+}
+
+void CudaExec::scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
+                                     bool shared_gain) {
+  cuda::scale_grad_accumulate(ctx_, grad, dscale, H, shared_gain);
+}
+
+// ---- rope.h ----
+
+const DeviceRopeTable& CudaExec::device_rope_table(const RopeTable& table) {
+  RopeEntry& e = rope_tables_[&table];
+  if (e.table == nullptr || e.host_cos != table.cos.data() || e.host_sin != table.sin.data() ||
+      e.max_positions != table.max_positions || e.half_dim != table.half_dim) {
+    // A new table, or another one at the address of one that is gone. The old device copy may
+    // still be read by enqueued kernels; its memory returns to the stream-ordered cache, so
+    // later users of the block come after them (Note [cuda-stream-order]).
+    e.table = std::make_unique<DeviceRopeTable>(ctx_, table);
+    e.host_cos = table.cos.data();
+    e.host_sin = table.sin.data();
+    e.max_positions = table.max_positions;
+    e.half_dim = table.half_dim;
+  }
+  return *e.table;
+}
+
+void CudaExec::rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+                            int64_t H, int64_t D, int64_t row_stride) {
+  cuda::rope_forward(ctx_, device_rope_table(table), y, x, B, T, H, D, row_stride);
+}
+
+void CudaExec::rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
+                             int64_t T, int64_t H, int64_t D, int64_t row_stride) {
+  cuda::rope_backward(ctx_, device_rope_table(table), dx, dy, B, T, H, D, row_stride);
+}
+
+// ---- embedding.h ----
+
+void CudaExec::embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,
+                                 int64_t v_begin, int64_t V_local, int64_t C) {
+  cuda::embedding_forward(ctx_, out, tokens, N, wte, v_begin, V_local, C);
+}
+
+void CudaExec::embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N,
+                                  int64_t v_begin, int64_t V_local, int64_t C) {
+  cuda::embedding_backward(ctx_, dwte, dout, tokens, N, v_begin, V_local, C);
+}
+
+void CudaExec::position_forward(float* out, const float* wpe, int64_t B, int64_t T, int64_t C) {
+  cuda::position_forward(ctx_, out, wpe, B, T, C);
+}
+
+void CudaExec::position_backward(float* dwpe, const float* dout, int64_t B, int64_t T, int64_t C) {
+  cuda::position_backward(ctx_, dwpe, dout, B, T, C);
+}
+
+// ---- cross_entropy.h ----
+
+void CudaExec::xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                            float* row_max) {
+  cuda::xent_row_max(ctx_, logits, N, V_local, v_valid_local, row_max);
+}
+
+void CudaExec::xent_row_sumexp(const float* logits, const float* row_max, int64_t N,
+                               int64_t V_local, int64_t v_valid_local, float* sumexp) {
+  cuda::xent_row_sumexp(ctx_, logits, row_max, N, V_local, v_valid_local, sumexp);
+}
+
+void CudaExec::xent_target_logit(const float* logits, const int32_t* targets, int64_t N,
+                                 int64_t V_local, int64_t v_begin, float* target_logit) {
+  cuda::xent_target_logit(ctx_, logits, targets, N, V_local, v_begin, target_logit);
+}
+
+void CudaExec::xent_finish(const float* row_max, const float* sumexp, const float* target_logit,
+                           int64_t N, float* lse, double* sums) {
+  cuda::xent_finish(ctx_, row_max, sumexp, target_logit, N, lse, sums);
+}
+
+void CudaExec::xent_backward(float* dlogits, const float* logits, const float* lse,
+                             const int32_t* targets, int64_t N, int64_t V_local,
+                             int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                             float z_coef) {
+  cuda::xent_backward(ctx_, dlogits, logits, lse, targets, N, V_local, v_valid_local, v_begin,
+                      grad_scale, z_coef);
+}
+
+// ---- adamw.h ----
+
+void CudaExec::adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+                            const AdamWStep& step) {
+  cuda::adamw_update(ctx_, param, grad, m, v, n, step);
+}
+
+void register_cuda_exec_factory() {
+  kernels::set_exec_factory(Device::kCuda, &make_cuda_exec, &device_count);
+}
+
+}  // namespace keel::kernels::cuda
