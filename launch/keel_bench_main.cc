@@ -1,12 +1,10 @@
 // keel-bench: times training steps (forward, backward, clipping, AdamW) of named configs and
 // reports tokens/s, achieved GFLOP/s and the fraction of this machine's measured sgemm peak.
 // With --checkpoint it measures checkpoint throughput instead (launch/checkpoint_bench.h).
+// With --device CUDA it times the GPU configs on one GPU and quotes MFU against the GPU's
+// measured cuBLASLt peak at the run's precision (bf16 by default on a GPU: train.precision).
 //
-// FLOPs per training token (PaLM appendix B convention, the usual MFU accounting):
-//   6 * N_matmul + 12 * n_layers * seq_len * d_model
-// with N_matmul = n_layers * (4 d_model^2 + 2 d_model d_ff) + vocab * d_model (the LM head);
-// the attention term counts the full T x T products (keel skips the masked half, so the true
-// work is lower and the reported fraction is the conventional, comparable one).
+// The configs and the FLOPs per token: launch/bench_configs.h.
 #include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
@@ -21,39 +19,24 @@
 
 #include "framework/config/config.h"
 #include "framework/error.h"
+#include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
+#include "launch/bench_configs.h"
 #include "launch/checkpoint_bench.h"
 #include "launch/trainer.h"
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
+#if KEEL_HAVE_CUDA
+#include "framework/kernels/cuda/exec_context.h"
+#endif
 
 namespace {
 
 using keel::config::KeelConfig;
 
-struct Named {
-  const char* name;
-  const char* text;
-};
-
-// Both fp32, d_ff = 4 d_model, qk_norm RMS, z-loss on, AdamW in the step (issue #2).
-const Named kConfigs[] = {
-    {"S",
-     "model { vocab_size: 256 d_model: 384 n_layers: 6 n_heads: 6 seq_len: 256 }"
-     " train { global_batch: 8 }"},
-    {"M",
-     "model { vocab_size: 8192 d_model: 768 n_layers: 4 n_heads: 12 seq_len: 512 }"
-     " train { global_batch: 4 }"},
-};
-
-double flops_per_token(const KeelConfig& c) {
-  const double L = c.model().n_layers(), d = c.model().d_model(), T = c.model().seq_len();
-  const double f = c.model().d_ff() > 0 ? c.model().d_ff() : 4 * d, V = c.model().vocab_size();
-  // Gated MLPs (SWIGLU, GEGLU) have three d x f matrices: gate, up and down.
-  const double mlp_mats = c.model().mlp() == keel::config::GELU ? 2 : 3;
-  const double n_matmul = L * (4 * d * d + mlp_mats * d * f) + V * d;
-  return 6 * n_matmul + 12 * L * T * d;
-}
+using keel::bench::flops_per_token;
+using keel::bench::kConfigs;
+using keel::bench::Named;
 
 // Best of several 2048^3 sgemms on the current thread count.
 double measure_sgemm_peak() {
@@ -74,6 +57,8 @@ void usage() {
   std::printf(
       "usage: [mpirun -np N] keel-bench [--config S|M|all] [--steps N] [--warmup N]\n"
       "                  [--threads N] [--tp T] [--profile] [--set path=value]...\n"
+      "       keel-bench --device CUDA [--config 124M|350M|all] [--steps N] [--warmup N]\n"
+      "                  [--profile] [--set path=value]...\n"
       "       [mpirun -np N] keel-bench --checkpoint [--config S|M|all] [--dir PATH]\n"
       "                  [--rounds N] [--warmup N] [--threads N] [--tp T] [--set path=value]...\n"
       "Under mpirun the same global batch is split over dp = N / T ranks (tokens/s is the whole\n"
@@ -82,6 +67,10 @@ void usage() {
       "Prints per-config tokens/s, GFLOP/s and the fraction of the measured sgemm peak, and\n"
       "ends with one 'config=... tokens_per_s=... gflops=... peak_gflops=... peak_fraction=...'\n"
       "line per config.\n"
+      "\n"
+      "--device CUDA times the GPU configs (124M: GPT-2 small's shapes, 350M: GPT-2 medium's) on\n"
+      "one GPU in train.precision (BF16 unless set), and quotes MFU: the model FLOPs achieved\n"
+      "over the GPU's measured cuBLASLt peak at that precision (8192^3, median of 5).\n"
       "\n"
       "--checkpoint measures checkpoints of each config instead, in --rounds (default 5)\n"
       "interleaved rounds: the disk's write and read speed for the checkpoint's bytes,\n"
@@ -106,14 +95,7 @@ bool selected(const std::string& which, const char* name) {
 // The named config with the benchmark's settings and the --set overrides, validated.
 KeelConfig bench_config(const Named& named, int steps, int warmup, int tp, BenchMode mode,
                         const std::vector<std::string>& sets) {
-  KeelConfig cfg = keel::default_config();
-  keel::merge_config_text(named.text, std::string("config ") + named.name, cfg);
-  cfg.mutable_train()->set_eval_every(0);
-  cfg.mutable_train()->set_steps(steps + warmup);
-  cfg.mutable_optim()->set_warmup_steps(1);
-  cfg.mutable_optim()->set_lr(6e-4);  // keeps the few timed steps' losses sane
-  cfg.mutable_model()->set_d_ff(0);
-  cfg.mutable_model()->set_max_positions(0);
+  KeelConfig cfg = keel::bench::bench_job(named, steps, warmup);
   cfg.mutable_parallel()->set_tp(tp);
   if (mode == BenchMode::kCheckpoint) {
     cfg.mutable_checkpoint()->set_every(2);  // the cost arms' save interval
@@ -128,7 +110,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   int steps = -1, warmup = 2, threads = 2, tp = 1, rounds = -1;  // -1: the mode's default
   bool profile = false;
   BenchMode mode = BenchMode::kSteps;
-  std::string dir;
+  std::string dir, device_name = "CPU";
   std::vector<std::string> sets;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -167,6 +149,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
       rounds = int_value();
     else if (a == "--set")
       sets.push_back(value());
+    else if (a == "--device")
+      device_name = value();
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -180,9 +164,26 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   if (steps < 0) steps = 5;
   KEEL_CHECK(steps >= 1, kUsage, "--steps must be at least 1");
   KEEL_CHECK(threads >= 1, kUsage, "--threads must be at least 1");
+#if KEEL_HAVE_CUDA
+  keel::kernels::cuda::register_cuda_exec_factory();
+#endif
+  keel::Device device;
+  try {
+    device = keel::kernels::resolve_device(device_name);
+  } catch (const keel::Error& e) {
+    // The message names train.device; here the flag is --device.
+    KEEL_FAIL(kUsage, "--device ", device_name, ": ",
+              std::string(e.what()).substr(std::string(e.what()).find(": ") + 2));
+  }
+  const bool gpu = device == keel::Device::kCuda;
   bool known = which == "all";
-  for (const Named& named : kConfigs) known = known || which == named.name;
-  KEEL_CHECK(known, kUsage, "--config ", which, ": no such benchmark config (S, M or all)");
+  for (const Named& named : kConfigs) known = known || (which == named.name && named.gpu == gpu);
+  KEEL_CHECK(known, kUsage, "--config ", which, ": no such ", gpu ? "GPU" : "CPU",
+             " benchmark config (", gpu ? "124M, 350M" : "S, M", " or all)");
+  KEEL_CHECK(!gpu || (mpi.world_size() == 1 && tp == 1 && mode == BenchMode::kSteps), kUsage,
+             "--device CUDA times one GPU: no mpirun, --tp or --checkpoint");
+  // Every config runs on --device (before the --set overrides, which may change the precision).
+  sets.insert(sets.begin(), std::string("train.device=") + keel::device_name(device));
   if (checkpoint) {
     KEEL_CHECK(!profile, kUsage,
                "--profile times training steps; it does not go with --checkpoint");
@@ -212,7 +213,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     if (rounds > 0) opts.rounds = rounds;
     std::vector<std::string> summaries;
     for (const Named& named : kConfigs) {
-      if (!selected(which, named.name)) continue;
+      if (named.gpu || !selected(which, named.name)) continue;
       const KeelConfig cfg = bench_config(named, steps, warmup, tp, mode, sets);
       keel::Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
       for (std::string& line : keel::run_checkpoint_bench(named.name, cfg, dist.topology(), opts)) {
@@ -222,21 +223,36 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     for (const auto& s : summaries) std::printf("%s\n", s.c_str());
     return 0;
   }
-  // The peak is measured on rank 0 alone (others wait), with this rank's thread count.
+  // The peak is measured on rank 0 alone (others wait), with this rank's thread count; on a GPU
+  // it is the GPU's GEMM peak at the run's precision.
   double peak = 0.0;
-  if (root) peak = measure_sgemm_peak();
-  MPI_Bcast(&peak, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  if (root) {
-    std::printf(
-        "keel-bench: %d rank(s) x %d threads, sgemm peak %.1f GFLOP/s per rank "
-        "(2048^3, best of 4)\n",
-        mpi.world_size(), threads, peak);
+  keel::kernels::Precision precision = keel::kernels::Precision::kFp32;
+  if (gpu) {
+    KeelConfig probe = keel::default_config();
+    for (const auto& s : sets) keel::apply_set(s, probe);
+    precision = keel::kernels::resolve_precision(probe.train().precision(), device);
+#if KEEL_HAVE_CUDA
+    peak =
+        1e3 * keel::bench::measure_cuda_peak_tflops(precision == keel::kernels::Precision::kBf16);
+#endif
+    std::printf("keel-bench: %s, %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
+                keel::kernels::make_exec(device)->describe().c_str(),
+                keel::kernels::precision_name(precision), peak / 1e3);
+  } else {
+    if (root) peak = measure_sgemm_peak();
+    MPI_Bcast(&peak, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    if (root) {
+      std::printf(
+          "keel-bench: %d rank(s) x %d threads, sgemm peak %.1f GFLOP/s per rank "
+          "(2048^3, best of 4)\n",
+          mpi.world_size(), threads, peak);
+    }
   }
   // The job's peak: every rank's cores count.
   const double job_peak = peak * mpi.world_size();
   std::vector<std::string> summaries;
   for (const Named& named : kConfigs) {
-    if (!selected(which, named.name)) continue;
+    if (named.gpu != gpu || !selected(which, named.name)) continue;
     const KeelConfig cfg = bench_config(named, steps, warmup, tp, mode, sets);
     keel::Distributed dist(mpi, cfg.parallel().tp(), cfg.parallel().timeout_s());
     const keel::Topology& topo = dist.topology();
@@ -265,13 +281,22 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     const double tp_bytes = static_cast<double>(topo.tp_comm->bytes_moved()) / steps;
     const double dp_bytes = static_cast<double>(topo.dp_comm->bytes_moved()) / steps;
     if (!root) continue;
-    std::printf(
-        "config %s: %lld parameters on this rank, %lld tokens/step, %.3f s/step, %.0f tokens/s, "
-        "%.1f GFLOP/s "
-        "(%.1f%% of the job's sgemm peak), loss %.4f\n",
-        named.name, static_cast<long long>(trainer.model().params().total_elems()),
-        static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops,
-        100 * gflops / job_peak, trainer.last().loss);
+    if (gpu) {
+      std::printf(
+          "config %s: %lld parameters, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f "
+          "TFLOP/s, MFU %.1f%% of the %s peak, loss %.4f\n",
+          named.name, static_cast<long long>(trainer.model().params().total_elems()),
+          static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops / 1e3,
+          100 * gflops / job_peak, keel::kernels::precision_name(precision), trainer.last().loss);
+    } else {
+      std::printf(
+          "config %s: %lld parameters on this rank, %lld tokens/step, %.3f s/step, %.0f "
+          "tokens/s, %.1f GFLOP/s "
+          "(%.1f%% of the job's sgemm peak), loss %.4f\n",
+          named.name, static_cast<long long>(trainer.model().params().total_elems()),
+          static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops,
+          100 * gflops / job_peak, trainer.last().loss);
+    }
     if (mpi.world_size() > 1) {
       std::printf(
           "  layout dp %d x tp %d: per step TP moved %.0f bytes, DP moved %.0f bytes "
@@ -300,12 +325,14 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
       std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
                   1e3 * sum / steps, 1e3 * sec);
     }
-    char line[320];
+    char line[400];
     std::snprintf(line, sizeof(line),
                   "config=%s tokens_per_s=%.1f gflops=%.2f peak_gflops=%.2f peak_fraction=%.4f "
-                  "ranks=%d tp=%d dp=%d tp_bytes_per_step=%.0f dp_bytes_per_step=%.0f",
+                  "ranks=%d tp=%d dp=%d tp_bytes_per_step=%.0f dp_bytes_per_step=%.0f device=%s "
+                  "precision=%s",
                   named.name, tps, gflops, job_peak, gflops / job_peak, mpi.world_size(), topo.tp,
-                  topo.dp, tp_bytes, dp_bytes);
+                  topo.dp, tp_bytes, dp_bytes, keel::device_name(device),
+                  keel::kernels::precision_name(precision));
     summaries.push_back(line);
     std::fflush(stdout);
   }

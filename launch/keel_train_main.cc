@@ -204,7 +204,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         static_cast<long long>(trainer.tokens_per_step()));
     // With the banner (stdout), after every check that can refuse the run: a refused run prints
     // only its error.
-    std::printf("keel-train: device %s\n", trainer.exec().describe().c_str());
+    std::printf("keel-train: device %s, %s matmuls\n", trainer.exec().describe().c_str(),
+                kernels::precision_name(trainer.exec().precision()));
     const std::string blas = kernels::blas_kernel_warning();
     if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);

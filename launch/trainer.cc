@@ -65,6 +65,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
              " ranks: the trainer runs on one GPU for now (multi-GPU TP/DP needs the NCCL "
              "communicators wired into the trainer); use train.device=CPU for multi-rank runs");
   exec_ = kernels::make_exec(device, 0);
+  exec_->set_precision(kernels::resolve_precision(t.precision(), device));
   grad_sq_ = Tensor::zeros({1}, DType::kF64, device);
   model_ = std::make_unique<GPT>(cfg_, topo_, micro_, *exec_);
   model_->init(t.seed());

@@ -74,6 +74,7 @@ train {
   plot: true
   tensorboard: true
   device: "AUTO"
+  precision: "AUTO"
 }
 optim {
   lr: 3e-3
@@ -499,6 +500,13 @@ void validate_train(const config::Train& t) {
     // spelling is checked here.
     KEEL_CHECK(dev.empty() || dev == "AUTO" || dev == "CPU" || dev == "CUDA", kConfig,
                "train.device=", t.device(), ": invalid value (choose AUTO, CPU or CUDA)");
+    std::string prec = t.precision();
+    for (char& c : prec) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    KEEL_CHECK(prec.empty() || prec == "AUTO" || prec == "FP32" || prec == "BF16", kConfig,
+               "train.precision=", t.precision(), ": invalid value (choose AUTO, FP32 or BF16)");
+    KEEL_CHECK(!(dev == "CPU" && prec == "BF16"), kConfig,
+               "train.precision=BF16: the CPU backend computes in FP32 only (BF16 needs "
+               "train.device=CUDA)");
   }
   // Whether micro_batch divides the per-rank batch depends on dp: the launcher checks that.
   KEEL_CHECK(t.micro_batch() >= 0, kConfig, "train.micro_batch=", t.micro_batch(),

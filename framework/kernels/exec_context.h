@@ -24,9 +24,20 @@
 
 namespace keel::kernels {
 
+// The arithmetic of the matrix products (linear layers and attention). kBf16 is mixed
+// precision as in Megatron-LM and llm.c: their inputs are rounded to bf16 and they accumulate and
+// write in fp32; master weights, gradients, AdamW state, norms, softmax and the loss stay fp32.
+enum class Precision { kFp32, kBf16 };
+const char* precision_name(Precision p);  // "FP32", "BF16"
+
 class ExecContext {
  public:
   virtual ~ExecContext() = default;
+
+  Precision precision() const { return precision_; }
+  // Throws keel::Error (kConfig) naming train.precision for a precision this context has no
+  // path for (the CPU computes in fp32 only).
+  virtual void set_precision(Precision p);
 
   virtual Device device() const = 0;
   // One line for the run's banner: "CPU, 2 threads (OpenBLAS 0.3.21)", "CUDA 0: NVIDIA H200".
@@ -134,6 +145,9 @@ class ExecContext {
   // ---- adamw.h ----
   virtual void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                             const AdamWStep& step) = 0;
+
+ protected:
+  Precision precision_ = Precision::kFp32;
 };
 
 // The CPU context: the kernels of framework/kernels/*.h on host memory with the process's
@@ -159,5 +173,9 @@ std::unique_ptr<ExecContext> make_exec(Device device, int device_index = 0);
 // (case-insensitive). Throws keel::Error (kConfig) for another value, and for CUDA in a build
 // without CUDA or on a machine where no GPU is usable, naming the field and the reason.
 Device resolve_device(const std::string& setting);
+
+// train.precision: "AUTO" or "" (BF16 on a GPU, FP32 on the CPU), "FP32" or "BF16"
+// (case-insensitive), for a run on `device`. Throws keel::Error (kConfig) for another value.
+Precision resolve_precision(const std::string& setting, Device device);
 
 }  // namespace keel::kernels

@@ -534,5 +534,25 @@ TEST_F(KeelTrainCli, MpiErrorsEndEveryRankWithOneMessage) {
   }
 }
 
+// train.device and train.precision: a misspelt value, BF16 on the CPU, and a GPU run on a
+// machine (or a build) without one are refused before anything is built.
+TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
+  expect_refused(train({"--set", "train.device=GPU"}), "config",
+                 {"train.device=GPU", "AUTO, CPU or CUDA"});
+  expect_refused(train({"--set", "train.precision=FP16"}), "config",
+                 {"train.precision=FP16", "AUTO, FP32 or BF16"});
+  expect_refused(train({"--set", "train.device=CPU", "--set", "train.precision=BF16"}), "config",
+                 {"train.precision=BF16", "FP32 only"});
+  if (std::filesystem::exists("/dev/nvidia0")) {
+    GTEST_SKIP() << "this machine has a GPU: train.device=CUDA would run";
+  }
+  // A build without CUDA says so; a CUDA build says it found no usable GPU.
+  const CommandResult r = train({"--set", "train.device=CUDA"});
+  expect_refused(r, "config", {"train.device=CUDA: "});
+  EXPECT_TRUE(r.err.find("built without CUDA") != std::string::npos ||
+              r.err.find("no usable GPU") != std::string::npos)
+      << r.err;
+}
+
 }  // namespace
 }  // namespace keel

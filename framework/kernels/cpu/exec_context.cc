@@ -186,6 +186,15 @@ Factories& factories() {
 
 }  // namespace
 
+const char* precision_name(Precision p) { return p == Precision::kBf16 ? "BF16" : "FP32"; }
+
+void ExecContext::set_precision(Precision p) {
+  KEEL_CHECK(p == Precision::kFp32, kConfig, "train.precision=", precision_name(p), ": the ",
+             device_name(device()),
+             " backend computes in FP32 only (BF16 needs train.device=CUDA)");
+  precision_ = p;
+}
+
 ExecContext& cpu_exec() {
   static CpuExec* exec = new CpuExec;
   return *exec;
@@ -228,9 +237,24 @@ std::unique_ptr<ExecContext> make_exec(Device device, int device_index) {
   return factory(device_index);
 }
 
-Device resolve_device(const std::string& setting) {
-  std::string v = setting;
+namespace {
+std::string upper(std::string v) {
   for (char& c : v) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return v;
+}
+}  // namespace
+
+Precision resolve_precision(const std::string& setting, Device device) {
+  const std::string v = upper(setting);
+  if (v.empty() || v == "AUTO") return device == Device::kCpu ? Precision::kFp32 : Precision::kBf16;
+  if (v == "FP32") return Precision::kFp32;
+  KEEL_CHECK(v == "BF16", kConfig, "train.precision=", setting,
+             ": invalid value (choose AUTO, FP32 or BF16)");
+  return Precision::kBf16;
+}
+
+Device resolve_device(const std::string& setting) {
+  const std::string v = upper(setting);
   if (v.empty() || v == "AUTO") {
     return exec_device_count(Device::kCuda) > 0 ? Device::kCuda : Device::kCpu;
   }

@@ -19,6 +19,7 @@
 #include "framework/kernels/cuda/gemm.h"
 #include "framework/kernels/cuda/norm_split.h"
 #include "framework/kernels/cuda/ops.h"
+#include "framework/kernels/cuda/sdpa_cudnn.h"
 
 namespace keel::kernels::cuda {
 
@@ -52,15 +53,65 @@ void CudaExec::synchronize() { ctx_.synchronize(); }
 
 // ---- gemm.h ----
 
+// ---- Note [cuda-exec-bf16]: the BF16 precision ----
+// Activations, weights and gradients stay fp32 in memory (the model's tensors do not change with
+// the precision); a matrix product rounds its inputs to bf16 in a staging buffer and runs on the
+// bf16 tensor cores with fp32 accumulation and fp32 output, as autocast does. The weights'
+// conversion is a small share of the traffic (one read of each weight per GEMM, against the
+// N-row activations). Attention rounds q, k, v (and in the backward out and dout) into dense
+// bf16 rows and runs cuDNN's fused SDPA where it takes the shape, else the own fused kernel in
+// bf16; its results come back to fp32 exactly.
+
+Bf16* CudaExec::stage(int64_t elems) {
+  const size_t bytes = static_cast<size_t>(elems) * sizeof(Bf16);
+  // Grows on the first step only (shapes repeat); the caching allocator hands memory back in
+  // stream order, so replacing a buffer kernels still read is safe (Note [cuda-stream-order]).
+  if (bytes > stage_.bytes()) stage_ = ctx_.alloc(bytes);
+  return stage_.as<Bf16>();
+}
+
+// Element offsets into the staging buffer, rounded up to 64 elements (128 bytes) so every
+// operand keeps cuBLASLt's and cuDNN's alignment.
+static int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
 void CudaExec::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
                               int64_t N, int64_t IC, int64_t OC) {
-  cuda::linear_forward(ctx_, out, inp, weight, bias, N, IC, OC);
+  if (precision_ == Precision::kFp32) {
+    cuda::linear_forward(ctx_, out, inp, weight, bias, N, IC, OC);
+    return;
+  }
+  Bf16* a = stage(align64(N * IC) + OC * IC);
+  Bf16* w = a + align64(N * IC);
+  to_bf16_rows(ctx_, a, IC, inp, IC, N, IC);
+  to_bf16_rows(ctx_, w, IC, weight, IC, OC, IC);
+  cuda::linear_forward(ctx_, out, a, w, bias, N, IC, OC);
 }
 
 void CudaExec::linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
                                const float* dout, const float* inp, const float* weight, int64_t N,
                                int64_t IC, int64_t OC) {
-  cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+  if (precision_ == Precision::kFp32) {
+    cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC,
+                          OC);
+    return;
+  }
+  // Note [cuda-exec-bf16]: bf16 operands, fp32 dinp and dweight (beta 1 accumulates in fp32).
+  Bf16* d = stage(align64(N * OC) + align64(OC * IC) + N * IC);
+  Bf16* w = d + align64(N * OC);
+  Bf16* x = w + align64(OC * IC);
+  to_bf16_rows(ctx_, d, OC, dout, OC, N, OC);
+  if (dinp != nullptr) {
+    to_bf16_rows(ctx_, w, IC, weight, IC, OC, IC);
+    gemm(ctx_, false, false, N, IC, OC, 1.0f, d, OC, w, IC, accumulate_dinp ? 1.0f : 0.0f, dinp, IC,
+         DType::kBF16, DType::kF32);
+  }
+  if (dweight != nullptr) {
+    to_bf16_rows(ctx_, x, IC, inp, IC, N, IC);
+    gemm(ctx_, true, false, OC, IC, N, 1.0f, d, OC, x, IC, 1.0f, dweight, IC, DType::kBF16,
+         DType::kF32);
+  }
+  // The bias gradient sums the fp32 dout itself: nothing to round.
+  if (dbias != nullptr) column_sum_add(ctx_, dbias, dout, N, OC, OC);
 }
 
 void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
@@ -148,14 +199,77 @@ int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const {
 void CudaExec::attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
                                  const float* k, const float* v, const float* scale,
                                  float* max_abs_logit) {
-  cuda::attention_forward<float>(ctx_, s, out, saved, q, k, v, scale, max_abs_logit);
+  if (precision_ == Precision::kFp32) {
+    cuda::attention_forward<float>(ctx_, s, out, saved, q, k, v, scale, max_abs_logit);
+    return;
+  }
+  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D.
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
+  Bf16* qb = stage(4 * n);
+  Bf16 *kb = qb + n, *vb = qb + 2 * n, *ob = qb + 3 * n;
+  to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
+  to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
+  to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
+  const AttentionShape c = dense_shape(s);
+  if (use_cudnn(c)) {
+    cudnn::sdpa_forward(ctx_, c, ob, saved, qb, kb, vb, scale);
+    if (max_abs_logit != nullptr)
+      attention_max_abs_logit<Bf16>(ctx_, c, qb, kb, scale, max_abs_logit);
+  } else {
+    cuda::attention_forward<Bf16>(ctx_, c, ob, saved, qb, kb, vb, scale, max_abs_logit);
+  }
+  from_bf16_rows(ctx_, out, s.ldo, ob, HD, BT, HD, /*accumulate=*/false);
+}
+
+AttentionShape CudaExec::dense_shape(const AttentionShape& s) {
+  AttentionShape c = s;
+  c.ldq = c.ldk = c.ldv = c.ldo = s.H * s.D;
+  return c;
+}
+
+bool CudaExec::use_cudnn(const AttentionShape& c) {
+  // Decided once per shape, so a forward and its backward always take the same path (their
+  // saved log-sum-exp must come from the same kernel).
+  const std::array<int64_t, 4> key{c.B, c.T, c.H, c.D};
+  auto it = cudnn_shapes_.find(key);
+  if (it == cudnn_shapes_.end()) {
+    std::string why;
+    it = cudnn_shapes_.emplace(key, cudnn::sdpa_available(ctx_, c, &why)).first;
+    attention_path_ =
+        it->second ? "cuDNN fused SDPA" : "keel's fused attention (cuDNN: " + why + ")";
+  }
+  return it->second;
 }
 
 void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
                                   float* dscale, const float* dout, const float* out,
                                   const float* saved, const float* q, const float* k,
                                   const float* v, const float* scale, float* /*workspace*/) {
-  cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale);
+  if (precision_ == Precision::kFp32) {
+    cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale);
+    return;
+  }
+  // Note [cuda-exec-bf16]: out rounds back to the forward's bf16 output exactly (it was widened
+  // from it), so the backward sees what the forward produced.
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
+  Bf16* qb = stage(8 * n);
+  Bf16 *kb = qb + n, *vb = qb + 2 * n, *ob = qb + 3 * n, *gb = qb + 4 * n;
+  Bf16 *dqb = qb + 5 * n, *dkb = qb + 6 * n, *dvb = qb + 7 * n;
+  to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
+  to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
+  to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
+  to_bf16_rows(ctx_, ob, HD, out, s.ldo, BT, HD);
+  to_bf16_rows(ctx_, gb, HD, dout, s.ldo, BT, HD);
+  const AttentionShape c = dense_shape(s);
+  if (use_cudnn(c)) {
+    cudnn::sdpa_backward(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb, scale);
+  } else {
+    cuda::attention_backward<Bf16>(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb,
+                                   scale);
+  }
+  from_bf16_rows(ctx_, dq, s.ldq, dqb, HD, BT, HD, /*accumulate=*/false);
+  from_bf16_rows(ctx_, dk, s.ldk, dkb, HD, BT, HD, /*accumulate=*/false);
+  from_bf16_rows(ctx_, dv, s.ldv, dvb, HD, BT, HD, /*accumulate=*/false);
 }
 
 void CudaExec::attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,

@@ -6,11 +6,14 @@
 // [cuda-stream-order]). Plain C++ header (no CUDA headers). Compiled only when KEEL_HAVE_CUDA.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
 
+#include "framework/kernels/cuda/bf16.h"
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/exec_context.h"
 
@@ -30,6 +33,11 @@ class CudaExec final : public kernels::ExecContext {
   Context& context() { return ctx_; }
 
   Device device() const override { return Device::kCuda; }
+  // FP32 or BF16 (Note [cuda-exec-bf16] in exec_context.cc).
+  void set_precision(Precision p) override { precision_ = p; }
+  // The attention kernel the BF16 precision picked for the last new shape: "cuDNN fused SDPA" or
+  // "keel's fused attention (cuDNN: <why not>)"; empty before the first bf16 attention.
+  const std::string& attention_path() const { return attention_path_; }
   std::string describe() const override { return description_; }
   int threads() const override { return 1; }
   void synchronize() override;
@@ -120,10 +128,18 @@ class CudaExec final : public kernels::ExecContext {
     std::unique_ptr<DeviceRopeTable> table;
   };
   const DeviceRopeTable& device_rope_table(const RopeTable& table);
+  // BF16: a staging buffer of at least `elems` bf16 values (valid until the next call).
+  Bf16* stage(int64_t elems);
+  static AttentionShape dense_shape(const AttentionShape& s);  // row strides H * D
+  bool use_cudnn(const AttentionShape& dense);
 
   Context ctx_;
   std::string description_;
   std::unordered_map<const RopeTable*, RopeEntry> rope_tables_;
+  // After ctx_: returned to its allocator before the Context goes.
+  DeviceBuffer stage_;
+  std::map<std::array<int64_t, 4>, bool> cudnn_shapes_;  // (B, T, H, D) -> cuDNN takes it
+  std::string attention_path_;
 };
 
 // Registers the CUDA execution context's factory (kernels::set_exec_factory(Device::kCuda, ...))

@@ -140,6 +140,14 @@ void rope_backward(Context& ctx, const DeviceRopeTable& table, float* dx, const 
 void rope_backward(Context& ctx, const DeviceRopeTable& table, Bf16* dx, const Bf16* dy, int64_t B,
                    int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
 
+// ---- precision casts (cast.cu) ----
+// out[r * ld_out + c] (=) = bf16(in[r * ld_in + c]) (round to nearest even) for r < rows,
+// c < cols; and back, exactly, into fp32 (= or += per accumulate).
+void to_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const float* in, int64_t ld_in,
+                  int64_t rows, int64_t cols);
+void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
+                    int64_t rows, int64_t cols, bool accumulate);
+
 // ---- utilities ----
 // x[i] = lo + (hi - lo) * philox_uniform(seed, stream=0, i) (framework/philox.h), on the device:
 // benchmark inputs without a host round trip.

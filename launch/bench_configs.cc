@@ -1,0 +1,90 @@
+// The benchmark configs, the FLOP count and the GPU's GEMM peak (bench_configs.h).
+#include "launch/bench_configs.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "framework/error.h"
+#if KEEL_HAVE_CUDA
+#include "framework/kernels/cuda/device.h"
+#include "framework/kernels/cuda/gemm.h"
+#include "framework/kernels/cuda/ops.h"
+#endif
+
+namespace keel::bench {
+
+const Named kConfigs[4] = {
+    {"S",
+     "model { vocab_size: 256 d_model: 384 n_layers: 6 n_heads: 6 seq_len: 256 }"
+     " train { global_batch: 8 }",
+     false},
+    {"M",
+     "model { vocab_size: 8192 d_model: 768 n_layers: 4 n_heads: 12 seq_len: 512 }"
+     " train { global_batch: 4 }",
+     false},
+    {"124M",
+     "model { vocab_size: 50304 d_model: 768 n_layers: 12 n_heads: 12 seq_len: 1024 }"
+     " train { global_batch: 16 }",
+     true},
+    {"350M",
+     "model { vocab_size: 50304 d_model: 1024 n_layers: 24 n_heads: 16 seq_len: 1024 }"
+     " train { global_batch: 8 }",
+     true},
+};
+
+#if KEEL_HAVE_CUDA
+double measure_cuda_peak_tflops(bool bf16) {
+  namespace cuda = kernels::cuda;
+  cuda::Context ctx(0);
+  const int64_t n = 8192;
+  const cuda::DType ab = bf16 ? cuda::DType::kBF16 : cuda::DType::kF32;
+  const size_t ab_bytes = bf16 ? 2 : 4;
+  cuda::DeviceBuffer A = ctx.alloc(n * n * ab_bytes), B = ctx.alloc(n * n * ab_bytes);
+  cuda::DeviceBuffer C = ctx.alloc(n * n * 4);
+  if (bf16) {
+    cuda::fill_uniform(ctx, A.as<Bf16>(), n * n, -1.0f, 1.0f, 1);
+    cuda::fill_uniform(ctx, B.as<Bf16>(), n * n, -1.0f, 1.0f, 2);
+  } else {
+    cuda::fill_uniform(ctx, A.as<float>(), n * n, -1.0f, 1.0f, 1);
+    cuda::fill_uniform(ctx, B.as<float>(), n * n, -1.0f, 1.0f, 2);
+  }
+  const auto once = [&] {
+    cuda::gemm(ctx, false, true, n, n, n, 1.0f, A.data(), n, B.data(), n, 0.0f, C.data(), n, ab,
+               cuda::DType::kF32);
+  };
+  once();
+  once();
+  std::vector<double> ms;
+  for (int i = 0; i < 5; ++i) ms.push_back(ctx.time_ms(once));
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * n * n * n / (ms[ms.size() / 2] * 1e-3) / 1e12;
+}
+#else
+double measure_cuda_peak_tflops(bool /*bf16*/) {
+  KEEL_FAIL(kUsage, "this keel was built without CUDA");
+}
+#endif
+
+double flops_per_token(const config::KeelConfig& c) {
+  const double L = c.model().n_layers(), d = c.model().d_model(), T = c.model().seq_len();
+  const double f = c.model().d_ff() > 0 ? c.model().d_ff() : 4 * d, V = c.model().vocab_size();
+  // Gated MLPs (SWIGLU, GEGLU) have three d x f matrices: gate, up and down.
+  const double mlp_mats = c.model().mlp() == config::GELU ? 2 : 3;
+  const double n_matmul = L * (4 * d * d + mlp_mats * d * f) + V * d;
+  return 6 * n_matmul + 12 * L * T * d;
+}
+
+config::KeelConfig bench_job(const Named& named, int steps, int warmup) {
+  config::KeelConfig cfg = default_config();
+  merge_config_text(named.text, std::string("config ") + named.name, cfg);
+  cfg.mutable_train()->set_eval_every(0);
+  cfg.mutable_train()->set_steps(steps + warmup);
+  cfg.mutable_optim()->set_warmup_steps(1);
+  cfg.mutable_optim()->set_lr(6e-4);  // keeps the few timed steps' losses sane
+  cfg.mutable_model()->set_d_ff(0);
+  cfg.mutable_model()->set_max_positions(0);
+  return cfg;
+}
+
+}  // namespace keel::bench
