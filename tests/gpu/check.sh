@@ -2,8 +2,9 @@
 # tests/gpu/check.sh: the GPU check, run on a GPU machine from a copy of the repository that
 # carries build-gpu/pack (made here by tests/gpu/pack.sh). Points the loader at the pack and at
 # the CUDA pip wheels' libraries, prints the GPU and library versions, runs the CUDA backend's
-# tests against the CPU kernels, then the GEMM benchmark. Every step is under `timeout` and the
-# whole check ends within ~340 s. Output also goes to $OUT/gpu_check.log when $OUT is set.
+# tests against the CPU kernels (and whole training steps against the CPU), then the GEMM
+# benchmark and the training benchmark (keel-bench's GPU configs: tokens/s, TFLOP/s, MFU). Every
+# step is under `timeout` and the whole check ends within ~340 s. Output also goes to $OUT/gpu_check.log when $OUT is set.
 #
 # Exit: 0 when the tests pass (or skip on a machine without a GPU) and the benchmark ran;
 # 1 otherwise.
@@ -106,7 +107,7 @@ main() {
     for d in ${ldpath//:/ }; do [[ -e "$d/$lib" ]] && hit="$d/$lib" && break; done
     echo "  $lib: ${hit:-NOT FOUND in the pack or the wheels}"
   done
-  for b in keel_gpu_tests keel-gpu-gemm-bench cuda_backend_test; do
+  for b in keel_gpu_tests keel-gpu-gemm-bench keel-gpu-train-bench cuda_backend_test; do
     local missing
     missing=$(LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/$b" 2>&1 | grep 'not found')
     if [[ -n "$missing" ]]; then
@@ -132,7 +133,7 @@ main() {
   [[ -n "${OUT:-}" ]] && json=(--gtest_output="json:$OUT/gpu_tests.json")
   local out
   out=$(mktemp)
-  LD_LIBRARY_PATH="$ldpath" timeout -k 10 "$(budget 240 80)" "$PACK/keel_gpu_tests" \
+  LD_LIBRARY_PATH="$ldpath" timeout -k 10 "$(budget 200 110)" "$PACK/keel_gpu_tests" \
     --gtest_brief=1 "${json[@]}" 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
   echo "keel_gpu_tests: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
@@ -154,7 +155,7 @@ main() {
   rm -f "$out"
 
   echo "== keel-gpu-gemm-bench"
-  LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 75 0)" "$PACK/keel-gpu-gemm-bench"
+  LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 45 60)" "$PACK/keel-gpu-gemm-bench" --quick
   rc=$?
   echo "keel-gpu-gemm-bench: exit $rc"
   if ((rc == 77)); then
@@ -166,6 +167,15 @@ main() {
     fi
   elif ((rc != 0)); then
     status=1
+  fi
+
+  if ((rc != 77)); then
+    echo "== keel-gpu-train-bench (keel-bench's GPU configs in BF16; MFU against the bf16 peak)"
+    LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 60 0)" "$PACK/keel-gpu-train-bench" \
+      --steps 5 --warmup 2
+    rc=$?
+    echo "keel-gpu-train-bench: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
+    ((rc != 0)) && status=1
   fi
   echo "== GPU check done in ${SECONDS}s: $( ((status == 0)) && echo PASS || echo FAIL)"
   return $status

@@ -15,7 +15,7 @@ build=${BUILD:-build-gpu}
 pack="$build/pack"
 jobs=${JOBS:-2}
 limit_mib=60
-bins=(keel_gpu_tests keel-gpu-gemm-bench cuda_backend_test)
+bins=(keel_gpu_tests keel-gpu-gemm-bench keel-gpu-train-bench cuda_backend_test)
 
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)

@@ -1,0 +1,126 @@
+// keel-gpu-train-bench: keel-bench's GPU mode (launch/bench_configs.h: 124M with GPT-2 small's
+// shapes, 350M with GPT-2 medium's) without MPI, for the GPU check (tests/gpu/check.sh): the lent
+// GPU machine has no OpenMPI, and keel-bench starts MPI. Times whole training steps (forward,
+// backward, clipping, AdamW) of the in-process Trainer on GPU 0 and prints tokens/s, achieved
+// TFLOP/s and MFU against the GPU's measured cuBLASLt peak at the run's precision, ending with one
+// keel-bench summary line per config.
+//
+// Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N]
+//                             [--set path=value]...
+// Exit codes: 0 done, 77 no CUDA device (skipped), 2 bad arguments, 1 error.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framework/config/config.h"
+#include "framework/error.h"
+#include "framework/kernels/cuda/device.h"
+#include "framework/kernels/cuda/exec_context.h"
+#include "framework/kernels/exec_context.h"
+#include "launch/bench_configs.h"
+#include "launch/trainer.h"
+#include "parallel/communicator.h"
+
+namespace keel {
+namespace {
+
+int run(int argc, char** argv) {
+  std::string which = "all";
+  int steps = 5, warmup = 2;
+  std::vector<std::string> sets;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    KEEL_CHECK(a == "--config" || a == "--steps" || a == "--warmup" || a == "--set", kUsage,
+               "unknown option ", a,
+               " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
+               "[--set path=value]...)");
+    KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
+    const std::string v = argv[++i];
+    if (a == "--config") {
+      which = v;
+    } else if (a == "--set") {
+      sets.push_back(v);
+    } else {
+      const int n = std::atoi(v.c_str());
+      KEEL_CHECK(n >= (a == "--steps" ? 1 : 0) && std::to_string(n) == v, kUsage, a,
+                 ": not a valid count: ", v);
+      (a == "--steps" ? steps : warmup) = n;
+    }
+  }
+  if (kernels::cuda::device_count() == 0) {
+    std::printf("keel-gpu-train-bench: no CUDA device (no GPU or no driver); skipped\n");
+    return 77;
+  }
+  kernels::cuda::register_cuda_exec_factory();
+  bool known = which == "all";
+  for (const bench::Named& n : bench::kConfigs) known = known || (n.gpu && which == n.name);
+  KEEL_CHECK(known, kUsage, "--config ", which, ": no such GPU config (124M, 350M or all)");
+
+  config::KeelConfig probe = default_config();
+  for (const auto& s : sets) apply_set(s, probe);
+  const kernels::Precision precision =
+      kernels::resolve_precision(probe.train().precision(), Device::kCuda);
+  const double peak_tflops =
+      bench::measure_cuda_peak_tflops(precision == kernels::Precision::kBf16);
+  std::printf("keel-gpu-train-bench: %s, %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
+              kernels::cuda::device_description(0).c_str(), kernels::precision_name(precision),
+              peak_tflops);
+  std::fflush(stdout);
+  std::vector<std::string> summaries;
+  for (const bench::Named& named : bench::kConfigs) {
+    if (!named.gpu || (which != "all" && which != named.name)) continue;
+    config::KeelConfig cfg = bench::bench_job(named, steps, warmup);
+    cfg.mutable_train()->set_device("CUDA");
+    for (const auto& s : sets) apply_set(s, cfg);
+    validate(cfg);
+    std::unique_ptr<Communicator> tp_holder, dp_holder;
+    const Topology topo = Topology::single(tp_holder, dp_holder);
+    TrainerOptions opts;
+    opts.progress = false;
+    Trainer trainer(cfg, topo, opts);
+    for (int i = 0; i < warmup; ++i) trainer.step();
+    double total = 0.0;
+    for (int i = 0; i < steps; ++i) total += trainer.step().seconds;
+    const double sec = total / steps;
+    const double tps = static_cast<double>(trainer.tokens_per_step()) / sec;
+    const double gflops = tps * bench::flops_per_token(cfg) / 1e9;
+    const double peak_gflops = 1e3 * peak_tflops;
+    std::printf(
+        "config %s: %lld parameters, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f TFLOP/s, "
+        "MFU %.1f%% of the %s peak, loss %.4f (%s)\n",
+        named.name, static_cast<long long>(trainer.model().params().total_elems()),
+        static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops / 1e3,
+        100 * gflops / peak_gflops, kernels::precision_name(trainer.exec().precision()),
+        trainer.last().loss, trainer.exec().describe().c_str());
+    std::fflush(stdout);
+    char line[400];
+    std::snprintf(line, sizeof(line),
+                  "config=%s tokens_per_s=%.1f gflops=%.2f peak_gflops=%.2f peak_fraction=%.4f "
+                  "ranks=1 tp=1 dp=1 tp_bytes_per_step=0 dp_bytes_per_step=0 device=CUDA "
+                  "precision=%s",
+                  named.name, tps, gflops, peak_gflops, gflops / peak_gflops,
+                  kernels::precision_name(trainer.exec().precision()));
+    summaries.push_back(line);
+  }
+  for (const auto& s : summaries) std::printf("%s\n", s.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace keel
+
+int main(int argc, char** argv) {
+  try {
+    return keel::run(argc, argv);
+  } catch (const keel::Error& e) {
+    std::fprintf(stderr, "keel-gpu-train-bench: %s: %s\n", keel::error_kind_name(e.kind()),
+                 e.what());
+    return keel::exit_code_for(e.kind());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "keel-gpu-train-bench: internal error: %s\n", e.what());
+    return 1;
+  }
+}
