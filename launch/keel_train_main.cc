@@ -23,10 +23,14 @@
 #if KEEL_HAVE_CUDA
 #include "framework/kernels/cuda/exec_context.h"
 #endif
+#if KEEL_HAVE_NCCL
+#include "parallel/nccl_mpi.h"
+#endif
 #include "launch/cli.h"
 #include "launch/stop_signals.h"
 #include "launch/trainer.h"
 #include "layers/memory_estimate.h"
+#include "parallel/device_map.h"
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
 
@@ -183,6 +187,30 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   // SIGTERM / SIGUSR1: finish the step, save, exit 0 (Note [preemption]).
   StopSignals stop_signals(mpi.world_rank());
   opts.stop_signal = &StopSignals::received;
+#if KEEL_HAVE_CUDA
+  if (kernels::resolve_device(cfg.train().device()) == Device::kCuda) {
+    // One rank per GPU: the node-local rank picks it (CUDA_VISIBLE_DEVICES honoured); more ranks
+    // than GPUs on a node exits 2 naming the node.
+    opts.device_index = device_for_rank(mpi, kernels::exec_device_count(Device::kCuda));
+#if KEEL_HAVE_NCCL
+    // TP and DP over NCCL on the run's stream, bootstrapped over the MPI groups; each
+    // communicator is a watchdog abort hook, so a stalled collective ends the job.
+    opts.make_tensor_comms = [&dist](kernels::ExecContext& exec, const Topology& topo) {
+      auto& ctx = dynamic_cast<kernels::cuda::CudaExec&>(exec).context();
+      TensorComms comms;
+      if (topo.tp > 1) {
+        comms.tp =
+            make_nccl_communicator(dist.tp_mpi_comm(), "tensor-parallel", ctx, &dist.watchdog());
+      }
+      if (topo.dp > 1) {
+        comms.dp =
+            make_nccl_communicator(dist.dp_mpi_comm(), "data-parallel", ctx, &dist.watchdog());
+      }
+      return comms;
+    };
+#endif
+  }
+#endif
   Trainer trainer(cfg, topo, opts);
   const ModelDims& d = trainer.model().dims();
   if (mpi.world_rank() == 0) {

@@ -21,6 +21,7 @@
 #include "framework/kernels/gemm.h"
 #include "framework/philox.h"
 #include "launch/fault_injector.h"
+#include "parallel/staging_communicator.h"
 
 namespace keel {
 
@@ -60,13 +61,22 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
              " does not divide the per-rank batch ", per_rank, " (train.global_batch / dp)");
   accum_ = per_rank / micro_;
   const Device device = kernels::resolve_device(t.device());
-  KEEL_CHECK(device == Device::kCpu || topo_.world_size == 1, kConfig, "train.device=", t.device(),
-             " with ", topo_.world_size,
-             " ranks: the trainer runs on one GPU for now (multi-GPU TP/DP needs the NCCL "
-             "communicators wired into the trainer); use train.device=CPU for multi-rank runs");
-  exec_ = kernels::make_exec(device, 0);
+  exec_ = kernels::make_exec(device, device == Device::kCpu ? 0 : opts_.device_index);
   exec_->set_precision(kernels::resolve_precision(t.precision(), device));
   grad_sq_ = Tensor::zeros({1}, DType::kF64, device);
+  if (device != Device::kCpu && topo_.world_size > 1) {
+    // The model's tensors live on the device: its TP and DP collectives need communicators
+    // that take device memory (Topology::tp_tensors).
+    if (opts_.make_tensor_comms) tensor_comms_ = opts_.make_tensor_comms(*exec_, topo_);
+    if (!tensor_comms_.tp) {
+      tensor_comms_.tp = std::make_unique<StagingCommunicator>(*topo_.tp_comm, device);
+    }
+    if (!tensor_comms_.dp) {
+      tensor_comms_.dp = std::make_unique<StagingCommunicator>(*topo_.dp_comm, device);
+    }
+    topo_.tp_tensor_comm = tensor_comms_.tp.get();
+    topo_.dp_tensor_comm = tensor_comms_.dp.get();
+  }
   model_ = std::make_unique<GPT>(cfg_, topo_, micro_, *exec_);
   model_->init(t.seed());
   ParamStore& ps = model_->params();
@@ -94,7 +104,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     for (int id = 0; id < ps.size(); ++id)
       ranges.push_back({ps.info(id).offset, ps.info(id).numel()});
     const auto bucket_bytes = static_cast<int64_t>(cfg_.parallel().bucket_mb() * 1024.0 * 1024.0);
-    grad_sync_ = std::make_unique<GradSync>(*topo_.dp_comm, ps.grads().f32(), std::move(ranges),
+    grad_sync_ = std::make_unique<GradSync>(topo_.dp_tensors(), ps.grads().f32(), std::move(ranges),
                                             bucket_bytes);
   }
   const int64_t T = cfg_.model().seq_len();
@@ -679,7 +689,7 @@ StepResult Trainer::compute_gradients() {
     // reduce-scatter.
     auto reduce_tp_partials = [&] {
       for (int id : tp_partial_ids_) {
-        topo_.tp_comm->all_reduce(ps.grad(id), ps.info(id).numel(), ReduceOp::kSum);
+        topo_.tp_tensors().all_reduce(ps.grad(id), ps.info(id).numel(), ReduceOp::kSum);
       }
     };
     if (grad_sync_) {
@@ -689,7 +699,7 @@ StepResult Trainer::compute_gradients() {
       reduce_tp_partials();
     } else if (part.sharded()) {
       reduce_tp_partials();
-      topo_.dp_comm->reduce_scatter(grads, shard_grads_.f32(), part.mine().n);
+      topo_.dp_tensors().reduce_scatter(grads, shard_grads_.f32(), part.mine().n);
     } else {
       reduce_tp_partials();
     }
@@ -726,7 +736,7 @@ void Trainer::apply_update(const StepResult& r) {
   float* params = ps.params().f32();
   if (part.sharded()) {
     opt_->step(params + part.mine().offset, shard_grads_.f32(), r.lr, scale);
-    topo_.dp_comm->all_gather(params + part.mine().offset, params, part.mine().n);
+    topo_.dp_tensors().all_gather(params + part.mine().offset, params, part.mine().n);
   } else {
     opt_->step(params, ps.grads().f32(), r.lr, scale);
   }

@@ -69,6 +69,11 @@ struct ResumeOptions {
   std::string path;        // with kFrom
 };
 
+// The TP and DP communicators for a device run's tensors (either may be null: the MPI group).
+struct TensorComms {
+  std::unique_ptr<Communicator> tp, dp;
+};
+
 struct TrainerOptions {
   std::string run_dir;       // empty: write no files (benchmarks, tests)
   bool progress = true;      // print progress lines (rank 0)
@@ -79,6 +84,12 @@ struct TrainerOptions {
   // the end of every step and agreed over all ranks: a signalled run saves and stops
   // (Note [preemption] in launch/stop_signals.cc).
   std::function<int()> stop_signal;
+  // train.device other than CPU: the GPU this rank uses (parallel/device_map.h picks it).
+  int device_index = 0;
+  // A device run with TP or DP > 1: makes the TP and DP communicators for the model's tensors
+  // (Topology::tp_tensor_comm, dp_tensor_comm) on exec's device; keel-train's CUDA build makes
+  // NCCL ones. Unset: the MPI groups, staged through host memory (parallel/staging_communicator.h).
+  std::function<TensorComms(kernels::ExecContext& exec, const Topology& topo)> make_tensor_comms;
 };
 
 class Trainer {
@@ -177,7 +188,8 @@ class Trainer {
   double grad_sum_squares(const float* grads, ArenaSlice range) const;
 
   config::KeelConfig cfg_;
-  const Topology& topo_;
+  // The caller's topology with this run's tensor communicators filled in (device runs).
+  Topology topo_;
   TrainerOptions opts_;
   Dataset data_;
   Sampler sampler_;  // stateless here: the position is state_->sampler
@@ -185,7 +197,8 @@ class Trainer {
   // Where the model runs (train.device): every tensor of the model and optimizer lives on its
   // device. Declared before them so it outlives them.
   std::unique_ptr<kernels::ExecContext> exec_;
-  Tensor grad_sq_;  // [1] f64 on exec_'s device: the gradient's sum of squares
+  TensorComms tensor_comms_;  // after exec_ (NCCL ones use its stream), before the model
+  Tensor grad_sq_;            // [1] f64 on exec_'s device: the gradient's sum of squares
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<TrainState> state_;

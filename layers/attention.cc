@@ -137,7 +137,7 @@ void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
     if (d.qk_scope == config::PROJECTION) {
       // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
       // partial sums, never the activations.
-      Communicator& tp = *ctx_.topo->tp_comm;
+      Communicator& tp = ctx_.topo->tp_tensors();
       const int64_t Cg_total = d.H * d.D;
       ctx_.exec->norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
       ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
@@ -183,7 +183,7 @@ void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(*ctx_.topo->tp_comm, y, BT * d.C);
+    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C);
   }
 }
 
@@ -237,7 +237,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
     auto g = [&](int id) { return ps_.grad_or_null(id); };
     // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
     if (d.qk_scope == config::PROJECTION) {
-      Communicator& tp = *ctx_.topo->tp_comm;
+      Communicator& tp = ctx_.topo->tp_tensors();
       const int64_t Cg_total = d.H * d.D;
       float* qp = q_stats_.f32();  // reused: forward statistics are no longer needed
       float* kp = k_stats_.f32();
@@ -269,7 +269,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   {
     // Column-parallel input: each rank's dx covers its heads only.
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dx, BT * d.C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C);
   }
 }
 

@@ -191,7 +191,7 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   // From here on only the model's own buffers are read (device memory on a GPU backend).
   ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
   if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
-  Communicator& tp = *ctx_.topo->tp_comm;
+  Communicator& tp = ctx_.topo->tp_tensors();
   {
     ProfileScope p(&profiler_, "embedding");
     ctx_.exec->embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
@@ -254,7 +254,7 @@ void GPT::backward(float loss_weight) {
     ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
                                head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
-    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dxf, BT * C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C);
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);

@@ -57,7 +57,7 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(*ctx_.topo->tp_comm, y, BT * d.C);
+    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C);
   }
 }
 
@@ -92,7 +92,7 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(*ctx_.topo->tp_comm, dx, BT * d.C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C);
   }
 }
 

@@ -88,9 +88,17 @@ struct Topology {
   int world_size = 1, world_rank = 0;
   int tp = 1, tp_rank = 0;
   int dp = 1, dp_rank = 0;
+  // MPI groups over host memory: control, agreement and the host scalars each step logs.
   Communicator* tp_comm = nullptr;
   Communicator* dp_comm = nullptr;
   Communicator* world_comm = nullptr;  // null in single-process topologies
+  // The same TP and DP groups for the model's tensors (activations, gradients, parameters), in
+  // memory of the run's device: NCCL on GPUs, or the MPI groups staged through the host; null
+  // means tp_comm / dp_comm themselves (the CPU). Layers and gradient sync use only these.
+  Communicator* tp_tensor_comm = nullptr;
+  Communicator* dp_tensor_comm = nullptr;
+  Communicator& tp_tensors() const { return tp_tensor_comm ? *tp_tensor_comm : *tp_comm; }
+  Communicator& dp_tensors() const { return dp_tensor_comm ? *dp_tensor_comm : *dp_comm; }
 
   // Single process: both groups are SelfCommunicators owned by the returned holder.
   static Topology single(std::unique_ptr<Communicator>& tp_holder,

@@ -158,9 +158,13 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
     comm_ = nullptr;
     throw;
   }
+  // A collective that outlives parallel.timeout_s: the watchdog aborts this communicator (the
+  // blocked NCCL call returns) before it ends the job (Note [abort hooks] in watchdog.h).
+  if (watchdog_ != nullptr) abort_hook_ = watchdog_->add_abort_hook([this] { abort(); });
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  if (watchdog_ != nullptr && abort_hook_ >= 0) watchdog_->remove_abort_hook(abort_hook_);
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_.load() || comm_ == nullptr) return;
   // After a failed call, peers may never finish what they started with this rank: destroying

@@ -117,6 +117,7 @@ class NcclCommunicator final : public Communicator {
   kernels::cuda::Context& ctx_;
   Watchdog* watchdog_;
   int rank_ = 0, size_ = 1;
+  int abort_hook_ = -1;  // this communicator's abort() as a watchdog abort hook
   ncclComm* comm_ = nullptr;
   std::mutex mu_;  // guards comm_ between the poll loop and abort()
   std::atomic<bool> aborted_{false};
