@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""On-paper step time of a TP x DP GPU run, to size a job before booking it (README "Sizing a GPU
+run"). Compute: the PaLM FLOPs per token (launch/bench_configs.h) at an assumed MFU of the GPU's
+dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step"; the
+tensors move in fp32) over NCCL ring all-reduces, 2 (n - 1) / n x bytes per rank, at the link's
+published per-GPU bandwidth in one direction: NVLink 4 inside a node for TP, the node's
+InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing overlaps (today's GPU
+path: the DP buckets do not yet overlap backward), so the estimate is an upper bound for a given
+MFU. Replace --mfu with keel-bench --device CUDA's measured figure.
+
+usage: launch/plan_step_time.py [--mfu 0.45] [--markdown]
+"""
+import argparse
+
+H100_BF16_DENSE = 989e12  # FLOP/s, H100/H200 SXM, dense bf16 (NVIDIA's datasheet)
+NVLINK_BYTES_S = 450e9    # NVLink 4: 900 GB/s per GPU in both directions together
+IB_BYTES_S = 50e9         # 400 Gb/s NDR, one NIC per GPU
+
+# name, vocab, d_model, layers, seq, global batch (sequences), micro-batch, tp, dp
+CONFIGS = [
+    ("124M", 50304, 768, 12, 1024, 512, 16, 8, 16),
+    ("124M", 50304, 768, 12, 1024, 512, 4, 1, 128),
+    ("1.3B", 50304, 2048, 24, 2048, 512, 8, 8, 16),
+    ("1.3B", 50304, 2048, 24, 2048, 512, 4, 2, 64),
+]
+
+
+def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu):
+    F = 4 * C
+    n_matmul = L * (4 * C * C + 2 * C * F) + V * C
+    params = n_matmul + T * C  # tied embeddings, learned positions; norms and biases < 0.1%
+    flops_token = 6 * n_matmul + 12 * L * T * C
+    tokens = global_batch * T
+    compute_s = flops_token * tokens / (tp * dp) / (mfu * H100_BF16_DENSE)
+    per_rank = global_batch // dp
+    A = per_rank // micro  # micro-batches per step
+    BT = micro * T
+    # README's TP formula (RMS QK-norm with HEAD_SHARED gains; their gradients are negligible)
+    tp_bytes = 4 * A * ((2 + 4 * L) * BT * C + 3 * BT) + 8 if tp > 1 else 0
+    tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S
+    dp_bytes = 4 * params / tp  # this rank's fp32 gradient arena
+    dp_s = 2 * (dp - 1) / dp * dp_bytes / IB_BYTES_S
+    step_s = compute_s + tp_s + dp_s
+    return {
+        "name": name, "params": params, "layout": f"TP{tp} x DP{dp}", "tokens": tokens,
+        "compute_s": compute_s, "tp_bytes": tp_bytes, "tp_s": tp_s, "dp_bytes": dp_bytes,
+        "dp_s": dp_s, "step_s": step_s, "tokens_s": tokens / step_s, "A": A, "micro": micro,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mfu", type=float, default=0.45)
+    p.add_argument("--markdown", action="store_true", help="print README's table")
+    a = p.parse_args()
+    rows = [plan(*c, mfu=a.mfu) for c in CONFIGS]
+    if a.markdown:
+        print(f"| config | layout, micro-batch x accumulation | tokens/step | compute at "
+              f"{a.mfu:.0%} MFU | TP bytes/rank | TP time | DP bytes/rank | DP time | step | tokens/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['name']} ({r['params'] / 1e6:.0f}M params) | {r['layout']}, {r['micro']} x "
+                  f"{r['A']} | {r['tokens']:,} | {r['compute_s'] * 1e3:.0f} ms | "
+                  f"{r['tp_bytes'] / 1e9:.2f} GB | {r['tp_s'] * 1e3:.0f} ms | "
+                  f"{r['dp_bytes'] / 1e6:.0f} MB | {r['dp_s'] * 1e3:.1f} ms | "
+                  f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_s'] / 1e6:.2f} M |")
+    else:
+        for r in rows:
+            print(" ".join(f"{k}={v:.10g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+// README's "Sizing a GPU run" table is what launch/plan_step_time.py prints, line for line, and the
+// script's arithmetic holds for one row recomputed here (124M at TP8 x DP16).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+using testing::read_file;
+using testing::run_command;
+using testing::TempDir;
+
+const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_time.py";
+
+TEST(PlanStepTime, ReadmeTableIsTheScriptsOutput) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript + " --markdown", dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
+  std::istringstream lines(r.out);
+  std::string line;
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    EXPECT_NE(readme.find(line + "\n"), std::string::npos) << "not in README.md: " << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 6);  // header, rule, four layouts
+}
+
+// 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: README's TP formula
+// 4A[(2 + 4L) BT C + 3 BT] + 8 bytes and the fp32 arena over TP for DP.
+TEST(PlanStepTime, ArithmeticOfOneRow) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string first = r.out.substr(0, r.out.find('\n'));
+  auto field = [&](const std::string& key) {
+    const size_t at = first.find(" " + key + "=");
+    EXPECT_NE(at, std::string::npos) << key << " in " << first;
+    return std::stod(first.substr(at + key.size() + 2));
+  };
+  const double L = 12, C = 768, T = 1024, V = 50304, BT = 16 * T, A = 2;
+  EXPECT_EQ(field("tp_bytes"), 4 * A * ((2 + 4 * L) * BT * C + 3 * BT) + 8);
+  const double params = L * 12 * C * C + V * C + T * C;
+  EXPECT_NEAR(field("params"), params, 1e-6 * params);
+  EXPECT_NEAR(field("dp_bytes"), 4 * params / 8, 1e-6 * params);
+  const double flops = (6 * (L * 12 * C * C + V * C) + 12 * L * T * C) * 512 * T;
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-8 * std::abs(b); };
+  EXPECT_TRUE(near(field("compute_s"), flops / 128 / (0.45 * 989e12)));
+  EXPECT_TRUE(near(field("tp_s"), 2 * 7.0 / 8 * field("tp_bytes") / 450e9));
+  EXPECT_TRUE(near(field("dp_s"), 2 * 15.0 / 16 * field("dp_bytes") / 50e9));
+}
+
+}  // namespace
+}  // namespace keel
