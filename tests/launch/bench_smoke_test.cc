@@ -304,5 +304,30 @@ TEST(BenchSmoke, CheckpointFlagsMisusedExitTwo) {
   }
 }
 
+// --device: a GPU config on the CPU, a CPU config on the GPU, an unknown device and (on a machine
+// without a GPU) --device CUDA itself exit 2 with one usage line; the CPU summary line says
+// device=CPU precision=FP32.
+TEST(BenchSmoke, DeviceFlagMisusedExitTwo) {
+  TempDir scratch("keel_bench");
+  std::vector<std::vector<std::string>> misuses = {
+      {"--config", "124M"},                  // a GPU config, and the device is the CPU
+      {"--device", "TPU", "--config", "S"},  // no such device
+  };
+  if (!std::filesystem::exists("/dev/nvidia0")) {
+    misuses.push_back({"--device", "CUDA", "--config", "S"});  // built without, or no GPU
+  }
+  for (const auto& args : misuses) {
+    const CommandResult r = run_command(env_prefix() + command_line(KEEL_BENCH_BIN, args), scratch);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << " " << args[1] << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err.rfind("keel-bench: usage error: ", 0), 0u) << r.err;
+    EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "not one line: " << r.err;
+    EXPECT_EQ(r.out.find("config="), std::string::npos) << r.out;
+  }
+  const CommandResult ok =
+      run_command(env_prefix() + command_line(KEEL_BENCH_BIN, kTinyS), scratch);
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_NE(ok.out.find(" device=CPU precision=FP32\n"), std::string::npos) << ok.out;
+}
+
 }  // namespace
 }  // namespace keel
