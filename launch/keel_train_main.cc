@@ -73,8 +73,12 @@ keel::MemoryEstimate check_memory(const keel::config::KeelConfig& cfg, const kee
   const int64_t micro = cfg.train().micro_batch() > 0
                             ? std::min<int64_t>(cfg.train().micro_batch(), per_rank)
                             : per_rank;
+  const Device device = kernels::resolve_device(cfg.train().device());
   const MemoryEstimate need =
-      estimate_memory(cfg, topo.tp, topo.dp, std::max<int64_t>(1, micro), threads);
+      estimate_memory(cfg, topo.tp, topo.dp, std::max<int64_t>(1, micro), threads, device);
+  // A GPU run keeps its model on the GPU: the host's memory is not what limits it (the device's
+  // caching allocator names the request it cannot serve).
+  if (device != Device::kCpu) return need;
   const double ram = physical_memory_bytes();
   if (ram <= 0 || micro < 1) return need;
   const double share = ram / std::max(1, local_ranks);
@@ -216,11 +220,12 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   if (mpi.world_rank() == 0) {
     std::printf(
         "keel-train: %d ranks = dp %d x tp %d | %d threads per rank | optimizer state "
-        "%.1f MiB per rank%s | memory about %s per rank\n",
+        "%.1f MiB per rank%s | memory about %s per rank%s\n",
         topo.world_size, topo.dp, topo.tp, threads,
         static_cast<double>(trainer.optimizer().state_bytes()) / (1024.0 * 1024.0),
         cfg.parallel().zero_stage() == 1 && topo.dp > 1 ? " (ZeRO-1)" : "",
-        format_bytes(memory.total()).c_str());
+        format_bytes(memory.total()).c_str(),
+        trainer.exec().device() == Device::kCpu ? "" : " on the GPU");
     std::printf(
         "keel-train: %lld parameters (d_model %lld, %lld layers, %lld heads, qk_norm %s/%s, "
         "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step\n",

@@ -38,9 +38,11 @@ class Attention {
   Tensor qk_;  // [BT, 2 Hl D] QK-normalised (then rotated, ROPE) q, k; unused for NONE
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
   Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
-  Tensor saved_;              // what attention's backward reads: CPU probabilities [B, Hl, T, T]
-  Tensor att_;                // [BT, Hl D]
-  Tensor scales_;             // [Hl]
+  // What attention's backward reads: the CPU's probabilities [B, Hl, T, T], a fused GPU kernel's
+  // log-sum-exp [B, Hl, T] (ExecContext::attention_saved_elems).
+  Tensor saved_;
+  Tensor att_;     // [BT, Hl D]
+  Tensor scales_;  // [Hl]
 };
 
 }  // namespace keel

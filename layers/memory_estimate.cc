@@ -28,7 +28,7 @@ constexpr double kPerLayerBytes = 16.0 * 1024;
 }  // namespace
 
 MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int dp_size,
-                               int64_t micro_batch, int threads) {
+                               int64_t micro_batch, int threads, Device device) {
   const config::Model& m = cfg.model();
   const double tp = std::max(1, tp_size), dp = std::max(1, dp_size);
   const double V = m.vocab_size(), C = m.d_model(), H = m.n_heads(), L = m.n_layers();
@@ -75,8 +75,10 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // ---- activations of one micro-batch (the allocate() methods and GPT's constructor)
   const double B = static_cast<double>(micro_batch), BT = B * T;
   const double groups = m.qk_norm_scope() == config::PROJECTION ? 1 : Hl;
-  double attn = 3 * BT * HD + B * Hl * T * T + BT * HD + Hl;  // qkv, probs, att, scales
-  if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;           // qk, q/k mean and rstd
+  const bool gpu = device != Device::kCpu;
+  // qkv, what attention saves (CPU: probabilities; GPU: log-sum-exp), att, scales
+  double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + BT * HD + Hl;
+  if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
   const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
   // GELU: pre-activation and output; gated: up, gate and their product.
@@ -89,7 +91,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // (post-norm), the per-thread T x T attention workspace and dscale.
   model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;
   if (post_norm) model += BT * C;
-  model += std::max(1, threads) * 2 * T * T + B * Hl + Hl;
+  model += (gpu ? 0 : std::max(1, threads) * 2 * T * T) + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch
   e.activations = (L * block + model + trainer) * kFloat;
 

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "framework/config/keel.pb.h"
+#include "framework/device_backend.h"
 
 namespace keel {
 
@@ -39,9 +40,11 @@ struct MemoryEstimate {
 
 // `cfg` must be validated (d_ff and max_positions resolved). tp and dp are the layout's sizes,
 // micro_batch the sequences per forward on a rank, threads the OpenMP threads per rank (the
-// attention backward keeps a T x T workspace per thread).
+// attention backward keeps a T x T workspace per thread). On a GPU (`device` kCuda) the memory is
+// the device's: attention keeps only its log-sum-exp [B, H, T] (no T x T probabilities or
+// per-thread workspace).
 MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp, int dp, int64_t micro_batch,
-                               int threads);
+                               int threads, Device device = Device::kCpu);
 
 // Physical memory of this machine in bytes (sysconf), 0 when it cannot be told.
 double physical_memory_bytes();

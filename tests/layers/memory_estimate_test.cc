@@ -151,5 +151,20 @@ TEST(MemoryEstimate, FormatsBytes) {
   EXPECT_GT(physical_memory_bytes(), 0.0);
 }
 
+// On a GPU attention keeps its log-sum-exp [B, H, T] instead of the CPU's probabilities
+// [B, H, T, T], and there is no per-thread T x T workspace; everything else is the same.
+TEST(MemoryEstimate, GpuAttentionKeepsOnlyTheLogSumExp) {
+  const config::KeelConfig cfg = small_config({"model.qk_norm=RMS"});
+  const int64_t B = 4, threads = 3;
+  const MemoryEstimate cpu = estimate_memory(cfg, 2, 1, B, threads);
+  const MemoryEstimate gpu = estimate_memory(cfg, 2, 1, B, threads, Device::kCuda);
+  const double T = cfg.model().seq_len(), L = cfg.model().n_layers();
+  const double Hl = cfg.model().n_heads() / 2.0;
+  EXPECT_EQ(cpu.activations - gpu.activations,
+            4.0 * (L * B * Hl * (T * T - T) + threads * 2 * T * T));
+  EXPECT_EQ(gpu.parameters, cpu.parameters);
+  EXPECT_EQ(gpu.optimizer, cpu.optimizer);
+}
+
 }  // namespace
 }  // namespace keel
