@@ -27,6 +27,7 @@
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
 #if KEEL_HAVE_CUDA
+#include "framework/kernels/cuda/device.h"
 #include "framework/kernels/cuda/exec_context.h"
 #endif
 
@@ -58,7 +59,7 @@ void usage() {
       "usage: [mpirun -np N] keel-bench [--config S|M|all] [--steps N] [--warmup N]\n"
       "                  [--threads N] [--tp T] [--profile] [--set path=value]...\n"
       "       keel-bench --device CUDA [--config 124M|350M|all] [--steps N] [--warmup N]\n"
-      "                  [--profile] [--set path=value]...\n"
+      "                  [--set path=value]...\n"
       "       [mpirun -np N] keel-bench --checkpoint [--config S|M|all] [--dir PATH]\n"
       "                  [--rounds N] [--warmup N] [--threads N] [--tp T] [--set path=value]...\n"
       "Under mpirun the same global batch is split over dp = N / T ranks (tokens/s is the whole\n"
@@ -182,6 +183,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
              " benchmark config (", gpu ? "124M, 350M" : "S, M", " or all)");
   KEEL_CHECK(!gpu || (mpi.world_size() == 1 && tp == 1 && mode == BenchMode::kSteps), kUsage,
              "--device CUDA times one GPU: no mpirun, --tp or --checkpoint");
+  // The profiler times host scopes; on a GPU they would time kernel launches, not kernels.
+  KEEL_CHECK(
+      !gpu || !profile, kUsage,
+      "--profile times host work; on a GPU use Nsight Systems (nsys profile keel-bench ...)");
   // Every config runs on --device (before the --set overrides, which may change the precision).
   sets.insert(sets.begin(), std::string("train.device=") + keel::device_name(device));
   if (checkpoint) {
@@ -235,9 +240,12 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     peak =
         1e3 * keel::bench::measure_cuda_peak_tflops(precision == keel::kernels::Precision::kBf16);
 #endif
-    std::printf("keel-bench: %s, %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
-                keel::kernels::make_exec(device)->describe().c_str(),
-                keel::kernels::precision_name(precision), peak / 1e3);
+    std::string gpu_name;
+#if KEEL_HAVE_CUDA
+    gpu_name = keel::kernels::cuda::device_description(0);
+#endif
+    std::printf("keel-bench: CUDA 0 (%s), %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
+                gpu_name.c_str(), keel::kernels::precision_name(precision), peak / 1e3);
   } else {
     if (root) peak = measure_sgemm_peak();
     MPI_Bcast(&peak, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);

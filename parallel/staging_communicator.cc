@@ -10,9 +10,9 @@ class StagedRequest final : public CommRequest {
  public:
   StagedRequest(std::unique_ptr<CommRequest> inner, std::shared_ptr<DeviceBackend> backend,
                 std::vector<float> host, float* device_data)
-      : inner_(std::move(inner)),
+      : host_(std::move(host)),
+        inner_(std::move(inner)),
         backend_(std::move(backend)),
-        host_(std::move(host)),
         device_data_(device_data) {}
   void wait() override {
     if (done_) return;
@@ -33,9 +33,11 @@ class StagedRequest final : public CommRequest {
     }
     done_ = true;
   }
+  // host_ before inner_: a request dropped unwaited (an exception mid-backward) destroys inner_
+  // first, whose destructor waits for MPI to finish writing into host_.
+  std::vector<float> host_;
   std::unique_ptr<CommRequest> inner_;
   std::shared_ptr<DeviceBackend> backend_;
-  std::vector<float> host_;
   float* device_data_;
   bool done_ = false;
 };

@@ -263,7 +263,8 @@ TEST_F(TrainStepTest, OneTrainingStepMatchesTheCpu) {
 
 // ---- the Trainer on each device ----
 
-// A Trainer with its own single-process topology (the Trainer keeps a reference to it).
+// A Trainer with its own single-process topology (the Trainer copies it; its communicators stay
+// owned here).
 class TrainerRun {
  public:
   explicit TrainerRun(const config::KeelConfig& cfg, std::string run_dir = "",
