@@ -4,7 +4,8 @@
 # the CUDA pip wheels' libraries, prints the GPU and library versions, runs the CUDA backend's
 # tests against the CPU kernels (and whole training steps against the CPU), then the GEMM
 # benchmark and the training benchmark (keel-bench's GPU configs: tokens/s, TFLOP/s, MFU). Every
-# step is under `timeout` and the whole check ends within ~340 s. Output also goes to $OUT/gpu_check.log when $OUT is set.
+# step is under `timeout` and the whole check ends within ~340 s. Output also goes to
+# $OUT/gpu_check.log when $OUT is set.
 #
 # Exit: 0 when the tests pass (or skip on a machine without a GPU) and the benchmark ran;
 # 1 otherwise.
