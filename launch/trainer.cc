@@ -64,7 +64,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
   exec_ = kernels::make_exec(device, device == Device::kCpu ? 0 : opts_.device_index);
   exec_->set_precision(kernels::resolve_precision(t.precision(), device));
   grad_sq_ = Tensor::zeros({1}, DType::kF64, device);
-  if (device != Device::kCpu && topo_.world_size > 1) {
+  if (device != Device::kCpu && (topo_.world_size > 1 || opts_.tensor_comms_for_one_rank)) {
     // The model's tensors live on the device: its TP and DP collectives need communicators
     // that take device memory (Topology::tp_tensors).
     if (opts_.make_tensor_comms) tensor_comms_ = opts_.make_tensor_comms(*exec_, topo_);

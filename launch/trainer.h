@@ -90,6 +90,9 @@ struct TrainerOptions {
   // (Topology::tp_tensor_comm, dp_tensor_comm) on exec's device; keel-train's CUDA build makes
   // NCCL ones. Unset: the MPI groups, staged through host memory (parallel/staging_communicator.h).
   std::function<TensorComms(kernels::ExecContext& exec, const Topology& topo)> make_tensor_comms;
+  // Make them for a one-rank device run too (groups of one), so it runs the multi-GPU path: the
+  // GPU check's 1-rank NCCL job against the same job without NCCL.
+  bool tensor_comms_for_one_rank = false;
 };
 
 class Trainer {

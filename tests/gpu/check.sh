@@ -182,7 +182,7 @@ main() {
 
   if ((rc != 77)); then
     echo "== keel-gpu-train-bench (keel-bench's GPU configs in BF16; MFU against the bf16 peak)"
-    LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 60 0)" "$PACK/keel-gpu-train-bench" \
+    LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 60 0)" "$PACK/keel-gpu-train-bench" --nccl \
       --steps 5 --warmup 2
     rc=$?
     echo "keel-gpu-train-bench: exit $rc$( ((rc == 124)) && echo ' (timed out)')"

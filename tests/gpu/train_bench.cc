@@ -5,9 +5,14 @@
 // TFLOP/s and MFU against the GPU's measured cuBLASLt peak at the run's precision, ending with one
 // keel-bench summary line per config.
 //
-// Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N]
+// With --nccl it also times each config with its TP and DP collectives on 1-rank NCCL
+// communicators (the multi-GPU path on one GPU), interleaved with the plain run over 3 rounds,
+// and prints the overhead (issue: at most 2%).
+//
+// Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] [--nccl]
 //                             [--set path=value]...
 // Exit codes: 0 done, 77 no CUDA device (skipped), 2 bad arguments, 1 error.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -23,6 +28,9 @@
 #include "launch/bench_configs.h"
 #include "launch/trainer.h"
 #include "parallel/communicator.h"
+#if KEEL_HAVE_NCCL
+#include "parallel/nccl_communicator.h"
+#endif
 
 namespace keel {
 namespace {
@@ -31,12 +39,17 @@ int run(int argc, char** argv) {
   std::string which = "all";
   int steps = 5, warmup = 2;
   std::vector<std::string> sets;
+  bool nccl = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--nccl") {
+      nccl = true;
+      continue;
+    }
     KEEL_CHECK(a == "--config" || a == "--steps" || a == "--warmup" || a == "--set", kUsage,
                "unknown option ", a,
                " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
-               "[--set path=value]...)");
+               "[--nccl] [--set path=value]...)");
     KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--config") {
@@ -82,9 +95,46 @@ int run(int argc, char** argv) {
     opts.progress = false;
     Trainer trainer(cfg, topo, opts);
     for (int i = 0; i < warmup; ++i) trainer.step();
-    double total = 0.0;
-    for (int i = 0; i < steps; ++i) total += trainer.step().seconds;
-    const double sec = total / steps;
+    const auto timed = [&](Trainer& t) {
+      double total = 0.0;
+      for (int i = 0; i < steps; ++i) total += t.step().seconds;
+      return total / steps;
+    };
+    double sec = timed(trainer);
+    if (nccl) {
+#if KEEL_HAVE_NCCL
+      // The same job with its tensor collectives on 1-rank NCCL communicators, timed in 3
+      // interleaved rounds against the plain one (medians), so clock and thermal drift hit both.
+      TrainerOptions with = opts;
+      with.tensor_comms_for_one_rank = true;
+      with.make_tensor_comms = [](kernels::ExecContext& exec, const Topology&) {
+        auto& ctx = dynamic_cast<kernels::cuda::CudaExec&>(exec).context();
+        TensorComms c;
+        c.tp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
+                                                  "tensor-parallel", ctx, nullptr);
+        c.dp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
+                                                  "data-parallel", ctx, nullptr);
+        return c;
+      };
+      Trainer over_nccl(cfg, topo, with);
+      for (int i = 0; i < warmup; ++i) over_nccl.step();
+      std::vector<double> plain, via;
+      for (int round = 0; round < 3; ++round) {
+        plain.push_back(timed(trainer));
+        via.push_back(timed(over_nccl));
+      }
+      std::sort(plain.begin(), plain.end());
+      std::sort(via.begin(), via.end());
+      sec = plain[1];
+      std::printf(
+          "config %s: 1-rank NCCL step %.4f s against %.4f s without (medians of 3 rounds of %d "
+          "steps): overhead %+.2f%%; losses %.6f and %.6f\n",
+          named.name, via[1], plain[1], steps, 100 * (via[1] / plain[1] - 1), over_nccl.last().loss,
+          trainer.last().loss);
+#else
+      KEEL_FAIL(kUsage, "--nccl: this build has no NCCL");
+#endif
+    }
     const double tps = static_cast<double>(trainer.tokens_per_step()) / sec;
     const double gflops = tps * bench::flops_per_token(cfg) / 1e9;
     const double peak_gflops = 1e3 * peak_tflops;
