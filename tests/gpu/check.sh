@@ -188,6 +188,16 @@ main() {
     echo "keel-gpu-train-bench: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
     ((rc != 0)) && status=1
   fi
+  echo "== multi-GPU checks (tests/gpu/multi_gpu.sh)"
+  if ((gpus < 2)); then
+    echo "skipped: $gpus GPU(s) here; run tests/gpu/multi_gpu.sh on a node with 2 or more GPUs"
+  elif ! command -v mpirun >/dev/null || [[ ! -x build/launch/keel-train ]]; then
+    echo "skipped: needs mpirun and keel built on this machine (build/launch/keel-train)"
+  else
+    timeout -k 5 "$(budget 120 0)" tests/gpu/multi_gpu.sh --device CUDA
+    rc=$?
+    ((rc != 0 && rc != 77)) && status=1
+  fi
   echo "== GPU check done in ${SECONDS}s: $( ((status == 0)) && echo PASS || echo FAIL)"
   return $status
 }

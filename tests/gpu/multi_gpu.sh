@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# tests/gpu/multi_gpu.sh: the multi-GPU checks, for a node with 2 or more GPUs (4 for TP2 x DP2)
+# and mpirun, with keel built there (build/launch/keel-train). check.sh runs it when the machine
+# qualifies; the lent single-GPU machine does not.
+#   - layouts: a tiny job at TP2, DP2, DP2 + ZeRO-1 and TP2 x DP2 logs the losses of the same job
+#     on one GPU, step by step, within 1e-5 relative (fp32; NCCL's and cuBLAS's sums differ from
+#     one GPU's by rounding only);
+#   - a rank killed at step 3 ends the job, with a line naming the collective that did not
+#     complete, within parallel.timeout_s (+ 30 s for the launcher);
+#   - a rank that stalls at step 3 ends the job through the watchdog (which aborts the NCCL
+#     communicators first) within the same bound.
+# --device CPU runs the same checks on the CPU over MPI: tests/launch/multi_gpu_script_test keeps
+# the script itself tested on machines without GPUs.
+#
+# usage: tests/gpu/multi_gpu.sh [--device CUDA|CPU] [--bin DIR (default build/launch)]
+# Exit: 0 every check passed, 1 a check failed, 77 skipped (no mpirun, or fewer than 2 GPUs).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+
+DEVICE=CUDA
+BIN=build/launch
+while (($#)); do
+  case $1 in
+    --device) DEVICE=$2; shift 2 ;;
+    --bin) BIN=$2; shift 2 ;;
+    *) echo "multi_gpu.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
+  esac
+done
+MPIRUN=${MPIRUN:-mpirun}
+if ! command -v "$MPIRUN" >/dev/null; then
+  echo "multi_gpu.sh: skipped: no $MPIRUN on this machine"
+  exit 77
+fi
+if [[ ! -x "$BIN/keel-train" ]]; then
+  echo "multi_gpu.sh: $BIN/keel-train not found (build keel here first)" >&2
+  exit 1
+fi
+ranks=4
+if [[ $DEVICE == CUDA ]]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if ((gpus < 2)); then
+    echo "multi_gpu.sh: skipped: $gpus GPU(s) on this machine (2 or more needed)"
+    exit 77
+  fi
+  ((gpus < 4)) && ranks=2
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+tiny=(--set model.seq_len=32 --set model.d_model=64 --set model.n_layers=2 --set model.n_heads=4
+  --set train.global_batch=8 --set train.steps=6 --set train.eval_every=0
+  --set train.sample_chars=0 --set train.plot=false --set train.tensorboard=false
+  --set train.log_every=1 --set data.builtin_bytes=60000 --set spike.enabled=false
+  --set train.precision=FP32 --set "train.device=$DEVICE")
+status=0
+
+# run NP NAME ARGS...: keel-train on NP ranks into $work/NAME (log $work/NAME.log); sets $rc, $secs
+run() {
+  local np=$1 name=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 5 300 "$MPIRUN" -n "$np" --oversubscribe --bind-to none "$BIN/keel-train" \
+    "${tiny[@]}" "$@" --run-dir "$work/$name" >"$work/$name.log" 2>&1
+  rc=$?
+  secs=$((SECONDS - t0))
+}
+
+# losses RUN: "step loss" per line of RUN's metrics.jsonl
+losses() {
+  python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "loss" in r: print(r["step"], repr(r["loss"]))' "$work/$1/metrics.jsonl"
+}
+
+verdict() {  # verdict NAME OK MESSAGE
+  if (($2)); then
+    echo "PASS $1: $3"
+  else
+    echo "FAIL $1: $3"
+    tail -5 "$work/$1.log" | sed 's/^/    /'
+    status=1
+  fi
+}
+
+run 1 one
+verdict one "rc == 0" "1 rank on $DEVICE (exit $rc, ${secs}s)"
+layouts=("2 tp2 --set parallel.tp=2" "2 dp2" "2 dp2_zero1 --set parallel.zero_stage=1")
+((ranks >= 4)) && layouts+=("4 tp2xdp2 --set parallel.tp=2")
+for l in "${layouts[@]}"; do
+  read -r np name extra <<<"$l"
+  # shellcheck disable=SC2086  # extra holds whole --set words
+  run "$np" "$name" $extra
+  if ((rc != 0)); then
+    verdict "$name" 0 "exit $rc"
+    continue
+  fi
+  worst=$(python3 -c 'import sys
+a = [l.split() for l in open(sys.argv[1])]
+b = [l.split() for l in open(sys.argv[2])]
+assert len(a) == len(b) == 6, (len(a), len(b))
+print(max(abs(float(x[1]) - float(y[1])) / abs(float(y[1])) for x, y in zip(a, b)))' \
+    <(losses "$name") <(losses one) 2>&1)
+  ok=$(python3 -c "import sys; print(int(float(sys.argv[1]) <= 1e-5))" "$worst" 2>/dev/null || echo 0)
+  verdict "$name" "$ok" "6 steps' losses within 1e-5 of 1 rank (worst $worst)"
+done
+
+timeout_s=5
+run 2 killed --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
+  --set debug.kill_at_step=3 --set parallel.timeout_s=$timeout_s
+grep -q "did not complete" "$work/killed.log"
+named=$?
+verdict killed "rc != 0 && named == 0 && secs <= timeout_s + 30" \
+  "a rank killed at step 3 ends the job (exit $rc, ${secs}s, the collective named: $((named == 0)))"
+
+run 2 stalled --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
+  --set debug.kill_at_step=3 --set debug.fault=STALL --set parallel.timeout_s=$timeout_s
+grep -q "did not complete within parallel.timeout_s=$timeout_s" "$work/stalled.log"
+named=$?
+verdict stalled "rc != 0 && named == 0 && secs <= timeout_s + 30" \
+  "a rank stalled at step 3 ends the job through the watchdog (exit $rc, ${secs}s)"
+
+echo "multi_gpu.sh: $( ((status == 0)) && echo PASS || echo FAIL) on $DEVICE"
+exit $status
