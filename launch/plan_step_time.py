@@ -4,9 +4,9 @@ run"). Compute: the PaLM FLOPs per token (launch/bench_configs.h) at an assumed 
 dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step"; the
 tensors move in fp32) over NCCL ring all-reduces, 2 (n - 1) / n x bytes per rank, at the link's
 published per-GPU bandwidth in one direction: NVLink 4 inside a node for TP, the node's
-InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing overlaps (today's GPU
-path: the DP buckets do not yet overlap backward), so the estimate is an upper bound for a given
-MFU. Replace --mfu with keel-bench --device CUDA's measured figure.
+InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing is counted as
+overlapped (the DP buckets can hide behind backward, but how much is a measurement), so the
+estimate is an upper bound for a given MFU. Replace --mfu with keel-bench --device CUDA's measured figure.
 
 usage: launch/plan_step_time.py [--mfu 0.45] [--markdown]
 """

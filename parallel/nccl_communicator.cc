@@ -59,13 +59,13 @@ class NcclRequest final : public CommRequest {
  public:
   // The all-reduce is already enqueued: if this throws, nobody waits for it, so the communicator
   // is marked failed (its destructor aborts instead of waiting on peers).
-  NcclRequest(NcclCommunicator& comm, int64_t n) : comm_(comm), n_(n) {
+  NcclRequest(NcclCommunicator& comm, int64_t n, cudaStream_t stream) : comm_(comm), n_(n) {
     cudaError_t rc = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
     if (rc != cudaSuccess) {
       comm_.failed_ = true;
       KEEL_CUDA_CHECK(rc, "iall_reduce over ", comm_.name(), " n=", n_);
     }
-    rc = cudaEventRecord(event_, comm_.ctx_.stream());
+    rc = cudaEventRecord(event_, stream);
     if (rc != cudaSuccess) {
       cudaEventDestroy(event_);
       comm_.failed_ = true;
@@ -153,6 +153,8 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
   try {
     barrier_word_ = ctx_.alloc(sizeof(float));
     ctx_.fill_bytes(barrier_word_.data(), 0, sizeof(float));
+    KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking),
+                    "NcclCommunicator ", name_, " communication stream");
   } catch (...) {
     ncclCommAbort(comm_);  // no destructor runs for a half-built object
     comm_ = nullptr;
@@ -165,16 +167,25 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
 
 NcclCommunicator::~NcclCommunicator() {
   if (watchdog_ != nullptr && abort_hook_ >= 0) watchdog_->remove_abort_hook(abort_hook_);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (aborted_.load() || comm_ == nullptr) return;
-  // After a failed call, peers may never finish what they started with this rank: destroying
-  // would wait for them, aborting does not. Otherwise every call and request waited for its work.
-  if (failed_) {
-    ncclCommAbort(comm_);
-  } else {
-    ncclCommDestroy(comm_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.load() && comm_ != nullptr) {
+      // After a failed call, peers may never finish what they started with this rank: destroying
+      // would wait for them, aborting does not. Otherwise every call and request waited for its
+      // work.
+      if (failed_) {
+        ncclCommAbort(comm_);
+      } else {
+        ncclCommDestroy(comm_);
+      }
+      comm_ = nullptr;
+    }
   }
-  comm_ = nullptr;
+  // Aborted or destroyed, NCCL's kernels on it have stopped or finished: the stream drains.
+  if (comm_stream_ != nullptr) {
+    cudaStreamSynchronize(comm_stream_);
+    cudaStreamDestroy(comm_stream_);
+  }
 }
 
 void NcclCommunicator::abort() noexcept {
@@ -352,13 +363,24 @@ std::unique_ptr<CommRequest> NcclCommunicator::iall_reduce(float* data, int64_t 
   throw_if_aborted("all_reduce (non-blocking)", n);
   if (n == 0) return std::make_unique<DoneRequest>();
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
+  // Note [nccl comm stream]: the bucket's gradients are complete once everything enqueued on
+  // ctx's stream so far has run; the communication stream waits for that, and no later kernel
+  // on ctx's stream touches the bucket (backward moves on to earlier layers; the optimizer is
+  // enqueued only after the host waited for the request).
+  cudaEvent_t ready = nullptr;
+  KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "iall_reduce over ",
+                  name_, " n=", n);
+  cudaError_t rc = cudaEventRecord(ready, ctx_.stream());
+  if (rc == cudaSuccess) rc = cudaStreamWaitEvent(comm_stream_, ready, 0);
+  cudaEventDestroy(ready);  // released once the wait it orders has been satisfied
+  KEEL_CUDA_CHECK(rc, "iall_reduce over ", name_, ": ordering the communication stream, n=", n);
   enqueue(
       [&](ncclComm_t c) {
         return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, c,
-                             ctx_.stream());
+                             comm_stream_);
       },
       "ncclAllReduce (non-blocking)", "all_reduce (non-blocking)", n);
-  return std::make_unique<NcclRequest>(*this, n);
+  return std::make_unique<NcclRequest>(*this, n, comm_stream_);
 }
 
 }  // namespace keel

@@ -10,8 +10,10 @@
 // when it returns. A collective is enqueued on the Context's stream, so it is ordered after the
 // kernels that produced its input and before those that read its output (Note [cuda-stream-order]
 // in framework/kernels/cuda/device.h), and the host then waits for the stream by polling (below).
-// Overlap with compute on a separate communication stream is the next step (issue 11); a group
-// of one still calls NCCL (a device copy at most), so a 1-rank job runs the NCCL path.
+// The non-blocking all-reduce (DP gradient buckets) runs on a communication stream of its own,
+// overlapping backward (Note [nccl comm stream]); the blocking ones (TP) stay on the critical
+// path by design. A group of one still calls NCCL (a device copy at most), so a 1-rank job runs
+// the NCCL path.
 //
 // Note [nccl errors]: every NCCL call is checked; a failure throws kComm with one line naming the
 // call, the group, this rank, the element count and the step ("ncclAllReduce over the
@@ -79,8 +81,10 @@ class NcclCommunicator final : public Communicator {
   void broadcast(float* data, int64_t n, int root) override;
   // An all-reduce of one float (NCCL has no barrier): every rank has reached it on the device.
   void barrier() override;
-  // Enqueued on the stream at once; the request's test() polls an event (and the asynchronous
-  // error), wait() blocks under the watchdog. Kernels enqueued later on ctx's stream see the sum.
+  // Enqueued at once on the communicator's own stream, ordered after everything enqueued on
+  // ctx's stream so far (Note [nccl comm stream]), so it overlaps the compute enqueued after it;
+  // the request's test() polls an event (and the asynchronous error), wait() blocks under the
+  // watchdog. Once wait() returned, work enqueued on ctx's stream sees the sum.
   std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override;
 
   // The abort path (see the file comment). Thread-safe; idempotent.
@@ -123,6 +127,9 @@ class NcclCommunicator final : public Communicator {
   std::atomic<bool> aborted_{false};
   bool failed_ = false;  // a call failed: the destructor aborts instead of destroying
   kernels::cuda::DeviceBuffer barrier_word_;  // one device float for barrier()
+  // Note [nccl comm stream]: iall_reduce runs here, after an event on ctx's stream, so the DP
+  // buckets reduce while backward's later kernels run on ctx's stream.
+  CUstream_st* comm_stream_ = nullptr;
 };
 
 }  // namespace keel
