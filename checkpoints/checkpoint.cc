@@ -559,16 +559,17 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
   const std::string tmp = store.path_of(state.step) + ".tmp";
   make_tmp_dir(topo, store, tmp, state.step);
   const std::vector<PlannedSlice> plan = plan_my_shard(state, topo);
-  std::vector<float> buf;
+  // Host memory of the state's device (pinned on a GPU), grown to the largest slice.
+  HostBuffer buf(state.params().params().device());
   std::string err;
   try {
     // Streams slice by slice through one buffer of the largest slice.
     write_shard(
         plan, names_of(plan),
         [&](size_t i) {
-          buf.resize(static_cast<size_t>(plan[i].slice.n()));
-          copy_slice(state, plan[i], buf.data());
-          return buf.data();
+          float* out = buf.reserve(static_cast<size_t>(plan[i].slice.n()));
+          copy_slice(state, plan[i], out);
+          return static_cast<const float*>(out);
         },
         topo.world_rank, state.step, tmp, on_phase);
   } catch (const Error& e) {
@@ -609,9 +610,14 @@ void AsyncCheckpointWriter::begin(const TrainState& state) {
     offsets_.push_back(total);
     total += ps.slice.n();
   }
-  snapshot_.resize(static_cast<size_t>(total));
-  for (size_t i = 0; i < plan.size(); ++i)
-    copy_slice(state, plan[i], snapshot_.data() + offsets_[i]);
+  const Device device = state.params().params().device();
+  if (!snapshot_ || snapshot_device_ != device) {
+    snapshot_ = std::make_unique<HostBuffer>(device);
+    snapshot_device_ = device;
+  }
+  float* snap = snapshot_->reserve(static_cast<size_t>(total));
+  snapshot_elems_ = total;
+  for (size_t i = 0; i < plan.size(); ++i) copy_slice(state, plan[i], snap + offsets_[i]);
   snapshot_s_ = now() - t0;
   // The thread gets copies of the plan's geometry and names, never the state.
   std::vector<PlannedSlice> geometry = plan;
@@ -624,7 +630,7 @@ void AsyncCheckpointWriter::begin(const TrainState& state) {
     const double w0 = now();
     try {
       write_shard(
-          geometry, names, [this](size_t i) { return snapshot_.data() + offsets_[i]; },
+          geometry, names, [this](size_t i) { return snapshot_->data() + offsets_[i]; },
           topo_.world_rank, header_.step(), tmp_, on_phase_);
     } catch (const Error& e) {
       error_ = e.what();

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -106,7 +107,7 @@ class AsyncCheckpointWriter {
   double write_seconds() const { return write_s_; }        // of the last finished write
   // Why this rank's last write failed (empty: it did not), once finish() has thrown.
   const std::string& local_error() const { return error_; }
-  int64_t snapshot_bytes() const { return static_cast<int64_t>(snapshot_.size() * sizeof(float)); }
+  int64_t snapshot_bytes() const { return snapshot_elems_ * static_cast<int64_t>(sizeof(float)); }
 
  private:
   static double now();
@@ -115,9 +116,12 @@ class AsyncCheckpointWriter {
   const CheckpointStore& store_;
   SaveHook on_phase_;
   Pinned pinned_;
-  ckpt::Manifest header_;        // the manifest as of begin(), without slices
-  std::string tmp_;              // step_N.tmp
-  std::vector<float> snapshot_;  // this rank's slices back to back
+  ckpt::Manifest header_;  // the manifest as of begin(), without slices
+  std::string tmp_;        // step_N.tmp
+  // This rank's slices back to back, in host memory of the state's device (pinned on a GPU).
+  std::unique_ptr<HostBuffer> snapshot_;
+  Device snapshot_device_ = Device::kCpu;
+  int64_t snapshot_elems_ = 0;
   std::vector<int64_t> offsets_;
   std::string error_;  // set by the thread before done_
   std::atomic<bool> done_{false};

@@ -20,6 +20,34 @@ const char* device_name(Device device) {
   return "?";
 }
 
+void* DeviceBackend::allocate_host(size_t bytes) {
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded);
+  KEEL_CHECK(p != nullptr, kInternal, "out of memory allocating ", rounded,
+             " bytes of host memory");
+  return p;
+}
+
+void DeviceBackend::free_host(void* ptr) noexcept { std::free(ptr); }
+
+HostBuffer::HostBuffer(Device device) : backend_(device_backend(device, "a host buffer")) {}
+
+HostBuffer::~HostBuffer() {
+  if (data_ != nullptr) backend_->free_host(data_);
+}
+
+float* HostBuffer::reserve(size_t n) {
+  KEEL_ASSERT(backend_ != nullptr);
+  if (n > capacity_) {
+    if (data_ != nullptr) backend_->free_host(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+    data_ = static_cast<float*>(backend_->allocate_host(n * sizeof(float)));
+    capacity_ = n;
+  }
+  return data_;
+}
+
 namespace {
 
 // Host memory: 64-byte aligned (a cache line, and the widest SIMD load) and synchronous.

@@ -47,6 +47,33 @@ class DeviceBackend {
   virtual void copy_on_device(void* dst, const void* src, size_t bytes) = 0;
   // Waits for every asynchronous operation enqueued so far.
   virtual void synchronize() = 0;
+  // Host memory for this device's copies to land in and leave from, 64-byte aligned: page-locked
+  // where the device has it (CUDA: cudaMallocHost), so copies run at the link's full speed
+  // instead of through the runtime's pageable staging. The CPU's is ordinary memory. Never
+  // nullptr (failure throws keel::Error naming the request); `bytes` > 0. Release with
+  // free_host, which must not throw.
+  virtual void* allocate_host(size_t bytes);
+  virtual void free_host(void* ptr) noexcept;
+};
+
+// A growable host buffer of floats from `device`'s allocate_host (pinned for CUDA), reused
+// between uses: where checkpoints copy device state to and from.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  explicit HostBuffer(Device device);
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  // At least n floats (contents not kept when it grows); n = 0 gives what is there.
+  float* reserve(size_t n);
+  float* data() const { return data_; }
+
+ private:
+  std::shared_ptr<DeviceBackend> backend_;
+  float* data_ = nullptr;
+  size_t capacity_ = 0;
 };
 
 // The backend of `device`, shared so memory it allocated can outlive a re-registration. Throws

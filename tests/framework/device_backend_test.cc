@@ -71,6 +71,17 @@ class FakeDeviceBackend final : public DeviceBackend {
     std::memcpy(dst, src, bytes);
   }
   void synchronize() override { ++calls.synchronize; }
+  void* allocate_host(size_t bytes) override {
+    ++host_allocations;
+    host_bytes = bytes;
+    return DeviceBackend::allocate_host(bytes);
+  }
+  void free_host(void* ptr) noexcept override {
+    ++host_frees;
+    DeviceBackend::free_host(ptr);
+  }
+  int host_allocations = 0, host_frees = 0;
+  size_t host_bytes = 0;
 
   // Whether `p` lies inside a block this backend handed out and has not taken back.
   bool owns(const void* p) const {
@@ -279,6 +290,27 @@ TEST_F(FakeDeviceTest, MemoryGoesBackToTheBackendThatAllocatedIt) {
   EXPECT_EQ(other->calls.deallocate, 0);
   EXPECT_TRUE(replace_device_backend_if(Device::kCuda, other.get(), mine));
   EXPECT_EQ(device_backend(Device::kCuda, "test").get(), &fake());
+}
+
+// Checkpoints copy device state into HostBuffers: the device's allocate_host (pinned memory on
+// CUDA), grown only when a larger request comes, released once when the buffer goes.
+TEST_F(FakeDeviceTest, HostBufferComesFromTheDevicesHostAllocatorAndGrowsOnlyWhenNeeded) {
+  {
+    HostBuffer buf(Device::kCuda);
+    float* a = buf.reserve(100);
+    ASSERT_NE(a, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 64, 0u);
+    EXPECT_EQ(fake().host_allocations, 1);
+    EXPECT_EQ(fake().host_bytes, 100 * sizeof(float));
+    for (int i = 0; i < 100; ++i) a[i] = static_cast<float>(i);  // host memory: writable
+    EXPECT_EQ(buf.reserve(60), a);                               // smaller: the same block
+    EXPECT_EQ(fake().host_allocations, 1);
+    buf.reserve(1000);  // larger: a new block, the old one freed
+    EXPECT_EQ(fake().host_allocations, 2);
+    EXPECT_EQ(fake().host_frees, 1);
+  }
+  EXPECT_EQ(fake().host_frees, 2);
+  EXPECT_EQ(fake().calls.allocate, 0) << "a host buffer took device memory";
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // The CUDA Context as keel's Device::kCuda memory backend (framework/device_backend.h): Tensor
 // memory from the Context's caching allocator, zero fill and copies on its stream. Registered by
 // the Context's constructor (register_memory_backend), unregistered by its destructor.
+#include <cuda_runtime.h>
+
 #include <atomic>
 #include <cstdio>
 #include <exception>
@@ -8,6 +10,7 @@
 
 #include "framework/device_backend.h"
 #include "framework/error.h"
+#include "framework/kernels/cuda/check.h"
 #include "framework/kernels/cuda/device.h"
 
 namespace keel::kernels::cuda {
@@ -47,6 +50,16 @@ class MemoryBackend final : public DeviceBackend {
     ctx("copy_on_device").copy_device_to_device(dst, src, bytes);
   }
   void synchronize() override { ctx("synchronize").synchronize(); }
+  // Page-locked, so checkpoint copies run at the link's speed (no pageable staging).
+  void* allocate_host(size_t bytes) override {
+    void* p = nullptr;
+    KEEL_CUDA_CHECK(cudaMallocHost(&p, bytes), "cudaMallocHost of ", bytes,
+                    " bytes (pinned host memory for device copies)");
+    return p;
+  }
+  void free_host(void* ptr) noexcept override {
+    if (ptr != nullptr) cudaFreeHost(ptr);
+  }
 
  private:
   Context& ctx(const char* what) const {
