@@ -23,10 +23,8 @@
 #if KEEL_HAVE_CUDA
 #include "framework/kernels/cuda/exec_context.h"
 #endif
-#if KEEL_HAVE_NCCL
-#include "parallel/nccl_mpi.h"
-#endif
 #include "launch/cli.h"
+#include "launch/nccl_tensor_comms.h"
 #include "launch/stop_signals.h"
 #include "launch/trainer.h"
 #include "layers/memory_estimate.h"
@@ -199,19 +197,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
 #if KEEL_HAVE_NCCL
     // TP and DP over NCCL on the run's stream, bootstrapped over the MPI groups; each
     // communicator is a watchdog abort hook, so a stalled collective ends the job.
-    opts.make_tensor_comms = [&dist](kernels::ExecContext& exec, const Topology& topo) {
-      auto& ctx = dynamic_cast<kernels::cuda::CudaExec&>(exec).context();
-      TensorComms comms;
-      if (topo.tp > 1) {
-        comms.tp =
-            make_nccl_communicator(dist.tp_mpi_comm(), "tensor-parallel", ctx, &dist.watchdog());
-      }
-      if (topo.dp > 1) {
-        comms.dp =
-            make_nccl_communicator(dist.dp_mpi_comm(), "data-parallel", ctx, &dist.watchdog());
-      }
-      return comms;
-    };
+    opts.make_tensor_comms = nccl_tensor_comms(dist);
 #endif
   }
 #endif

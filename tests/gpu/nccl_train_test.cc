@@ -13,6 +13,7 @@
 #include "framework/config/config.h"
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/cuda/exec_context.h"
+#include "launch/nccl_tensor_comms.h"
 #include "launch/trainer.h"
 #include "parallel/communicator.h"
 #if KEEL_HAVE_NCCL
@@ -51,13 +52,7 @@ JobRun train(bool over_nccl) {
   if (over_nccl) {
     opts.tensor_comms_for_one_rank = true;
     opts.make_tensor_comms = [](kernels::ExecContext& exec, const Topology&) {
-      auto& ctx = dynamic_cast<kernels::cuda::CudaExec&>(exec).context();
-      TensorComms c;
-      c.tp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
-                                                "tensor-parallel", ctx, nullptr);
-      c.dp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
-                                                "data-parallel", ctx, nullptr);
-      return c;
+      return one_rank_nccl_comms(exec);
     };
   }
   Trainer trainer(cfg, topo, opts);

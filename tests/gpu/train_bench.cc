@@ -26,11 +26,9 @@
 #include "framework/kernels/cuda/exec_context.h"
 #include "framework/kernels/exec_context.h"
 #include "launch/bench_configs.h"
+#include "launch/nccl_tensor_comms.h"
 #include "launch/trainer.h"
 #include "parallel/communicator.h"
-#if KEEL_HAVE_NCCL
-#include "parallel/nccl_communicator.h"
-#endif
 
 namespace keel {
 namespace {
@@ -108,13 +106,7 @@ int run(int argc, char** argv) {
       TrainerOptions with = opts;
       with.tensor_comms_for_one_rank = true;
       with.make_tensor_comms = [](kernels::ExecContext& exec, const Topology&) {
-        auto& ctx = dynamic_cast<kernels::cuda::CudaExec&>(exec).context();
-        TensorComms c;
-        c.tp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
-                                                  "tensor-parallel", ctx, nullptr);
-        c.dp = std::make_unique<NcclCommunicator>(NcclCommunicator::make_unique_id(), 0, 1,
-                                                  "data-parallel", ctx, nullptr);
-        return c;
+        return one_rank_nccl_comms(exec);
       };
       Trainer over_nccl(cfg, topo, with);
       for (int i = 0; i < warmup; ++i) over_nccl.step();
