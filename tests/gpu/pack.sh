@@ -38,6 +38,12 @@ for b in "${bins[@]}"; do
     echo "pack.sh: $b needs libcuda (the driver stub); it would not start without a driver" >&2
     exit 1
   fi
+  # The GPU machine has no MPI: a binary that needs it would not start there (an MPI header
+  # included by a test, or an object of nccl_mpi.cc pulled in, does this).
+  if readelf -d "$src" | grep -q 'NEEDED.*\[libmpi'; then
+    echo "pack.sh: $b needs libmpi, which the GPU machine does not have" >&2
+    exit 1
+  fi
   cp "$src" "$pack/$b"
   strip --strip-unneeded "$pack/$b"
 done
