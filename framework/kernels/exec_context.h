@@ -8,7 +8,8 @@
 // The semantics of each method are those of the free function of the same name in
 // framework/kernels/*.h (fp32 forms); only the differences are written here. Device methods are
 // asynchronous: results reach the host through Tensor::copy_to_host (which waits) or
-// synchronize(). A method never allocates.
+// synchronize(). A method allocates nothing in steady state (a device context may grow a staging
+// buffer on the first call of a larger shape).
 #pragma once
 
 #include <cstdint>
