@@ -200,6 +200,9 @@ int Watchdog::add_abort_hook(std::function<void()> hook) {
 }
 
 void Watchdog::remove_abort_hook(int id) {
+  // The hooks are running and _Exit follows them: wait for it rather than let the caller free
+  // what a hook may be using.
+  while (ending_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::lock_guard<std::mutex> lock(hooks_mu_);
   hooks_.erase(
       std::remove_if(hooks_.begin(), hooks_.end(), [id](const auto& h) { return h.first == id; }),
@@ -210,9 +213,10 @@ double Watchdog::abort_hook_grace_s(double timeout_s) { return std::min(2.0, tim
 
 // Note [abort hooks]. Runs on the watchdog thread, which ends the process right after.
 void Watchdog::run_abort_hooks() {
+  ending_.store(true);
   std::vector<std::pair<int, std::function<void()>>> hooks;
   {
-    // A copy, so that a hook may call remove_abort_hook() and an abandoned hook can keep its own.
+    // A copy, so that an abandoned hook keeps its own (remove_abort_hook now waits for the end).
     std::lock_guard<std::mutex> lock(hooks_mu_);
     hooks = hooks_;
   }

@@ -52,8 +52,10 @@ class Watchdog {
   // thread-safe, and must not throw (an exception is reported and ignored). A disabled watchdog
   // (timeout_s <= 0) never runs them. Both calls are thread-safe; add returns the id to remove.
   int add_abort_hook(std::function<void()> hook);
-  // Removes the hook `id` (an id not registered, or already removed, is ignored). A hook that the
-  // watchdog has already started may still run to its end.
+  // Removes the hook `id` (an id not registered, or already removed, is ignored). Once the
+  // watchdog has begun running its hooks the process is ending (it _Exits right after them): a
+  // removal then never returns, so the object a running hook uses (an NCCL communicator being
+  // destroyed on another thread) outlives the hook.
   void remove_abort_hook(int id);
   // How long each hook may run: min(2 s, timeout_s / 4).
   static double abort_hook_grace_s(double timeout_s);
@@ -79,6 +81,7 @@ class Watchdog {
   std::mutex hooks_mu_;                                       // guards hooks_ and next_hook_id_
   std::vector<std::pair<int, std::function<void()>>> hooks_;  // in registration order
   int next_hook_id_ = 1;
+  std::atomic<bool> ending_{false};  // run_abort_hooks has begun: _Exit follows
   std::thread thread_;
 };
 

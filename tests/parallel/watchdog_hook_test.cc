@@ -205,6 +205,34 @@ TEST(WatchdogAbortHooks, RemovedHooksDoNotRun) {
   EXPECT_EQ(c.output.find("hook D"), std::string::npos) << c.output;
 }
 
+TEST(WatchdogAbortHooks, ARemovalWhileTheHooksRunWaitsForTheEnd) {
+  // Another thread removes its hook (an NCCL communicator being destroyed) while the watchdog
+  // runs it: the removal must not return, or the hook would use a freed object. The process ends
+  // (exit 1) with the hook's line and without the remover's.
+  const int rank = mpi_env().world_rank();
+  const Child c = run_child([rank] {
+    Watchdog w(kTimeout, rank);
+    w.set_step(7);
+    std::atomic<bool> hook_started{false};
+    const int id = w.add_abort_hook([&hook_started] {
+      hook_started.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      say("hook ran");
+    });
+    std::thread remover([&w, &hook_started, id] {
+      while (!hook_started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      w.remove_abort_hook(id);
+      say("removal returned");
+    });
+    remover.detach();
+    stall(w);
+  });
+  ASSERT_TRUE(c.exited) << c.output;
+  EXPECT_EQ(c.code, 1) << c.output;
+  EXPECT_EQ(count(c.output, "hook ran\n"), 1) << c.output;
+  EXPECT_EQ(c.output.find("removal returned"), std::string::npos) << c.output;
+}
+
 TEST(WatchdogAbortHooks, CollectivesThatCompleteRunNoHook) {
   // In process: a watchdog that never fires must not run the hooks (nor end the process).
   std::atomic<int> runs{0};
