@@ -6,7 +6,8 @@
 #     on one GPU, step by step, within 1e-5 relative (fp32; NCCL's and cuBLAS's sums differ from
 #     one GPU's by rounding only);
 #   - a rank killed at step 3 ends the job, with a line naming the collective that did not
-#     complete, within parallel.timeout_s (+ 30 s for the launcher);
+#     complete, within parallel.timeout_s + 60 s (a bound on a hang, generous for a loaded
+#     machine and the launcher, not a speed);
 #   - a rank that stalls at step 3 ends the job through the watchdog (which aborts the NCCL
 #     communicators first) within the same bound.
 # --device CPU runs the same checks on the CPU over MPI: tests/launch/multi_gpu_script_test keeps
@@ -110,14 +111,14 @@ run 2 killed --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
   --set debug.kill_at_step=3 --set parallel.timeout_s=$timeout_s
 grep -q "did not complete" "$work/killed.log"
 named=$?
-verdict killed "rc != 0 && named == 0 && secs <= timeout_s + 30" \
+verdict killed "rc != 0 && named == 0 && secs <= timeout_s + 60" \
   "a rank killed at step 3 ends the job (exit $rc, ${secs}s, the collective named: $((named == 0)))"
 
 run 2 stalled --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
   --set debug.kill_at_step=3 --set debug.fault=STALL --set parallel.timeout_s=$timeout_s
 grep -q "did not complete within parallel.timeout_s=$timeout_s" "$work/stalled.log"
 named=$?
-verdict stalled "rc != 0 && named == 0 && secs <= timeout_s + 30" \
+verdict stalled "rc != 0 && named == 0 && secs <= timeout_s + 60" \
   "a rank stalled at step 3 ends the job through the watchdog (exit $rc, ${secs}s)"
 
 echo "multi_gpu.sh: $( ((status == 0)) && echo PASS || echo FAIL) on $DEVICE"
