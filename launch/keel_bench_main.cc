@@ -172,9 +172,11 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   try {
     device = keel::kernels::resolve_device(device_name);
   } catch (const keel::Error& e) {
-    // The message names train.device; here the flag is --device.
+    // The message starts "train.device=X: "; here the flag is --device.
+    const std::string why = e.what();
+    const size_t at = why.find(": ");
     KEEL_FAIL(kUsage, "--device ", device_name, ": ",
-              std::string(e.what()).substr(std::string(e.what()).find(": ") + 2));
+              at == std::string::npos ? why : why.substr(at + 2));
   }
   const bool gpu = device == keel::Device::kCuda;
   bool known = which == "all";
@@ -236,12 +238,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     KeelConfig probe = keel::default_config();
     for (const auto& s : sets) keel::apply_set(s, probe);
     precision = keel::kernels::resolve_precision(probe.train().precision(), device);
+    std::string gpu_name;
 #if KEEL_HAVE_CUDA
     peak =
         1e3 * keel::bench::measure_cuda_peak_tflops(precision == keel::kernels::Precision::kBf16);
-#endif
-    std::string gpu_name;
-#if KEEL_HAVE_CUDA
     gpu_name = keel::kernels::cuda::device_description(0);
 #endif
     std::printf("keel-bench: CUDA 0 (%s), %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
