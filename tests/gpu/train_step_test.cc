@@ -349,6 +349,14 @@ JobResult run_default_job(const std::string& path, const std::vector<std::string
   return r;
 }
 
+#if KEEL_CUDA_EMULATOR
+// This file also builds into the CUDA emulator's tests (tests/cuda_emu), which run every kernel on
+// the CPU one CUDA thread at a time: 200 steps of the default job would take hours there.
+constexpr const char* kDefaultJobOnEmulator =
+    "the 200-step default job is too slow for the CUDA emulator; it runs on a GPU "
+    "(tests/gpu/check.sh)";
+#endif
+
 // The CPU run, once per process (both GPU precisions compare against it): ~80 s on 2 cores,
 // about a fifth of that on the GPU machine's 16.
 const JobResult& cpu_default_job(const std::string& path) {
@@ -360,6 +368,9 @@ const JobResult& cpu_default_job(const std::string& path) {
 }
 
 TEST_F(TrainStepTest, DefaultJob200StepsOnTheGpuInFp32ReachTheCpuValidationLoss) {
+#if KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << kDefaultJobOnEmulator;
+#endif
   const std::string path = default_job_path();
   ASSERT_FALSE(path.empty()) << "launch/configs/default.pbtxt not found under KEEL_SOURCE_DIR or "
                                 "the working directory (run from the repository root)";
@@ -373,6 +384,9 @@ TEST_F(TrainStepTest, DefaultJob200StepsOnTheGpuInFp32ReachTheCpuValidationLoss)
 // The default precision on a GPU (train.precision AUTO: BF16 matrix products, fp32 master
 // weights), the job as a user runs it: the same 2%.
 TEST_F(TrainStepTest, DefaultJob200StepsOnTheGpuAtDefaultPrecisionReachTheCpuValidationLoss) {
+#if KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << kDefaultJobOnEmulator;
+#endif
   const std::string path = default_job_path();
   ASSERT_FALSE(path.empty()) << "launch/configs/default.pbtxt not found under KEEL_SOURCE_DIR or "
                                 "the working directory (run from the repository root)";

@@ -1,0 +1,285 @@
+// The CUDA emulator's cuBLASLt (see README.md here): the handle, descriptors, heuristic and matmul
+// that framework/kernels/cuda/gemm.cc calls, with cuBLASLt's column-major semantics, so the
+// backend's own row-major mapping, transposes, leading dimensions, bias epilogue and dtypes are
+// what the emulated GEMM tests check. The product accumulates in double and rounds once to the
+// output type; TF32 compute rounds the inputs to TF32 first, as the tensor cores do. Arguments
+// cuBLASLt rejects (a leading dimension shorter than a column, operand shapes that do not chain,
+// mixed input types, an unknown attribute) are rejected here too, with a message on stderr.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "framework/kernels/cuda/bf16.h"
+
+namespace {
+
+struct Desc {
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  cudaDataType_t scale = CUDA_R_32F;
+  cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+};
+struct Layout {
+  cudaDataType_t type;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+struct Pref {
+  size_t max_workspace = 0;
+};
+
+Desc* desc(cublasLtMatmulDesc_t d) { return reinterpret_cast<Desc*>(d); }
+Layout* layout(cublasLtMatrixLayout_t l) { return reinterpret_cast<Layout*>(l); }
+
+cublasStatus_t reject(cublasStatus_t status, const std::string& why) {
+  std::fprintf(stderr, "keel cuda emulator: cuBLASLt: %s\n", why.c_str());
+  return status;
+}
+
+float load(const void* p, cudaDataType_t t, int64_t i) {
+  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
+  return keel::from_bf16(static_cast<const keel::Bf16*>(p)[i]);
+}
+
+// TF32: 10 explicit mantissa bits, round to nearest (ties away, as the tensor cores' conversion).
+float to_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&x, &u, sizeof(u));
+  return x;
+}
+
+// Element (r, c) of op(X) for a column-major X.
+float at(const void* p, const Layout& l, bool trans, int64_t r, int64_t c) {
+  return trans ? load(p, l.type, c + r * l.ld) : load(p, l.type, r + c * l.ld);
+}
+
+}  // namespace
+
+extern "C" {
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+  *handle = reinterpret_cast<cublasLtHandle_t>(new char[1]);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
+  delete[] reinterpret_cast<char*>(handle);
+  return CUBLAS_STATUS_SUCCESS;
+}
+size_t cublasLtGetVersion(void) { return CUBLAS_VERSION; }
+const char* cublasLtGetStatusName(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default:
+      return "CUBLAS_STATUS_(emulated)";
+  }
+}
+const char* cublasLtGetStatusString(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_SUCCESS ? "success" : "emulated cuBLASLt error";
+}
+
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute,
+                                        cudaDataType_t scale) {
+  if (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_FAST_TF32) {
+    return reject(CUBLAS_STATUS_NOT_SUPPORTED, "compute type other than 32F / 32F_FAST_TF32");
+  }
+  if (scale != CUDA_R_32F) return reject(CUBLAS_STATUS_NOT_SUPPORTED, "scale type other than 32F");
+  auto* x = new Desc;
+  x->compute = compute;
+  x->scale = scale;
+  *d = reinterpret_cast<cublasLtMatmulDesc_t>(x);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+  delete desc(d);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
+                                              cublasLtMatmulDescAttributes_t attr, const void* buf,
+                                              size_t size) {
+  Desc& x = *desc(d);
+  switch (attr) {
+    case CUBLASLT_MATMUL_DESC_TRANSA:
+    case CUBLASLT_MATMUL_DESC_TRANSB: {
+      if (size != sizeof(int32_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "TRANS size");
+      int32_t op;
+      std::memcpy(&op, buf, sizeof(op));
+      if (op != CUBLAS_OP_N && op != CUBLAS_OP_T) {
+        return reject(CUBLAS_STATUS_NOT_SUPPORTED, "TRANS other than N or T");
+      }
+      (attr == CUBLASLT_MATMUL_DESC_TRANSA ? x.trans_a : x.trans_b) =
+          static_cast<cublasOperation_t>(op);
+      return CUBLAS_STATUS_SUCCESS;
+    }
+    case CUBLASLT_MATMUL_DESC_EPILOGUE: {
+      if (size != sizeof(uint32_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "EPILOGUE size");
+      uint32_t e;
+      std::memcpy(&e, buf, sizeof(e));
+      if (e != CUBLASLT_EPILOGUE_DEFAULT && e != CUBLASLT_EPILOGUE_BIAS) {
+        return reject(CUBLAS_STATUS_NOT_SUPPORTED, "epilogue other than DEFAULT or BIAS");
+      }
+      x.epilogue = static_cast<cublasLtEpilogue_t>(e);
+      return CUBLAS_STATUS_SUCCESS;
+    }
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
+      if (size != sizeof(void*)) return reject(CUBLAS_STATUS_INVALID_VALUE, "BIAS_POINTER size");
+      std::memcpy(&x.bias, buf, sizeof(void*));
+      return CUBLAS_STATUS_SUCCESS;
+    default:
+      return reject(CUBLAS_STATUS_NOT_SUPPORTED,
+                    "matmul descriptor attribute " + std::to_string(attr) + " not emulated");
+  }
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type,
+                                          uint64_t rows, uint64_t cols, int64_t ld) {
+  if (type != CUDA_R_32F && type != CUDA_R_16BF) {
+    return reject(CUBLAS_STATUS_NOT_SUPPORTED, "matrix type other than 32F or 16BF");
+  }
+  if (ld < static_cast<int64_t>(rows) || ld <= 0) {
+    return reject(CUBLAS_STATUS_INVALID_VALUE, "layout ld=" + std::to_string(ld) +
+                                                   " < rows=" + std::to_string(rows) +
+                                                   " (column-major: ld must cover a column)");
+  }
+  *l = reinterpret_cast<cublasLtMatrixLayout_t>(new Layout{type, rows, cols, ld});
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+  delete layout(l);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
+  *p = reinterpret_cast<cublasLtMatmulPreference_t>(new Pref);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+  delete reinterpret_cast<Pref*>(p);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr,
+                                                    const void* buf, size_t size) {
+  switch (attr) {
+    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
+      if (size != sizeof(uint64_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "workspace size");
+      std::memcpy(&reinterpret_cast<Pref*>(p)->max_workspace, buf, sizeof(uint64_t));
+      return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES:
+      if (size != sizeof(uint32_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "alignment size");
+      return CUBLAS_STATUS_SUCCESS;
+    default:
+      return reject(CUBLAS_STATUS_NOT_SUPPORTED,
+                    "preference attribute " + std::to_string(attr) + " not emulated");
+  }
+}
+
+}  // extern "C"
+
+namespace {
+
+// The checks cuBLASLt makes of one matmul: op(A) is m x k, op(B) k x n, C and D m x n.
+cublasStatus_t check_shapes(const Desc& d, const Layout& a, const Layout& b, const Layout& c,
+                            const Layout& dd) {
+  const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T;
+  const uint64_t m = ta ? a.cols : a.rows, k = ta ? a.rows : a.cols;
+  const uint64_t kb = tb ? b.cols : b.rows, n = tb ? b.rows : b.cols;
+  if (k != kb || c.rows != m || c.cols != n || dd.rows != m || dd.cols != n) {
+    return reject(CUBLAS_STATUS_INVALID_VALUE,
+                  "operand shapes do not chain: op(A) " + std::to_string(m) + "x" +
+                      std::to_string(k) + ", op(B) " + std::to_string(kb) + "x" +
+                      std::to_string(n) + ", C " + std::to_string(c.rows) + "x" +
+                      std::to_string(c.cols));
+  }
+  if (a.type != b.type) return reject(CUBLAS_STATUS_NOT_SUPPORTED, "A and B of different types");
+  if (a.type == CUDA_R_32F && c.type != CUDA_R_32F) {
+    return reject(CUBLAS_STATUS_NOT_SUPPORTED, "fp32 inputs with a bf16 output");
+  }
+  if (c.type != dd.type || c.ld != dd.ld) {
+    return reject(CUBLAS_STATUS_NOT_SUPPORTED, "C and D layouts differ");
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t d,
+                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dd,
+                                              cublasLtMatmulPreference_t /*pref*/, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[],
+                                              int* found) {
+  *found = 0;
+  if (requested < 1) return reject(CUBLAS_STATUS_INVALID_VALUE, "requested < 1");
+  const cublasStatus_t s = check_shapes(*desc(d), *layout(a), *layout(b), *layout(c), *layout(dd));
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  results[0] = cublasLtMatmulHeuristicResult_t{};
+  results[0].workspaceSize = 0;
+  results[0].state = CUBLAS_STATUS_SUCCESS;
+  *found = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t dsc,
+                              const void* alpha, const void* A, cublasLtMatrixLayout_t al,
+                              const void* B, cublasLtMatrixLayout_t bl, const void* beta,
+                              const void* C, cublasLtMatrixLayout_t cl, void* D,
+                              cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* /*algo*/,
+                              void* /*workspace*/, size_t /*workspace_bytes*/,
+                              cudaStream_t /*stream*/) {
+  const Desc& d = *desc(dsc);
+  const Layout &a = *layout(al), &b = *layout(bl), &c = *layout(cl), &dd = *layout(dl);
+  const cublasStatus_t s = check_shapes(d, a, b, c, dd);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  if (d.epilogue == CUBLASLT_EPILOGUE_BIAS && d.bias == nullptr) {
+    return reject(CUBLAS_STATUS_INVALID_VALUE, "BIAS epilogue without a bias pointer");
+  }
+  const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T;
+  const bool tf32 = d.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  const int64_t m = static_cast<int64_t>(dd.rows), n = static_cast<int64_t>(dd.cols);
+  const int64_t k = static_cast<int64_t>(ta ? a.rows : a.cols);
+  const float al_ = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < m; ++i) {
+      double acc = 0.0;
+      for (int64_t p = 0; p < k; ++p) {
+        float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
+        if (tf32) {
+          x = to_tf32(x);
+          y = to_tf32(y);
+        }
+        acc += static_cast<double>(x) * static_cast<double>(y);
+      }
+      double r = static_cast<double>(al_) * acc;
+      // beta == 0 must not read C (it may hold NaN), as in BLAS.
+      if (be != 0.0f) r += static_cast<double>(be) * load(C, c.type, i + j * c.ld);
+      if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
+      const int64_t o = i + j * dd.ld;
+      if (dd.type == CUDA_R_32F) {
+        static_cast<float*>(D)[o] = static_cast<float>(r);
+      } else {
+        static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(static_cast<float>(r));
+      }
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // extern "C"

@@ -1,0 +1,291 @@
+// The CUDA emulator's device-side half (see README.md here): force-included into the CUDA
+// backend's sources when they are compiled by the host compiler for tests/cuda_emu. It maps the
+// CUDA keywords to host C++ and gives kernels their built-in variables, barriers, warp shuffles
+// and atomics, all backed by the emulator's scheduler (runtime.cc), which runs every CUDA thread
+// of a block as a fiber on the calling host thread.
+//
+// Note [cuda-emu-shared]: __shared__ becomes `static thread_local`. A block's fibers run on one
+// host thread, one block after another, so every thread of a block sees the same variable, as on
+// a GPU; a later block finds the previous block's values, which a correct kernel never reads
+// before writing (and the dynamic shared memory is re-poisoned with NaN for every block).
+#pragma once
+
+// Every CUDA header first, while the CUDA keywords still mean what the headers expect.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __host__
+#define __host__
+#undef __shared__
+#define __shared__ static thread_local
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __forceinline__
+#define __forceinline__ inline
+
+namespace keel_emu {
+
+// The built-in variables of the running CUDA thread.
+struct ThreadIds {
+  uint3 thread_idx{};
+  uint3 block_idx{};
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+const ThreadIds& ids();
+
+// __syncthreads at file:line. Every live thread of the block must reach the same one: threads
+// waiting at different __syncthreads (divergent barriers, undefined behaviour in CUDA) are a
+// fault.
+void syncthreads(const char* file, int line);
+// The warp exchange behind every shuffle: publishes `bits` as this lane's value, waits until every
+// lane of `mask` has published, and returns the value of lane `src` (which must be in `mask`).
+uint64_t warp_exchange(uint32_t mask, uint64_t bits, int src, const char* what);
+int lane_id();
+
+// Dynamic shared memory of the running block (poisoned with NaN before the block starts).
+void* dynamic_shared();
+
+struct LaunchConfig {
+  const char* name;
+  const void* kernel;
+  dim3 grid, block;
+  size_t shared_bytes;
+  cudaStream_t stream;
+};
+// Runs body() once per CUDA thread of the grid; reports a bad configuration or a fault through
+// cudaGetLastError, as a GPU launch does.
+void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg);
+
+template <typename... Params>
+class Launcher {
+ public:
+  Launcher(void (*kernel)(Params...), const char* name, dim3 grid, dim3 block, size_t shared_bytes,
+           cudaStream_t stream)
+      : kernel_(kernel), cfg_{name,         reinterpret_cast<const void*>(kernel),
+                              grid,         block,
+                              shared_bytes, stream} {}
+
+  // The arguments convert to the kernel's parameter types once, at the launch, as CUDA's do; each
+  // thread gets its own copy of them.
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    static_assert(sizeof...(Args) == sizeof...(Params), "kernel launched with the wrong arity");
+    struct Call {
+      void (*kernel)(Params...);
+      std::tuple<std::decay_t<Params>...> args;
+    };
+    const Call call{kernel_, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
+    run_grid(
+        cfg_,
+        [](const void* p) {
+          const Call& c = *static_cast<const Call*>(p);
+          std::tuple<std::decay_t<Params>...> mine = c.args;
+          std::apply(c.kernel, mine);
+        },
+        &call);
+  }
+
+ private:
+  void (*kernel_)(Params...);
+  LaunchConfig cfg_;
+};
+
+template <typename... Params>
+Launcher<Params...> launch(void (*kernel)(Params...), const char* name, dim3 grid, dim3 block,
+                           size_t shared_bytes = 0, cudaStream_t stream = nullptr) {
+  return Launcher<Params...>(kernel, name, grid, block, shared_bytes, stream);
+}
+
+// A launch of a kernel named without its template arguments (the call deduces them): `call` is a
+// generic lambda that calls the kernel with its arguments. Its address is unknown, so it may not
+// use more than the default 48 KiB of dynamic shared memory (run_grid says so).
+class DeducedLauncher {
+ public:
+  DeducedLauncher(const char* name, dim3 grid, dim3 block, size_t shared_bytes = 0,
+                  cudaStream_t stream = nullptr)
+      : cfg_{name, nullptr, grid, block, shared_bytes, stream} {}
+
+  template <typename Call, typename... Args>
+  void operator()(Call call, Args&&... args) const {
+    struct Bound {
+      Call call;
+      std::tuple<std::decay_t<Args>...> args;
+    };
+    const Bound bound{call, std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...)};
+    run_grid(
+        cfg_,
+        [](const void* p) {
+          const Bound& b = *static_cast<const Bound*>(p);
+          std::tuple<std::decay_t<Args>...> mine = b.args;
+          std::apply(b.call, mine);
+        },
+        &bound);
+  }
+
+ private:
+  LaunchConfig cfg_;
+};
+
+inline DeducedLauncher launch_deduced(const char* name, dim3 grid, dim3 block,
+                                      size_t shared_bytes = 0, cudaStream_t stream = nullptr) {
+  return DeducedLauncher(name, grid, block, shared_bytes, stream);
+}
+
+template <typename T>
+T* dynamic_shared_as() {
+  return static_cast<T*>(dynamic_shared());
+}
+
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+}  // namespace keel_emu
+
+#define threadIdx (::keel_emu::ids().thread_idx)
+#define blockIdx (::keel_emu::ids().block_idx)
+#define blockDim (::keel_emu::ids().block_dim)
+#define gridDim (::keel_emu::ids().grid_dim)
+
+#define __syncthreads() ::keel_emu::syncthreads(__FILE__, __LINE__)
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  ::keel_emu::warp_exchange(mask, 0, ::keel_emu::lane_id(), "__syncwarp");
+}
+
+// Lane `src` of this lane's width-wide segment; a lane outside [0, width) reads its own segment's
+// lane src mod width, as CUDA defines.
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  const int lane = ::keel_emu::lane_id();
+  const int from = (lane / width) * width + ((src % width) + width) % width;
+  return ::keel_emu::from_bits<T>(
+      ::keel_emu::warp_exchange(mask, ::keel_emu::to_bits(v), from, "__shfl_sync"));
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  const int lane = ::keel_emu::lane_id();
+  int from = lane ^ lane_mask;
+  if (from / width != lane / width) from = lane;  // outside the segment: the lane's own value
+  return ::keel_emu::from_bits<T>(
+      ::keel_emu::warp_exchange(mask, ::keel_emu::to_bits(v), from, "__shfl_xor_sync"));
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  const int lane = ::keel_emu::lane_id();
+  int from = lane + static_cast<int>(delta);
+  if (from / width != lane / width) from = lane;
+  return ::keel_emu::from_bits<T>(
+      ::keel_emu::warp_exchange(mask, ::keel_emu::to_bits(v), from, "__shfl_down_sync"));
+}
+
+// Atomics: blocks may run on several host threads (runtime.cc), so these are real atomics.
+template <typename T>
+T atomicAdd(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  if constexpr (std::is_integral_v<T>) {
+    return a.fetch_add(v);
+  } else {
+    T old = a.load();
+    while (!a.compare_exchange_weak(old, old + v)) {
+    }
+    return old;
+  }
+}
+template <typename T>
+T atomicMax(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+T atomicMin(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (old > v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+T atomicCAS(T* p, T compare, T v) {
+  std::atomic_ref<T> a(*p);
+  a.compare_exchange_strong(compare, v);
+  return compare;
+}
+// cuda_runtime.h's overload for a kernel itself exists for nvcc only.
+template <typename... P>
+cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+  return ::cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
+
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+inline int __float_as_int(float x) { return ::keel_emu::from_bits<int>(::keel_emu::to_bits(x)); }
+inline float __int_as_float(int x) { return ::keel_emu::from_bits<float>(::keel_emu::to_bits(x)); }
+inline unsigned __float_as_uint(float x) {
+  return ::keel_emu::from_bits<unsigned>(::keel_emu::to_bits(x));
+}
+inline float __uint_as_float(unsigned x) {
+  return ::keel_emu::from_bits<float>(::keel_emu::to_bits(x));
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <typename T>
+T __ldg(const T* p) {
+  return *p;
+}
+
+// cub::DeviceRadixSort::SortPairs as the backend calls it: the size query with null temp storage,
+// then a stable sort by the key bits [begin_bit, end_bit).
+namespace cub {
+struct DeviceRadixSort {
+  template <typename K, typename V>
+  static cudaError_t SortPairs(void* temp, size_t& temp_bytes, const K* keys_in, K* keys_out,
+                               const V* values_in, V* values_out, int n, int begin_bit = 0,
+                               int end_bit = static_cast<int>(sizeof(K) * 8),
+                               cudaStream_t stream = nullptr);
+};
+}  // namespace cub
+
+namespace keel_emu {
+cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_in,
+                           int32_t* keys_out, const int32_t* values_in, int32_t* values_out, int n,
+                           int begin_bit, int end_bit);
+}  // namespace keel_emu
+
+template <typename K, typename V>
+cudaError_t cub::DeviceRadixSort::SortPairs(void* temp, size_t& temp_bytes, const K* keys_in,
+                                            K* keys_out, const V* values_in, V* values_out, int n,
+                                            int begin_bit, int end_bit, cudaStream_t /*stream*/) {
+  static_assert(std::is_same_v<K, int32_t> && std::is_same_v<V, int32_t>,
+                "the emulator sorts int32 pairs only");
+  return ::keel_emu::sort_pairs_i32(temp, temp_bytes, keys_in, keys_out, values_in, values_out, n,
+                                    begin_bit, end_bit);
+}

@@ -1,0 +1,293 @@
+// The CUDA emulator's own tests: that its threads, barriers and shuffles behave as CUDA defines,
+// and that each mistake it promises to catch (README.md here) is caught. CUDA source, translated
+// like the backend's kernels (translate.py); built only into keel_cuda_emu_tests.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ---- kernels ----
+
+__global__ void ids_kernel(int* out) {
+  const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int per_block = blockDim.x * blockDim.y * blockDim.z;
+  out[b * per_block + t] = b * 10000 + t;
+}
+
+__global__ void shuffle_kernel(int* xor_out, int* idx_out, int* down_out, int* seg_out) {
+  const int lane = threadIdx.x % 32, i = threadIdx.x;
+  xor_out[i] = __shfl_xor_sync(0xffffffffu, 100 + lane, 5);
+  idx_out[i] = __shfl_sync(0xffffffffu, 100 + lane, 7);
+  down_out[i] = __shfl_down_sync(0xffffffffu, 100 + lane, 3);
+  seg_out[i] = __shfl_sync(0xffffffffu, 100 + lane, 1, 8);  // lane 1 of each 8-lane segment
+}
+
+// Tree sum over the block through shared memory: needs every barrier.
+__global__ void block_sum_kernel(const float* x, float* out) {
+  __shared__ float s[256];
+  s[threadIdx.x] = x[blockIdx.x * 256 + threadIdx.x];
+  __syncthreads();
+  for (int h = 128; h > 0; h /= 2) {
+    if (static_cast<int>(threadIdx.x) < h) s[threadIdx.x] += s[threadIdx.x + h];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+}
+
+// Reads a neighbour's shared value without a barrier: a race.
+__global__ void racy_kernel(float* out) {
+  extern __shared__ float s[];
+  s[threadIdx.x] = static_cast<float>(threadIdx.x);
+  out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+}
+
+// Lane 0 waits at __syncthreads while lanes 1-31 wait for it at a shuffle: hangs a GPU.
+__global__ void deadlock_kernel(float* out) {
+  if (threadIdx.x == 0) __syncthreads();
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+
+// Half the block waits at one __syncthreads, half at another.
+__global__ void divergent_barrier_kernel(float* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+    out[threadIdx.x] = 1.0f;
+  } else {
+    __syncthreads();
+    out[threadIdx.x] = 2.0f;
+  }
+}
+
+// A full-warp shuffle in a 16-thread block: the mask names lanes that do not exist.
+__global__ void partial_warp_shuffle_kernel(float* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+
+template <typename T>
+__global__ void big_shared_kernel(T* out) {
+  extern __shared__ float big[];
+  big[threadIdx.x] = 1.0f;
+  out[threadIdx.x] = big[threadIdx.x];
+}
+
+__global__ void read_kernel(const float* in, float* out, int i) { out[0] = in[i]; }
+
+__global__ void shared_poison_kernel(float* out) {
+  extern __shared__ float s[];
+  out[threadIdx.x] = s[threadIdx.x];
+}
+
+__global__ void atomic_kernel(int* counter, float* maxv) {
+  atomicAdd(counter, 1);
+  atomicMax(reinterpret_cast<int*>(maxv), __float_as_int(static_cast<float>(threadIdx.x)));
+}
+
+// ---- helpers ----
+
+template <typename T>
+T* device_alloc(size_t n) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+std::vector<T> to_host(const T* p, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
+// The error of the last launch and what the emulator printed about it.
+struct LaunchResult {
+  cudaError_t error;
+  std::string message;
+};
+template <typename Launch>
+LaunchResult launch_and_capture(Launch launch) {
+  ::testing::internal::CaptureStderr();
+  launch();
+  LaunchResult r;
+  r.error = cudaGetLastError();
+  r.message = ::testing::internal::GetCapturedStderr();
+  return r;
+}
+
+// ---- semantics ----
+
+TEST(CudaEmulator, BuiltInVariablesNumberEveryThreadOfEveryBlock) {
+  const dim3 grid(3, 2, 2), block(4, 2, 3);
+  const int n = 3 * 2 * 2 * 24;
+  int* out = device_alloc<int>(n);
+  ids_kernel<<<grid, block>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<int> h = to_host(out, n);
+  for (int i = 0; i < n; ++i) EXPECT_EQ(h[i], (i / 24) * 10000 + i % 24) << i;
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, ShufflesFollowCudaSemantics) {
+  const int n = 64;  // two warps
+  int *x = device_alloc<int>(n), *idx = device_alloc<int>(n), *down = device_alloc<int>(n),
+      *seg = device_alloc<int>(n);
+  shuffle_kernel<<<1, n>>>(x, idx, down, seg);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto hx = to_host(x, n), hi = to_host(idx, n), hd = to_host(down, n), hs = to_host(seg, n);
+  for (int i = 0; i < n; ++i) {
+    const int lane = i % 32;
+    EXPECT_EQ(hx[i], 100 + (lane ^ 5)) << i;
+    EXPECT_EQ(hi[i], 107) << i;
+    EXPECT_EQ(hd[i], 100 + (lane + 3 < 32 ? lane + 3 : lane)) << i;  // past the end: own value
+    EXPECT_EQ(hs[i], 100 + lane / 8 * 8 + 1) << i;
+  }
+  cudaFree(x);
+  cudaFree(idx);
+  cudaFree(down);
+  cudaFree(seg);
+}
+
+TEST(CudaEmulator, BarriersOrderSharedMemoryAcrossTheBlock) {
+  const int blocks = 3;
+  std::vector<float> x(blocks * 256);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 256 + 1);
+  float* dx = device_alloc<float>(x.size());
+  float* out = device_alloc<float>(blocks);
+  cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
+  block_sum_kernel<<<blocks, 256>>>(dx, out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (float v : to_host(out, blocks)) EXPECT_EQ(v, 256.0f * 257.0f / 2.0f);
+  cudaFree(dx);
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, AtomicsSeeEveryThread) {
+  int* counter = device_alloc<int>(1);
+  float* maxv = device_alloc<float>(1);
+  cudaMemset(counter, 0, sizeof(int));
+  cudaMemset(maxv, 0, sizeof(float));
+  atomic_kernel<<<4, 128>>>(counter, maxv);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(to_host(counter, 1)[0], 512);
+  EXPECT_EQ(to_host(maxv, 1)[0], 127.0f);
+  cudaFree(counter);
+  cudaFree(maxv);
+}
+
+// ---- what it catches ----
+
+TEST(CudaEmulator, AMissingBarrierShowsAsPoisonedSharedMemory) {
+  float* out = device_alloc<float>(64);
+  racy_kernel<<<1, 64, 64 * sizeof(float)>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  // Thread 0 runs to its end before thread 1 writes: it reads the NaN the block started with.
+  EXPECT_TRUE(std::isnan(to_host(out, 64)[0]));
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, ABarrierAndAShuffleWaitingForEachOtherIsADeadlock) {
+  float* out = device_alloc<float>(32);
+  const LaunchResult r = launch_and_capture([&] { deadlock_kernel<<<1, 32>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorLaunchFailure);
+  EXPECT_NE(r.message.find("kernel deadlock_kernel block (0,0,0)"), std::string::npos) << r.message;
+  EXPECT_NE(r.message.find("deadlock: 1 thread(s) at __syncthreads"), std::string::npos)
+      << r.message;
+  EXPECT_NE(r.message.find("waits for lanes 0x1"), std::string::npos) << r.message;
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, DivergentBarriersAreAFault) {
+  float* out = device_alloc<float>(32);
+  const LaunchResult r = launch_and_capture([&] { divergent_barrier_kernel<<<1, 32>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorLaunchFailure);
+  EXPECT_NE(r.message.find("divergent __syncthreads"), std::string::npos) << r.message;
+  EXPECT_NE(r.message.find("emu_test.cu"), std::string::npos) << r.message;
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, AShuffleMaskNamingMissingLanesIsAFault) {
+  float* out = device_alloc<float>(16);
+  const LaunchResult r = launch_and_capture([&] { partial_warp_shuffle_kernel<<<1, 16>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorLaunchFailure);
+  EXPECT_NE(r.message.find("only lanes of the block (0xffff)"), std::string::npos) << r.message;
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, BadLaunchConfigurationsFailAtTheLaunch) {
+  float* out = device_alloc<float>(2048);
+  LaunchResult r = launch_and_capture([&] { big_shared_kernel<float><<<1, 2048>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorInvalidConfiguration);
+  EXPECT_NE(r.message.find("not 1 to 1024 threads"), std::string::npos) << r.message;
+  r = launch_and_capture([&] { big_shared_kernel<float><<<dim3(1, 70000), 32>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorInvalidConfiguration);
+  cudaStream_t gone = nullptr;
+  cudaStreamCreate(&gone);
+  cudaStreamDestroy(gone);
+  r = launch_and_capture([&] { big_shared_kernel<float><<<1, 32, 0, gone>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorInvalidConfiguration);
+  EXPECT_NE(r.message.find("does not exist"), std::string::npos) << r.message;
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, SharedMemoryAbove48KiBNeedsTheOptIn) {
+  float* out = device_alloc<float>(32);
+  const size_t bytes = 64 << 10;
+  LaunchResult r = launch_and_capture([&] { big_shared_kernel<float><<<1, 32, bytes>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorInvalidConfiguration);
+  EXPECT_NE(r.message.find("cudaFuncAttributeMaxDynamicSharedMemorySize"), std::string::npos)
+      << r.message;
+  ASSERT_EQ(
+      cudaFuncSetAttribute(big_shared_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)),
+      cudaSuccess);
+  big_shared_kernel<float><<<1, 32, bytes>>>(out);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(to_host(out, 32)[31], 1.0f);
+  // Above what an sm_90 block can have, even with the opt-in.
+  r = launch_and_capture([&] {
+    cudaFuncSetAttribute(big_shared_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         300 << 10);
+  });
+  EXPECT_EQ(r.error, cudaErrorInvalidValue);
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, UnwrittenMemoryReadsAsNaN) {
+  float* in = device_alloc<float>(16);
+  float* out = device_alloc<float>(32);
+  read_kernel<<<1, 1>>>(in, out, 3);
+  shared_poison_kernel<<<1, 32, 32 * sizeof(float)>>>(out + 1);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<float> h = to_host(out, 32);
+  for (float v : h) EXPECT_TRUE(std::isnan(v));
+  cudaFree(in);
+  cudaFree(out);
+}
+
+TEST(CudaEmulatorDeathTest, ReadingPastAnAllocationFaults) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  float* in = device_alloc<float>(1024);  // 4 KiB: its end is the protected page
+  float* out = device_alloc<float>(1);
+  read_kernel<<<1, 1>>>(in, out, 1023);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_DEATH(read_kernel<<<1, 1>>>(in, out, 1024), "");
+  cudaFree(in);
+  EXPECT_DEATH(read_kernel<<<1, 1>>>(in, out, 0), "");  // after cudaFree
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, CublasLtRejectsALeadingDimensionShorterThanAColumn) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, 8, 4, 4), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("ld=4 < rows=8"), std::string::npos);
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, 8, 4, 8), CUBLAS_STATUS_SUCCESS);
+  cublasLtMatrixLayoutDestroy(layout);
+}
+
+}  // namespace

@@ -1,0 +1,643 @@
+// The CUDA emulator's scheduler and host API (see README.md here): runs the CUDA backend's kernels
+// on the CPU, one fiber per CUDA thread, and stands in for the parts of the CUDA runtime and
+// cuBLASLt the backend calls, so its code runs unchanged on a machine without a GPU.
+//
+// What it checks that a GPU would only show as a wrong number, a hang or a crash:
+//  - launch configurations (block and grid limits, dynamic shared memory above 48 KiB without the
+//    opt-in attribute, above the 227 KiB Hopper maximum, a stream that does not exist);
+//  - __syncthreads that not every live thread of the block reaches, and warp shuffles whose mask
+//    names a lane that never arrives (both hang a GPU): reported as a deadlock naming the kernel,
+//    the block and where each thread waits;
+//  - reads of memory nobody wrote: device allocations and every block's dynamic shared memory
+//    start as NaN (0xFF bytes);
+//  - accesses past the end of a device allocation or after its cudaFree: the allocation ends at a
+//    protected page and cudaFree unmaps it, so the access faults.
+// Kernels run when they are launched (every stream is synchronous). Blocks run one after another
+// on the calling thread; the threads of a block run cooperatively, switching only at barriers and
+// warp exchanges, so an unsynchronised shared-memory race shows as wrong values more often than
+// on a GPU, not less.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/cuda_emu/emu.h"
+
+namespace keel_emu {
+
+namespace {
+
+constexpr size_t kStackBytes = size_t{256} << 10;
+constexpr size_t kDefaultSharedBytes = 48 << 10;  // without the opt-in attribute
+constexpr size_t kMaxSharedBytes = 232448;        // sm_90's opt-in maximum (227 KiB)
+
+// ---- errors: the last error (cudaGetLastError) and the message that explains it ----
+
+std::mutex g_mu;  // API state below; kernels run under g_launch_mu
+std::mutex g_launch_mu;
+cudaError_t g_last_error = cudaSuccess;
+
+cudaError_t fail(cudaError_t code, const std::string& message) {
+  std::fprintf(stderr, "keel cuda emulator: %s\n", message.c_str());
+  g_last_error = code;
+  return code;
+}
+
+// ---- the scheduler ----
+
+struct Fiber {
+  ucontext_t ctx;
+  ThreadIds ids;
+  int lane = 0, warp = 0;
+  enum State { kReady, kAtBarrier, kAtWarp, kDone } state = kReady;
+  uint32_t wait_mask = 0;  // kAtWarp: the exchange's mask
+  int src = 0;             // kAtWarp: the lane whose value it reads
+  const char* what = "";   // kAtWarp: the intrinsic
+  const char* file = "";   // kAtBarrier: where
+  int line = 0;
+  uint64_t result = 0;  // kAtWarp: the value read, set when the exchange completes
+};
+
+struct Warp {
+  uint32_t exists = 0;   // lanes that are threads of the block
+  uint32_t waiting = 0;  // lanes at an exchange
+  uint64_t values[32] = {};
+};
+
+struct Block {
+  const LaunchConfig* cfg = nullptr;
+  void (*body)(const void*) = nullptr;
+  const void* arg = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  int live = 0, at_barrier = 0;
+  ucontext_t sched;
+  std::vector<unsigned char> shared;
+  std::string fault;
+};
+
+thread_local Block* t_block = nullptr;
+thread_local Fiber* t_fiber = nullptr;
+// The ids every thread of the running block shares (set before its fibers are made).
+thread_local ThreadIds t_fiber_ids_template;
+
+struct Stacks {
+  std::vector<char*> stacks;
+  ~Stacks() {
+    for (char* s : stacks) munmap(s, kStackBytes);
+  }
+  char* get(size_t i) {
+    while (stacks.size() <= i) {
+      void* p =
+          mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) {
+        std::fprintf(stderr, "keel cuda emulator: out of memory for fiber stacks\n");
+        std::abort();
+      }
+      mprotect(p, static_cast<size_t>(getpagesize()), PROT_NONE);  // overflow faults
+      stacks.push_back(static_cast<char*>(p));
+    }
+    return stacks[i];
+  }
+};
+thread_local Stacks t_stacks;
+
+void yield() { swapcontext(&t_fiber->ctx, &t_block->sched); }
+
+// Releases the threads at __syncthreads, all of which must wait at the same one.
+void release_barrier(Block& b) {
+  const Fiber* first = nullptr;
+  for (Fiber& f : b.fibers) {
+    if (f.state != Fiber::kAtBarrier) continue;
+    if (first == nullptr) {
+      first = &f;
+    } else if ((f.line != first->line || std::strcmp(f.file, first->file) != 0) &&
+               b.fault.empty()) {
+      std::ostringstream os;
+      os << "divergent __syncthreads: thread " << first->ids.thread_idx.x << " waits at "
+         << first->file << ":" << first->line << ", thread " << f.ids.thread_idx.x << " at "
+         << f.file << ":" << f.line;
+      b.fault = os.str();
+    }
+    f.state = Fiber::kReady;
+  }
+  b.at_barrier = 0;
+}
+
+// Completes the exchange of the lanes in `mask` once all of them wait at it with that mask.
+void try_release_warp(Block& b, int warp, uint32_t mask) {
+  Warp& w = b.warps[static_cast<size_t>(warp)];
+  if ((w.waiting & mask) != mask) return;
+  Fiber* lanes = &b.fibers[static_cast<size_t>(warp) * 32];
+  for (int l = 0; l < 32; ++l) {
+    if ((mask >> l & 1u) && lanes[l].wait_mask != mask) return;
+  }
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    lanes[l].result = w.values[lanes[l].src];
+    lanes[l].state = Fiber::kReady;
+  }
+  w.waiting &= ~mask;
+}
+
+void fiber_entry() {
+  Block& b = *t_block;
+  try {
+    b.body(b.arg);
+  } catch (const std::exception& e) {
+    if (b.fault.empty()) b.fault = std::string("exception in device code: ") + e.what();
+  } catch (...) {
+    if (b.fault.empty()) b.fault = "exception in device code";
+  }
+  Fiber& f = *t_fiber;
+  f.state = Fiber::kDone;
+  --b.live;
+  if (b.live > 0 && b.at_barrier == b.live) release_barrier(b);
+  // Returning resumes the scheduler (uc_link).
+}
+
+std::string describe_wait(const Block& b) {
+  std::ostringstream os;
+  int barrier = 0, done = 0;
+  for (const Fiber& f : b.fibers) {
+    barrier += f.state == Fiber::kAtBarrier;
+    done += f.state == Fiber::kDone;
+  }
+  os << barrier << " thread(s) at __syncthreads, " << done << " exited";
+  int shown = 0;
+  for (const Fiber& f : b.fibers) {
+    if (f.state != Fiber::kAtWarp || shown >= 4) continue;
+    const uint32_t missing = f.wait_mask & ~b.warps[static_cast<size_t>(f.warp)].waiting;
+    os << "; thread " << f.ids.thread_idx.x << "," << f.ids.thread_idx.y << ","
+       << f.ids.thread_idx.z << " at " << f.what << " mask 0x" << std::hex << f.wait_mask
+       << " waits for lanes 0x" << missing << std::dec;
+    ++shown;
+  }
+  return os.str();
+}
+
+// Runs one block to completion; false (with b.fault) on a deadlock or an exception.
+bool run_block(Block& b) {
+  const dim3& bd = b.cfg->block;
+  const int n = static_cast<int>(bd.x * bd.y * bd.z);
+  b.fibers.assign(static_cast<size_t>(n), Fiber{});
+  b.warps.assign(static_cast<size_t>((n + 31) / 32), Warp{});
+  b.live = n;
+  b.at_barrier = 0;
+  std::fill(b.shared.begin(), b.shared.end(), static_cast<unsigned char>(0xFF));
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = b.fibers[static_cast<size_t>(i)];
+    f.ids = t_fiber_ids_template;
+    f.ids.thread_idx =
+        uint3{static_cast<unsigned>(i) % bd.x, static_cast<unsigned>(i) / bd.x % bd.y,
+              static_cast<unsigned>(i) / (bd.x * bd.y)};
+    f.lane = i % 32;
+    f.warp = i / 32;
+    b.warps[static_cast<size_t>(f.warp)].exists |= 1u << f.lane;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = t_stacks.get(static_cast<size_t>(i));
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = &b.sched;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
+  while (b.live > 0) {
+    bool ran = false;
+    for (Fiber& f : b.fibers) {
+      if (f.state != Fiber::kReady) continue;
+      t_fiber = &f;
+      swapcontext(&b.sched, &f.ctx);
+      t_fiber = nullptr;
+      ran = true;
+    }
+    if (!b.fault.empty()) return false;
+    if (!ran) {
+      b.fault = "deadlock: " + describe_wait(b);
+      return false;
+    }
+  }
+  return b.fault.empty();
+}
+
+}  // namespace
+
+const ThreadIds& ids() { return t_fiber->ids; }
+int lane_id() { return t_fiber->lane; }
+void* dynamic_shared() { return t_block->shared.data(); }
+
+void syncthreads(const char* file, int line) {
+  Block& b = *t_block;
+  Fiber& f = *t_fiber;
+  f.state = Fiber::kAtBarrier;
+  f.file = file;
+  f.line = line;
+  if (++b.at_barrier == b.live) release_barrier(b);
+  if (f.state != Fiber::kReady) yield();
+}
+
+uint64_t warp_exchange(uint32_t mask, uint64_t bits, int src, const char* what) {
+  Block& b = *t_block;
+  Fiber& f = *t_fiber;
+  Warp& w = b.warps[static_cast<size_t>(f.warp)];
+  if (!(mask >> f.lane & 1u) || (mask & ~w.exists) || !(mask >> src & 1u)) {
+    if (b.fault.empty()) {
+      std::ostringstream os;
+      os << what << " in thread " << f.ids.thread_idx.x << " (lane " << f.lane << ") with mask 0x"
+         << std::hex << mask << " reads lane " << std::dec << src
+         << ": the mask must name this lane, the lane read, and only lanes of the block (0x"
+         << std::hex << w.exists << ")";
+      b.fault = os.str();
+    }
+    yield();  // the scheduler stops the block
+  }
+  w.values[f.lane] = bits;
+  w.waiting |= 1u << f.lane;
+  f.wait_mask = mask;
+  f.src = src;
+  f.what = what;
+  f.state = Fiber::kAtWarp;
+  try_release_warp(b, f.warp, mask);
+  if (f.state != Fiber::kReady) yield();
+  return f.result;
+}
+
+// ---- launches ----
+
+std::map<const void*, int>& max_shared_attr() {
+  static std::map<const void*, int> m;
+  return m;
+}
+std::set<cudaStream_t>& live_streams() {
+  static std::set<cudaStream_t> s;
+  return s;
+}
+
+void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg) {
+  std::ostringstream why;
+  const dim3 &g = cfg.grid, &bd = cfg.block;
+  const uint64_t threads = uint64_t{bd.x} * bd.y * bd.z;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const auto attr = max_shared_attr().find(cfg.kernel);
+    const size_t allowed =
+        attr == max_shared_attr().end() ? kDefaultSharedBytes : static_cast<size_t>(attr->second);
+    if (threads == 0 || threads > 1024 || bd.x > 1024 || bd.y > 1024 || bd.z > 64) {
+      why << "block (" << bd.x << "," << bd.y << "," << bd.z << ") is not 1 to 1024 threads";
+    } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535 ||
+               g.z > 65535) {
+      why << "grid (" << g.x << "," << g.y << "," << g.z << ") is outside the limits";
+    } else if (cfg.kernel == nullptr && cfg.shared_bytes > kDefaultSharedBytes) {
+      why << cfg.shared_bytes << " bytes of dynamic shared memory for a kernel launched without "
+          << "its template arguments (the emulator cannot check its opt-in: name them)";
+    } else if (cfg.shared_bytes > std::max(allowed, kDefaultSharedBytes)) {
+      why << cfg.shared_bytes << " bytes of dynamic shared memory, above the "
+          << std::max(allowed, kDefaultSharedBytes)
+          << " allowed (cudaFuncAttributeMaxDynamicSharedMemorySize)";
+    } else if (cfg.stream != nullptr && !live_streams().count(cfg.stream)) {
+      why << "stream " << static_cast<const void*>(cfg.stream) << " does not exist";
+    }
+    if (!why.str().empty()) {
+      fail(cudaErrorInvalidConfiguration, std::string("launch of ") + cfg.name + ": " + why.str());
+      return;
+    }
+  }
+  std::lock_guard<std::mutex> launch_lock(g_launch_mu);
+  Block b;
+  b.cfg = &cfg;
+  b.body = body;
+  b.arg = arg;
+  b.shared.assign(cfg.shared_bytes, 0xFF);
+  Block* const outer_block = t_block;
+  t_block = &b;
+  t_fiber_ids_template.block_dim = bd;
+  t_fiber_ids_template.grid_dim = g;
+  bool ok = true;
+  for (unsigned z = 0; ok && z < g.z; ++z) {
+    for (unsigned y = 0; ok && y < g.y; ++y) {
+      for (unsigned x = 0; ok && x < g.x; ++x) {
+        t_fiber_ids_template.block_idx = uint3{x, y, z};
+        ok = run_block(b);
+        if (!ok) {
+          std::lock_guard<std::mutex> lock(g_mu);
+          std::ostringstream os;
+          os << "kernel " << cfg.name << " block (" << x << "," << y << "," << z << ") of grid ("
+             << g.x << "," << g.y << "," << g.z << "), block (" << bd.x << "," << bd.y << ","
+             << bd.z << "): " << b.fault;
+          fail(cudaErrorLaunchFailure, os.str());
+        }
+      }
+    }
+  }
+  t_block = outer_block;
+}
+
+// ---- memory ----
+
+namespace {
+
+struct Mapping {
+  char* base;
+  size_t length;
+};
+std::map<void*, Mapping>& device_allocations() {
+  static std::map<void*, Mapping> m;
+  return m;
+}
+std::map<void*, size_t>& host_allocations() {  // cudaMallocHost: page-locked on a GPU
+  static std::map<void*, size_t> m;
+  return m;
+}
+
+// The allocation in `m` that holds p, or m.end().
+template <typename Map, typename Size>
+typename Map::iterator containing(Map& m, const void* p, Size size_of) {
+  auto it = m.upper_bound(const_cast<void*>(p));
+  if (it == m.begin()) return m.end();
+  --it;
+  const char* start = static_cast<const char*>(it->first);
+  return static_cast<const char*>(p) < start + size_of(it->second) ? it : m.end();
+}
+
+}  // namespace
+
+cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_in,
+                           int32_t* keys_out, const int32_t* values_in, int32_t* values_out, int n,
+                           int begin_bit, int end_bit) {
+  constexpr size_t kTempBytes = 256;  // the emulator needs none; a size keeps callers honest
+  if (temp == nullptr) {
+    temp_bytes = kTempBytes;
+    return cudaSuccess;
+  }
+  if (temp_bytes < kTempBytes || n < 0 || begin_bit < 0 || end_bit > 32 || begin_bit >= end_bit) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return fail(cudaErrorInvalidValue, "cub::DeviceRadixSort::SortPairs: bad arguments");
+  }
+  const uint32_t keymask =
+      (end_bit == 32 ? 0xffffffffu : ((1u << end_bit) - 1u)) & ~((1u << begin_bit) - 1u);
+  std::vector<int> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return (static_cast<uint32_t>(keys_in[a]) & keymask) <
+           (static_cast<uint32_t>(keys_in[b]) & keymask);
+  });
+  std::vector<int32_t> k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    k[static_cast<size_t>(i)] = keys_in[order[static_cast<size_t>(i)]];
+    v[static_cast<size_t>(i)] = values_in[order[static_cast<size_t>(i)]];
+  }
+  std::copy(k.begin(), k.end(), keys_out);
+  std::copy(v.begin(), v.end(), values_out);
+  return cudaSuccess;
+}
+
+}  // namespace keel_emu
+
+using keel_emu::fail;
+using keel_emu::g_mu;
+
+// ---- the CUDA runtime API the backend uses ----
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device != 0) return fail(cudaErrorInvalidDevice, "cudaSetDevice: one emulated device");
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties: one emulated device");
+  }
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof(prop->name), "keel CUDA emulator (host CPU)");
+  prop->major = 9;
+  prop->minor = 0;
+  prop->totalGlobalMem = size_t{80} << 30;
+  prop->multiProcessorCount = 132;
+  prop->sharedMemPerBlock = keel_emu::kDefaultSharedBytes;
+  prop->sharedMemPerBlockOptin = keel_emu::kMaxSharedBytes;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+      return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle";
+    default:
+      return "cudaErrorUnknown";
+  }
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : "emulated CUDA error (see the emulator's message above)";
+}
+
+cudaError_t cudaGetLastError() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const cudaError_t e = keel_emu::g_last_error;
+  keel_emu::g_last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return keel_emu::g_last_error;
+}
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  const size_t page = static_cast<size_t>(getpagesize());
+  const size_t body = (bytes + 255) / 256 * 256;  // the start stays 256-byte aligned
+  const size_t length = (body + page - 1) / page * page + page;
+  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (p == MAP_FAILED) return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of host memory");
+  char* base = static_cast<char*>(p);
+  char* guard = base + length - page;
+  mprotect(guard, page, PROT_NONE);  // one byte past the (256-rounded) end faults
+  char* user = guard - body;
+  std::memset(user, 0xFF, body);  // NaN in fp32 and bf16: unwritten memory shows
+  keel_emu::device_allocations()[user] = {base, length};
+  *ptr = user;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = keel_emu::device_allocations().find(ptr);
+  if (it == keel_emu::device_allocations().end()) {
+    return fail(cudaErrorInvalidValue, "cudaFree of a pointer cudaMalloc did not return");
+  }
+  munmap(it->second.base, it->second.length);  // later use faults
+  keel_emu::device_allocations().erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  *ptr = bytes == 0 ? nullptr : std::aligned_alloc(256, rounded);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (bytes != 0 && *ptr == nullptr) {
+    return fail(cudaErrorMemoryAllocation, "cudaMallocHost: out of host memory");
+  }
+  if (*ptr != nullptr) keel_emu::host_allocations()[*ptr] = rounded;
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!keel_emu::host_allocations().erase(ptr)) {
+    return fail(cudaErrorInvalidValue, "cudaFreeHost of a pointer cudaMallocHost did not return");
+  }
+  std::free(ptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* ptr) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *attr = cudaPointerAttributes{};
+  attr->type = cudaMemoryTypeUnregistered;
+  auto& dev = keel_emu::device_allocations();
+  auto& host = keel_emu::host_allocations();
+  if (keel_emu::containing(dev, ptr, [](const keel_emu::Mapping& m) { return m.length; }) !=
+      dev.end()) {
+    attr->type = cudaMemoryTypeDevice;
+    attr->devicePointer = const_cast<void*>(ptr);
+  } else if (keel_emu::containing(host, ptr, [](size_t n) { return n; }) != host.end()) {
+    attr->type = cudaMemoryTypeHost;
+    attr->hostPointer = const_cast<void*>(ptr);
+    attr->devicePointer = const_cast<void*>(ptr);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/,
+                            cudaStream_t /*stream*/) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (bytes > 0) std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t /*stream*/) {
+  if (bytes > 0) std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned /*flags*/) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *stream = reinterpret_cast<cudaStream_t>(new char[1]);
+  keel_emu::live_streams().insert(*stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!keel_emu::live_streams().erase(stream)) {
+    return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+  }
+  delete[] reinterpret_cast<char*>(stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t /*stream*/) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t /*stream*/, cudaEvent_t /*event*/,
+                                unsigned /*flags*/) {
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  *event = reinterpret_cast<cudaEvent_t>(new std::chrono::steady_clock::time_point());
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned /*flags*/) {
+  return cudaEventCreate(event);
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete reinterpret_cast<std::chrono::steady_clock::time_point*>(event);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t /*stream*/) {
+  *reinterpret_cast<std::chrono::steady_clock::time_point*>(event) =
+      std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t /*event*/) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t /*event*/) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  using Tp = std::chrono::steady_clock::time_point;
+  *ms = std::chrono::duration<float, std::milli>(*reinterpret_cast<Tp*>(end) -
+                                                 *reinterpret_cast<Tp*>(start))
+            .count();
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || static_cast<size_t>(value) > keel_emu::kMaxSharedBytes) {
+    return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: " + std::to_string(value) +
+                                           " bytes of dynamic shared memory, above the " +
+                                           std::to_string(keel_emu::kMaxSharedBytes) +
+                                           " an sm_90 block can have");
+  }
+  keel_emu::max_shared_attr()[func] = value;
+  return cudaSuccess;
+}
+
+}  // extern "C"

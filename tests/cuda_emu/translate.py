@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Rewrites a CUDA source of keel's backend into host C++ for the CUDA emulator (README.md here).
+
+Only the three constructs a host compiler cannot parse change; every other line stays as written
+(a #line directive keeps compiler messages pointing at the .cu file):
+  kernel<...><<<grid, block, smem, stream>>>(args)  ->  ::keel_emu::launch(kernel<...>, "kernel",
+                                                          grid, block, smem, stream)(args)
+  kernel<<<grid, block, smem, stream>>>(args)       ->  ::keel_emu::launch_deduced("kernel", grid,
+                                    block, smem, stream)([](auto... a) { kernel(a...); }, args)
+  extern __shared__ T name[];                        ->  T* name = ::keel_emu::dynamic_shared_as<T>();
+  #include <cub/...>                                 ->  (dropped: tests/cuda_emu/emu.h has the sort)
+
+Usage: translate.py IN.cu OUT.cc. Exits 2 with one line when a launch cannot be parsed.
+"""
+import re
+import sys
+
+# The kernel expression before <<<: a (qualified) name with optional template arguments.
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*)(\s*<[^<>;{}]*>)?(\s*)<<<(.*?)>>>(\s*)\(", re.S)
+EXTERN_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+CUB_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<cub/[^>]*>.*$", re.M)
+
+
+def translate(text, path):
+    def launch(m):
+        name, targs, cfg = m.group(1), m.group(2) or "", m.group(4)
+        newlines = "\n" * (m.group(3) + m.group(5)).count("\n")
+        if "<<<" in cfg:
+            raise ValueError("nested <<< in a launch of " + name)
+        # Keep the line count: newlines inside the configuration stay where they were.
+        if targs:  # a kernel with its template arguments named: its address is known
+            return "::keel_emu::launch(%s%s, \"%s\", %s)(%s" % (name, targs, name, cfg, newlines)
+        # A plain name may be a template whose arguments the call deduces: call it from a generic
+        # lambda, with the arguments as given.
+        return "::keel_emu::launch_deduced(\"%s\", %s)([](auto... a) { %s(a...); }, %s" % (
+            name, cfg, name, newlines)
+
+    out, n = LAUNCH.subn(launch, text)
+    if "<<<" in out:
+        line = out[: out.index("<<<")].count("\n") + 1
+        raise ValueError("%s:%d: a kernel launch the emulator cannot parse" % (path, line))
+    out = EXTERN_SHARED.sub(r"\1* \2 = ::keel_emu::dynamic_shared_as<\1>();", out)
+    out = CUB_INCLUDE.sub("// (cub: tests/cuda_emu/emu.h)", out)
+    return '#line 1 "%s"\n' % path + out, n
+
+
+def main():
+    if len(sys.argv) != 3:
+        print("usage: translate.py IN.cu OUT.cc", file=sys.stderr)
+        return 2
+    src, dst = sys.argv[1], sys.argv[2]
+    with open(src) as f:
+        text = f.read()
+    try:
+        out, _ = translate(text, src)
+    except ValueError as e:
+        print("translate.py: %s" % e, file=sys.stderr)
+        return 2
+    with open(dst, "w") as f:
+        f.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
