@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -59,6 +60,19 @@ int lane_id();
 
 // Dynamic shared memory of the running block (poisoned with NaN before the block starts).
 void* dynamic_shared();
+
+// Work a stream holds that completes later (the emulated NCCL's collectives, nccl.cc). Kernels,
+// copies and synchronisation on the stream wait for it first, as stream order requires;
+// cudaStreamQuery and cudaEventQuery poll it. Everything else on a stream runs at once.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  virtual bool test() = 0;  // true once complete (or abandoned); must not block
+};
+void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work);
+void wait_stream(cudaStream_t stream);
+// The number of emulated GPUs: KEEL_CUDA_EMU_DEVICES (default 1). They share the host's memory.
+int device_count();
 
 struct LaunchConfig {
   const char* name;

@@ -35,6 +35,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/cuda_emu/emu.h"
@@ -350,10 +351,77 @@ std::map<const void*, int>& max_shared_attr() {
   static std::map<const void*, int> m;
   return m;
 }
+namespace {
+
+struct Stream {
+  std::vector<std::shared_ptr<Pending>> pending;
+};
+struct Event {
+  std::chrono::steady_clock::time_point recorded;
+  std::vector<std::shared_ptr<Pending>> pending;  // the stream's, when recorded
+};
+Stream g_default_stream;  // the null stream
 std::set<cudaStream_t>& live_streams() {
   static std::set<cudaStream_t> s;
   return s;
 }
+Stream& stream_of(cudaStream_t s) {
+  return s == nullptr ? g_default_stream : *reinterpret_cast<Stream*>(s);
+}
+
+// Drops what completed from `list` (under g_mu); true when nothing is left. Tests run without
+// the lock: a Pending may call MPI.
+bool poll(std::vector<std::shared_ptr<Pending>>& list) {
+  std::vector<std::shared_ptr<Pending>> snapshot;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    snapshot = list;
+  }
+  std::vector<std::shared_ptr<Pending>> done;
+  for (auto& p : snapshot) {
+    if (p->test()) done.push_back(p);
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const std::shared_ptr<Pending>& p) {
+                              return std::find(done.begin(), done.end(), p) != done.end();
+                            }),
+             list.end());
+  return list.empty();
+}
+void wait_list(std::vector<std::shared_ptr<Pending>>& list) {
+  while (!poll(list)) std::this_thread::yield();
+}
+
+}  // namespace
+
+void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  stream_of(stream).pending.push_back(std::move(work));
+}
+void wait_stream(cudaStream_t stream) { wait_list(stream_of(stream).pending); }
+void wait_all_streams() {
+  std::vector<cudaStream_t> all;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    all.assign(live_streams().begin(), live_streams().end());
+  }
+  wait_stream(nullptr);
+  for (cudaStream_t s : all) wait_stream(s);
+}
+
+int device_count() {
+  static const int n = [] {
+    const char* env = std::getenv("KEEL_CUDA_EMU_DEVICES");
+    const int v = env != nullptr ? std::atoi(env) : 1;
+    return v >= 1 && v <= 64 ? v : 1;
+  }();
+  return n;
+}
+
+namespace {
+thread_local int t_device = 0;
+}  // namespace
 
 void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg) {
   std::ostringstream why;
@@ -384,6 +452,7 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
       return;
     }
   }
+  wait_stream(cfg.stream);  // stream order: after what the stream still has in flight
   std::lock_guard<std::mutex> launch_lock(g_launch_mu);
   Block b;
   b.cfg = &cfg;
@@ -483,25 +552,31 @@ using keel_emu::g_mu;
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = keel_emu::device_count();
   return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (device != 0) return fail(cudaErrorInvalidDevice, "cudaSetDevice: one emulated device");
+  if (device < 0 || device >= keel_emu::device_count()) {
+    return fail(cudaErrorInvalidDevice, "cudaSetDevice(" + std::to_string(device) +
+                                            "): " + std::to_string(keel_emu::device_count()) +
+                                            " emulated device(s) (KEEL_CUDA_EMU_DEVICES)");
+  }
+  keel_emu::t_device = device;
   return cudaSuccess;
 }
 
 cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = keel_emu::t_device;
   return cudaSuccess;
 }
 
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
-  if (device != 0) {
+  if (device < 0 || device >= keel_emu::device_count()) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties: one emulated device");
+    return fail(cudaErrorInvalidDevice,
+                "cudaGetDeviceProperties(" + std::to_string(device) + "): no such emulated device");
   }
   *prop = cudaDeviceProp{};
   std::snprintf(prop->name, sizeof(prop->name), "keel CUDA emulator (host CPU)");
@@ -630,68 +705,97 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* pt
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/,
-                            cudaStream_t /*stream*/) {
+                            cudaStream_t stream) {
+  keel_emu::wait_stream(stream);
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
+  keel_emu::wait_all_streams();  // the legacy default stream orders after every stream
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  keel_emu::wait_all_streams();
   if (bytes > 0) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t /*stream*/) {
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream) {
+  keel_emu::wait_stream(stream);
   if (bytes > 0) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned /*flags*/) {
   std::lock_guard<std::mutex> lock(g_mu);
-  *stream = reinterpret_cast<cudaStream_t>(new char[1]);
+  *stream = reinterpret_cast<cudaStream_t>(new keel_emu::Stream);
   keel_emu::live_streams().insert(*stream);
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (!keel_emu::live_streams().erase(stream)) {
-    return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!keel_emu::live_streams().count(stream)) {
+      return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+    }
   }
-  delete[] reinterpret_cast<char*>(stream);
+  keel_emu::wait_stream(stream);  // its work completes first, as on a GPU
+  std::lock_guard<std::mutex> lock(g_mu);
+  keel_emu::live_streams().erase(stream);
+  delete reinterpret_cast<keel_emu::Stream*>(stream);
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t /*stream*/) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t /*stream*/, cudaEvent_t /*event*/,
-                                unsigned /*flags*/) {
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  keel_emu::wait_stream(stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  return keel_emu::poll(keel_emu::stream_of(stream).pending) ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaDeviceSynchronize() {
+  keel_emu::wait_all_streams();
   return cudaSuccess;
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
-  *event = reinterpret_cast<cudaEvent_t>(new std::chrono::steady_clock::time_point());
+  *event = reinterpret_cast<cudaEvent_t>(new keel_emu::Event);
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned /*flags*/) {
   return cudaEventCreate(event);
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  delete reinterpret_cast<std::chrono::steady_clock::time_point*>(event);
+  delete reinterpret_cast<keel_emu::Event*>(event);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t /*stream*/) {
-  *reinterpret_cast<std::chrono::steady_clock::time_point*>(event) =
-      std::chrono::steady_clock::now();
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  auto& e = *reinterpret_cast<keel_emu::Event*>(event);
+  std::lock_guard<std::mutex> lock(g_mu);
+  e.recorded = std::chrono::steady_clock::now();
+  e.pending = keel_emu::stream_of(stream).pending;
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t /*event*/) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t /*event*/) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  keel_emu::wait_list(reinterpret_cast<keel_emu::Event*>(event)->pending);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  return keel_emu::poll(reinterpret_cast<keel_emu::Event*>(event)->pending) ? cudaSuccess
+                                                                            : cudaErrorNotReady;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned /*flags*/) {
+  auto& e = *reinterpret_cast<keel_emu::Event*>(event);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& pending = keel_emu::stream_of(stream).pending;
+  pending.insert(pending.end(), e.pending.begin(), e.pending.end());
+  return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-  using Tp = std::chrono::steady_clock::time_point;
-  *ms = std::chrono::duration<float, std::milli>(*reinterpret_cast<Tp*>(end) -
-                                                 *reinterpret_cast<Tp*>(start))
-            .count();
+  *ms =
+      std::chrono::duration<float, std::milli>(reinterpret_cast<keel_emu::Event*>(end)->recorded -
+                                               reinterpret_cast<keel_emu::Event*>(start)->recorded)
+          .count();
   return cudaSuccess;
 }
 

@@ -13,17 +13,22 @@
 # --device CPU runs the same checks on the CPU over MPI: tests/launch/multi_gpu_script_test keeps
 # the script itself tested on machines without GPUs.
 #
-# usage: tests/gpu/multi_gpu.sh [--device CUDA|CPU] [--bin DIR (default build/launch)]
+# --gpus N takes the node's GPU count as N instead of asking nvidia-smi: the CUDA emulator's
+# ctest (tests/cuda_emu) runs the CUDA checks with its keel-train on emulated GPUs.
+#
+# usage: tests/gpu/multi_gpu.sh [--device CUDA|CPU] [--bin DIR (default build/launch)] [--gpus N]
 # Exit: 0 every check passed, 1 a check failed, 77 skipped (no mpirun, or fewer than 2 GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 
 DEVICE=CUDA
 BIN=build/launch
+GPUS=
 while (($#)); do
   case $1 in
     --device) DEVICE=$2; shift 2 ;;
     --bin) BIN=$2; shift 2 ;;
+    --gpus) GPUS=$2; shift 2 ;;
     *) echo "multi_gpu.sh: unknown argument $1 (see the header)" >&2; exit 2 ;;
   esac
 done
@@ -38,7 +43,7 @@ if [[ ! -x "$BIN/keel-train" ]]; then
 fi
 ranks=4
 if [[ $DEVICE == CUDA ]]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
   if ((gpus < 2)); then
     echo "multi_gpu.sh: skipped: $gpus GPU(s) on this machine (2 or more needed)"
     exit 77

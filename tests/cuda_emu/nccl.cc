@@ -1,0 +1,371 @@
+// The CUDA emulator's NCCL (see README.md here): the calls parallel/nccl_communicator.cc makes,
+// over MPI, so keel's NCCL communicator, its bootstrap and the trainer's NCCL tensor
+// communicators run unchanged on emulated GPUs, one MPI rank each.
+//
+// Like NCCL, a collective is enqueued on its stream and returns at once: it starts as an MPI
+// non-blocking collective, and the stream holds it as pending work (runtime.cc), so
+// cudaStreamQuery / cudaEventQuery report "not ready" until it completes, and later kernels and
+// copies on the stream wait for it. ncclCommAbort abandons a communicator's collectives (the
+// stream drains), as NCCL's abort stops its kernels; a peer that never joins leaves them pending,
+// which keel's watchdog sees as a hang. MPI is initialised with MPI_THREAD_FUNNELED, so only the
+// thread that made the communicator drives MPI; pending work polled from another thread waits.
+//
+// A communicator of one rank needs no MPI (collectives are copies). Bootstrap for more: the
+// unique id names the root's MPI_COMM_WORLD rank and a serial number; every member sends its
+// world rank to the root, the root answers with the member list, and the members make their
+// communicator with MPI_Comm_create_group, so only members take part, as with NCCL.
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/cuda_emu/emu.h"
+
+struct ncclComm {
+  int rank = 0, size = 1;
+  MPI_Comm mpi = MPI_COMM_NULL;
+  std::thread::id owner;  // the thread that drives MPI (MPI_THREAD_FUNNELED)
+  std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
+  std::string last_error;
+};
+
+namespace {
+
+constexpr uint32_t kMagic = 0x6b65656cu;  // "keel"
+constexpr int kBootstrapTag = 31000;      // MPI_COMM_WORLD tags: 31000 + serial % 1000
+
+struct IdFields {
+  uint32_t magic;
+  int32_t root_world_rank;
+  int64_t serial;
+};
+
+std::string g_last_error;
+std::mutex g_error_mu;
+
+ncclResult_t error(ncclComm* comm, ncclResult_t code, const std::string& why) {
+  std::fprintf(stderr, "keel cuda emulator: NCCL: %s\n", why.c_str());
+  std::lock_guard<std::mutex> lock(g_error_mu);
+  g_last_error = why;
+  if (comm != nullptr) comm->last_error = why;
+  return code;
+}
+
+// One MPI non-blocking collective, pending on a stream.
+class Collective : public keel_emu::Pending {
+ public:
+  Collective(ncclComm* comm, std::vector<char> scratch)
+      : owner_(comm->owner), aborted_(comm->aborted), scratch_(std::move(scratch)) {}
+  MPI_Request* request() { return &request_; }
+  const void* scratch() const { return scratch_.data(); }
+
+  bool test() override {
+    if (done_ || aborted_->load()) return true;  // an aborted communicator's work is abandoned
+    if (std::this_thread::get_id() != owner_) return false;
+    int flag = 0;
+    MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    done_ = flag != 0;
+    return done_;
+  }
+
+ private:
+  std::thread::id owner_;
+  std::shared_ptr<std::atomic<bool>> aborted_;
+  std::vector<char> scratch_;  // a copy of an input that overlaps the output
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool done_ = false;
+};
+
+MPI_Datatype mpi_type(ncclDataType_t t) {
+  switch (t) {
+    case ncclFloat32:
+      return MPI_FLOAT;
+    case ncclFloat64:
+      return MPI_DOUBLE;
+    case ncclInt32:
+      return MPI_INT32_T;
+    case ncclInt64:
+      return MPI_INT64_T;
+    case ncclUint8:
+      return MPI_UINT8_T;
+    default:
+      return MPI_DATATYPE_NULL;
+  }
+}
+size_t type_size(ncclDataType_t t) {
+  switch (t) {
+    case ncclFloat64:
+    case ncclInt64:
+      return 8;
+    case ncclUint8:
+      return 1;
+    default:
+      return 4;
+  }
+}
+MPI_Op mpi_op(ncclRedOp_t op) {
+  switch (op) {
+    case ncclSum:
+      return MPI_SUM;
+    case ncclProd:
+      return MPI_PROD;
+    case ncclMax:
+      return MPI_MAX;
+    case ncclMin:
+      return MPI_MIN;
+    default:
+      return MPI_OP_NULL;
+  }
+}
+
+// Checks common to every collective; nullptr when it may proceed.
+ncclResult_t check_call(ncclComm* comm, ncclDataType_t type, const char* call) {
+  if (comm == nullptr)
+    return error(nullptr, ncclInvalidArgument, std::string(call) + ": null comm");
+  if (comm->aborted->load()) {
+    return error(comm, ncclInvalidUsage, std::string(call) + " on an aborted communicator");
+  }
+  if (mpi_type(type) == MPI_DATATYPE_NULL) {
+    return error(comm, ncclInvalidArgument, std::string(call) + ": data type not emulated");
+  }
+  if (comm->size > 1 && std::this_thread::get_id() != comm->owner) {
+    return error(comm, ncclInvalidUsage,
+                 std::string(call) +
+                     " from a thread other than the one that made the "
+                     "communicator (MPI_THREAD_FUNNELED)");
+  }
+  return ncclSuccess;
+}
+
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
+  return pa < pb + bn && pb < pa + an;
+}
+
+// Starts `start` (which issues one MPI non-blocking collective into the request) on `stream`,
+// after what the stream already holds (stream order: its input may be their output).
+template <typename Start>
+ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scratch,
+                     const char* call, Start start) {
+  keel_emu::wait_stream(stream);
+  auto c = std::make_shared<Collective>(comm, std::move(scratch));
+  const int rc = start(c->scratch(), c->request());
+  if (rc != MPI_SUCCESS) {
+    return error(comm, ncclSystemError, std::string(call) + ": MPI error " + std::to_string(rc));
+  }
+  keel_emu::enqueue_pending(stream, std::move(c));
+  return ncclSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+ncclResult_t ncclGetVersion(int* version) {
+  *version = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess:
+      return "no error";
+    case ncclSystemError:
+      return "unhandled system error (emulated NCCL)";
+    case ncclInternalError:
+      return "internal error (emulated NCCL)";
+    case ncclInvalidArgument:
+      return "invalid argument (emulated NCCL)";
+    case ncclInvalidUsage:
+      return "invalid usage (emulated NCCL)";
+    default:
+      return "error (emulated NCCL)";
+  }
+}
+
+const char* ncclGetLastError(ncclComm_t comm) {
+  std::lock_guard<std::mutex> lock(g_error_mu);
+  return comm != nullptr ? comm->last_error.c_str() : g_last_error.c_str();
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  static std::atomic<int64_t> serial{0};
+  int initialized = 0, world_rank = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  const IdFields f{kMagic, world_rank, serial++};
+  std::memset(id->internal, 0, sizeof(id->internal));
+  std::memcpy(id->internal, &f, sizeof(f));
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int rank) {
+  *out = nullptr;
+  IdFields f;
+  std::memcpy(&f, id.internal, sizeof(f));
+  if (f.magic != kMagic) return error(nullptr, ncclInvalidArgument, "not an emulator unique id");
+  if (nranks < 1 || rank < 0 || rank >= nranks) {
+    return error(nullptr, ncclInvalidArgument,
+                 "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+  }
+  auto comm = std::make_unique<ncclComm>();
+  comm->rank = rank;
+  comm->size = nranks;
+  comm->owner = std::this_thread::get_id();
+  if (nranks > 1) {
+    int initialized = 0, world_rank = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      return error(nullptr, ncclInvalidUsage, "a communicator of several ranks needs MPI");
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    const int tag = kBootstrapTag + static_cast<int>(f.serial % 1000);
+    std::vector<int> members(static_cast<size_t>(nranks), -1);
+    if (rank == 0) {
+      if (world_rank != f.root_world_rank) {
+        return error(nullptr, ncclInvalidUsage, "rank 0 is not the rank that made the id");
+      }
+      members[0] = world_rank;
+      for (int i = 1; i < nranks; ++i) {
+        int msg[2];
+        MPI_Recv(msg, 2, MPI_INT, MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        if (msg[0] < 1 || msg[0] >= nranks || members[static_cast<size_t>(msg[0])] != -1) {
+          return error(nullptr, ncclInvalidUsage, "two ranks claim the same place in a comm");
+        }
+        members[static_cast<size_t>(msg[0])] = msg[1];
+      }
+      for (int i = 1; i < nranks; ++i) {
+        MPI_Send(members.data(), nranks, MPI_INT, members[static_cast<size_t>(i)], tag,
+                 MPI_COMM_WORLD);
+      }
+    } else {
+      const int msg[2] = {rank, world_rank};
+      MPI_Send(msg, 2, MPI_INT, f.root_world_rank, tag, MPI_COMM_WORLD);
+      MPI_Recv(members.data(), nranks, MPI_INT, f.root_world_rank, tag, MPI_COMM_WORLD,
+               MPI_STATUS_IGNORE);
+    }
+    MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    MPI_Group_incl(world_group, nranks, members.data(), &group);
+    const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &comm->mpi);
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    if (rc != MPI_SUCCESS) return error(nullptr, ncclSystemError, "MPI_Comm_create_group failed");
+  }
+  *out = comm.release();
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (comm == nullptr) return ncclSuccess;
+  if (comm->mpi != MPI_COMM_NULL && !comm->aborted->load()) MPI_Comm_free(&comm->mpi);
+  delete comm;
+  return ncclSuccess;
+}
+
+// Abandons the communicator's collectives (pending work reports complete). Safe from any thread:
+// it makes no MPI call (the MPI communicator is leaked, as its requests may still be active).
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (comm == nullptr) return ncclSuccess;
+  comm->aborted->store(true);
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async) {
+  *async = ncclSuccess;
+  return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t rc = check_call(comm, type, "ncclAllReduce"); rc != ncclSuccess) return rc;
+  if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  const size_t bytes = count * type_size(type);
+  if (comm->size == 1) {
+    keel_emu::wait_stream(stream);
+    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
+    return ncclSuccess;
+  }
+  return enqueue(comm, stream, {}, "ncclAllReduce", [&](const void*, MPI_Request* req) {
+    return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
+                          mpi_type(type), mpi_op(op), comm->mpi, req);
+  });
+}
+
+ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
+                           int root, ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t rc = check_call(comm, type, "ncclBroadcast"); rc != ncclSuccess) return rc;
+  if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
+  const size_t bytes = count * type_size(type);
+  keel_emu::wait_stream(stream);
+  if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
+  if (comm->size == 1) return ncclSuccess;
+  return enqueue(comm, stream, {}, "ncclBroadcast", [&](const void*, MPI_Request* req) {
+    return MPI_Ibcast(recv, static_cast<int>(count), mpi_type(type), root, comm->mpi, req);
+  });
+}
+
+ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t rc = check_call(comm, type, "ncclReduceScatter"); rc != ncclSuccess) {
+    return rc;
+  }
+  if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  const size_t bytes = recvcount * type_size(type);
+  const size_t all = bytes * static_cast<size_t>(comm->size);
+  if (comm->size == 1) {
+    keel_emu::wait_stream(stream);
+    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
+    return ncclSuccess;
+  }
+  keel_emu::wait_stream(stream);
+  std::vector<char> copy;
+  if (overlaps(send, all, recv, bytes)) {
+    copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + all);
+  }
+  const bool copied = !copy.empty();
+  return enqueue(comm, stream, std::move(copy), "ncclReduceScatter",
+                 [&](const void* scratch, MPI_Request* req) {
+                   return MPI_Ireduce_scatter_block(copied ? scratch : send, recv,
+                                                    static_cast<int>(recvcount), mpi_type(type),
+                                                    mpi_op(op), comm->mpi, req);
+                 });
+}
+
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
+                           ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t rc = check_call(comm, type, "ncclAllGather"); rc != ncclSuccess) return rc;
+  const size_t bytes = sendcount * type_size(type);
+  const size_t all = bytes * static_cast<size_t>(comm->size);
+  if (comm->size == 1) {
+    keel_emu::wait_stream(stream);
+    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
+    return ncclSuccess;
+  }
+  keel_emu::wait_stream(stream);
+  // In place when send is this rank's block of recv (NCCL's in-place form).
+  const bool in_place = static_cast<const char*>(send) ==
+                        static_cast<const char*>(recv) + bytes * static_cast<size_t>(comm->rank);
+  std::vector<char> copy;
+  if (!in_place && overlaps(send, bytes, recv, all)) {
+    copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+  }
+  const bool copied = !copy.empty();
+  return enqueue(
+      comm, stream, std::move(copy), "ncclAllGather", [&](const void* scratch, MPI_Request* req) {
+        return MPI_Iallgather(in_place ? MPI_IN_PLACE : (copied ? scratch : send),
+                              static_cast<int>(sendcount), mpi_type(type), recv,
+                              static_cast<int>(sendcount), mpi_type(type), comm->mpi, req);
+      });
+}
+
+}  // extern "C"
