@@ -47,6 +47,14 @@ __global__ void racy_kernel(float* out) {
   out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
 }
 
+// Reads the value the previous thread writes, without a barrier: a race in the other direction.
+__global__ void racy_backward_kernel(float* out) {
+  extern __shared__ float s[];
+  s[threadIdx.x] = static_cast<float>(threadIdx.x);
+  const unsigned prev = threadIdx.x == 0 ? blockDim.x - 1 : threadIdx.x - 1;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s[prev];
+}
+
 // Lane 0 waits at __syncthreads while lanes 1-31 wait for it at a shuffle: hangs a GPU.
 __global__ void deadlock_kernel(float* out) {
   if (threadIdx.x == 0) __syncthreads();
@@ -187,6 +195,18 @@ TEST(CudaEmulator, AMissingBarrierShowsAsPoisonedSharedMemory) {
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   // Thread 0 runs to its end before thread 1 writes: it reads the NaN the block started with.
   EXPECT_TRUE(std::isnan(to_host(out, 64)[0]));
+  cudaFree(out);
+}
+
+// Odd blocks run their threads in descending order (Note [cuda-emu-order] in runtime.cc): a
+// thread reading what a lower thread wrote without a barrier reads NaN there.
+TEST(CudaEmulator, ARaceInEitherDirectionShowsInOneOfTwoBlocks) {
+  float* out = device_alloc<float>(128);
+  racy_backward_kernel<<<2, 64, 64 * sizeof(float)>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<float> h = to_host(out, 128);
+  EXPECT_EQ(h[5], 4.0f) << "block 0 runs ascending: thread 4 wrote before thread 5 read";
+  EXPECT_TRUE(std::isnan(h[64 + 5])) << "block 1 runs descending: thread 4 had not written";
   cudaFree(out);
 }
 

@@ -285,9 +285,17 @@ bool run_block(Block& b) {
     b.warps[static_cast<size_t>(f.warp)].exists |= 1u << f.lane;
     make_context(f.ctx, t_stacks.get(static_cast<size_t>(i)), kStackBytes, fiber_entry);
   }
+  // Note [cuda-emu-order]: even blocks run their threads in ascending order between barriers, odd
+  // blocks in descending order, so a thread that reads what another writes without a barrier
+  // between them reads the value from before the write (NaN in fresh dynamic shared memory) in
+  // one of the two, whichever thread writes.
+  const uint3 bi = t_fiber_ids_template.block_idx;
+  const dim3 gd = t_fiber_ids_template.grid_dim;
+  const bool descending = (bi.x + gd.x * (bi.y + gd.y * bi.z)) % 2 == 1;
   while (b.live > 0) {
     bool ran = false;
-    for (Fiber& f : b.fibers) {
+    for (int k = 0; k < n; ++k) {
+      Fiber& f = b.fibers[static_cast<size_t>(descending ? n - 1 - k : k)];
       if (f.state != Fiber::kReady) continue;
       t_fiber = &f;
       switch_context(b.sched, f.ctx);
