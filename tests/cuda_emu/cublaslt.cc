@@ -13,6 +13,7 @@
 #include <string>
 
 #include "framework/kernels/cuda/bf16.h"
+#include "tests/cuda_emu/emu.h"
 
 namespace {
 
@@ -242,7 +243,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
                               const void* C, cublasLtMatrixLayout_t cl, void* D,
                               cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* /*algo*/,
                               void* /*workspace*/, size_t /*workspace_bytes*/,
-                              cudaStream_t /*stream*/) {
+                              cudaStream_t stream) {
+  keel_emu::wait_stream(stream);  // stream order, as for a kernel
   const Desc& d = *desc(dsc);
   const Layout &a = *layout(al), &b = *layout(bl), &c = *layout(cl), &dd = *layout(dl);
   const cublasStatus_t s = check_shapes(d, a, b, c, dd);

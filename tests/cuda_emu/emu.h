@@ -4,10 +4,11 @@
 // and atomics, all backed by the emulator's scheduler (runtime.cc), which runs every CUDA thread
 // of a block as a fiber on the calling host thread.
 //
-// Note [cuda-emu-shared]: __shared__ becomes `static thread_local`. A block's fibers run on one
-// host thread, one block after another, so every thread of a block sees the same variable, as on
-// a GPU; a later block finds the previous block's values, which a correct kernel never reads
-// before writing (and the dynamic shared memory is re-poisoned with NaN for every block).
+// Note [cuda-emu-shared]: translate.py turns every static __shared__ declaration into a reference
+// into the running block's shared area (static_shared below), and `extern __shared__` into a
+// pointer to its dynamic shared memory. Both are poisoned with NaN (0xFF bytes) before each block
+// runs, so a kernel that reads shared memory it did not write in this block reads NaN, and their
+// sum is held to the block's shared-memory limit.
 #pragma once
 
 // Every CUDA header first, while the CUDA keywords still mean what the headers expect.
@@ -32,7 +33,7 @@
 #undef __host__
 #define __host__
 #undef __shared__
-#define __shared__ static thread_local
+#define __shared__ __shared___left_untranslated_by_translate_py
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 #undef __forceinline__
@@ -68,9 +69,12 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual bool test() = 0;  // true once complete (or abandoned); must not block
+  virtual bool touches(const void* /*p*/, size_t /*n*/) const { return true; }
 };
 void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work);
 void wait_stream(cudaStream_t stream);
+// Waits only for the stream's pending work that touches [p, p + n).
+void wait_stream_touching(cudaStream_t stream, const void* p, size_t n);
 // The number of emulated GPUs: KEEL_CUDA_EMU_DEVICES (default 1). They share the host's memory.
 int device_count();
 
@@ -160,6 +164,16 @@ inline DeducedLauncher launch_deduced(const char* name, dim3 grid, dim3 block,
   return DeducedLauncher(name, grid, block, shared_bytes, stream);
 }
 
+// The running block's static shared variable tagged `tag` (a static local of the declaring
+// function, so each declaration and template instantiation has its own): every thread of the
+// block gets the same object, NaN-poisoned when the block starts.
+void* block_static_shared(const void* tag, size_t bytes, size_t align);
+template <typename T>
+T& static_shared(const void* tag) {
+  static_assert(std::is_trivially_copyable_v<T>, "shared memory holds trivial types");
+  return *static_cast<T*>(block_static_shared(tag, sizeof(T), alignof(T)));
+}
+
 template <typename T>
 T* dynamic_shared_as() {
   return static_cast<T*>(dynamic_shared());
@@ -204,7 +218,7 @@ template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   const int lane = ::keel_emu::lane_id();
   int from = lane ^ lane_mask;
-  if (from / width != lane / width) from = lane;  // outside the segment: the lane's own value
+  if (from / width > lane / width) from = lane;  // a later segment: the lane's own value (CUDA)
   return ::keel_emu::from_bits<T>(
       ::keel_emu::warp_exchange(mask, ::keel_emu::to_bits(v), from, "__shfl_xor_sync"));
 }
@@ -297,7 +311,8 @@ cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_i
 template <typename K, typename V>
 cudaError_t cub::DeviceRadixSort::SortPairs(void* temp, size_t& temp_bytes, const K* keys_in,
                                             K* keys_out, const V* values_in, V* values_out, int n,
-                                            int begin_bit, int end_bit, cudaStream_t /*stream*/) {
+                                            int begin_bit, int end_bit, cudaStream_t stream) {
+  if (temp != nullptr) ::keel_emu::wait_stream(stream);
   static_assert(std::is_same_v<K, int32_t> && std::is_same_v<V, int32_t>,
                 "the emulator sorts int32 pairs only");
   return ::keel_emu::sort_pairs_i32(temp, temp_bytes, keys_in, keys_out, values_in, values_out, n,

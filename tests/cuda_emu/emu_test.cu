@@ -91,6 +91,23 @@ __global__ void shared_poison_kernel(float* out) {
   out[threadIdx.x] = s[threadIdx.x];
 }
 
+// Accumulates into static shared memory it never initialised: NaN on the emulator, garbage on a
+// GPU.
+__global__ void uninitialised_static_shared_kernel(float* out) {
+  __shared__ float acc[2];
+  if (threadIdx.x == 0) acc[0] += 1.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = acc[0];
+}
+
+// Half the warp returns; the rest exchange among themselves with the full mask (CUDA: exited
+// lanes named in the mask do not take part).
+__global__ void exited_lanes_kernel(int* out) {
+  const int lane = threadIdx.x % 32;
+  if (lane >= 16) return;
+  out[lane] = __shfl_xor_sync(0xffffffffu, lane, 1);
+}
+
 __global__ void atomic_kernel(int* counter, float* maxv) {
   atomicAdd(counter, 1);
   atomicMax(reinterpret_cast<int*>(maxv), __float_as_int(static_cast<float>(threadIdx.x)));
@@ -174,6 +191,15 @@ TEST(CudaEmulator, BarriersOrderSharedMemoryAcrossTheBlock) {
   cudaFree(out);
 }
 
+TEST(CudaEmulator, ExitedLanesDoNotHoldUpAWarpExchange) {
+  int* out = device_alloc<int>(16);
+  exited_lanes_kernel<<<1, 32>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<int> h = to_host(out, 16);
+  for (int l = 0; l < 16; ++l) EXPECT_EQ(h[l], l ^ 1) << l;
+  cudaFree(out);
+}
+
 TEST(CudaEmulator, AtomicsSeeEveryThread) {
   int* counter = device_alloc<int>(1);
   float* maxv = device_alloc<float>(1);
@@ -193,8 +219,11 @@ TEST(CudaEmulator, AMissingBarrierShowsAsPoisonedSharedMemory) {
   float* out = device_alloc<float>(64);
   racy_kernel<<<1, 64, 64 * sizeof(float)>>>(out);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  // Thread 0 runs to its end before thread 1 writes: it reads the NaN the block started with.
-  EXPECT_TRUE(std::isnan(to_host(out, 64)[0]));
+  // In either thread order some thread runs to its end before its neighbour writes: it reads the
+  // NaN the block started with.
+  int nan = 0;
+  for (float v : to_host(out, 64)) nan += std::isnan(v);
+  EXPECT_GE(nan, 1);
   cudaFree(out);
 }
 
@@ -205,8 +234,9 @@ TEST(CudaEmulator, ARaceInEitherDirectionShowsInOneOfTwoBlocks) {
   racy_backward_kernel<<<2, 64, 64 * sizeof(float)>>>(out);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const std::vector<float> h = to_host(out, 128);
-  EXPECT_EQ(h[5], 4.0f) << "block 0 runs ascending: thread 4 wrote before thread 5 read";
-  EXPECT_TRUE(std::isnan(h[64 + 5])) << "block 1 runs descending: thread 4 had not written";
+  // One block ran ascending (thread 4 wrote before thread 5 read), the other descending.
+  const float a = h[5], b = h[64 + 5];
+  EXPECT_TRUE((a == 4.0f && std::isnan(b)) || (std::isnan(a) && b == 4.0f)) << a << " " << b;
   cudaFree(out);
 }
 
@@ -274,6 +304,14 @@ TEST(CudaEmulator, SharedMemoryAbove48KiBNeedsTheOptIn) {
                          300 << 10);
   });
   EXPECT_EQ(r.error, cudaErrorInvalidValue);
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, StaticSharedMemoryStartsEveryBlockAsNaN) {
+  float* out = device_alloc<float>(3);
+  uninitialised_static_shared_kernel<<<3, 32>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (float v : to_host(out, 3)) EXPECT_TRUE(std::isnan(v));
   cudaFree(out);
 }
 

@@ -5,10 +5,13 @@
 // Like NCCL, a collective is enqueued on its stream and returns at once: it starts as an MPI
 // non-blocking collective, and the stream holds it as pending work (runtime.cc), so
 // cudaStreamQuery / cudaEventQuery report "not ready" until it completes, and later kernels and
-// copies on the stream wait for it. ncclCommAbort abandons a communicator's collectives (the
-// stream drains), as NCCL's abort stops its kernels; a peer that never joins leaves them pending,
-// which keel's watchdog sees as a hang. MPI is initialised with MPI_THREAD_FUNNELED, so only the
-// thread that made the communicator drives MPI; pending work polled from another thread waits.
+// copies on the stream wait for it. One difference: a collective whose buffers overlap a
+// collective still pending on its stream waits for that one at the call (NCCL would enqueue it),
+// because an MPI non-blocking collective reads its input when it starts. ncclCommAbort abandons a
+// communicator's collectives (the stream drains), as NCCL's abort stops its kernels; a peer that
+// never joins leaves them pending, which keel's watchdog sees as a hang. MPI is initialised with
+// MPI_THREAD_FUNNELED, so only the thread that made the communicator drives MPI; pending work
+// polled from another thread waits.
 //
 // A communicator of one rank needs no MPI (collectives are copies). Bootstrap for more: the
 // unique id names the root's MPI_COMM_WORLD rank and a serial number; every member sends its
@@ -60,28 +63,55 @@ ncclResult_t error(ncclComm* comm, ncclResult_t code, const std::string& why) {
 }
 
 // One MPI non-blocking collective, pending on a stream.
-class Collective : public keel_emu::Pending {
+struct Range {
+  const void* p;
+  size_t n;
+};
+
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
+  return pa < pb + bn && pb < pa + an;
+}
+
+class Collective : public keel_emu::Pending, public std::enable_shared_from_this<Collective> {
  public:
-  Collective(ncclComm* comm, std::vector<char> scratch)
-      : owner_(comm->owner), aborted_(comm->aborted), scratch_(std::move(scratch)) {}
+  Collective(ncclComm* comm, std::vector<char> scratch, Range in, Range out)
+      : owner_(comm->owner),
+        aborted_(comm->aborted),
+        scratch_(std::move(scratch)),
+        in_(in),
+        out_(out) {}
   MPI_Request* request() { return &request_; }
   const void* scratch() const { return scratch_.data(); }
 
   bool test() override {
-    if (done_ || aborted_->load()) return true;  // an aborted communicator's work is abandoned
+    if (done_.load()) return true;
+    if (aborted_->load()) {
+      // Abandoned with its communicator; MPI may still use its buffers (scratch_), so it is kept.
+      static std::mutex mu;
+      static std::vector<std::shared_ptr<Collective>> abandoned;
+      std::lock_guard<std::mutex> lock(mu);
+      abandoned.push_back(shared_from_this());
+      done_ = true;
+      return true;
+    }
     if (std::this_thread::get_id() != owner_) return false;
     int flag = 0;
     MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
     done_ = flag != 0;
-    return done_;
+    return done_.load();
+  }
+  bool touches(const void* p, size_t n) const override {
+    return overlaps(p, n, in_.p, in_.n) || overlaps(p, n, out_.p, out_.n);
   }
 
  private:
   std::thread::id owner_;
   std::shared_ptr<std::atomic<bool>> aborted_;
   std::vector<char> scratch_;  // a copy of an input that overlaps the output
+  Range in_, out_;
   MPI_Request request_ = MPI_REQUEST_NULL;
-  bool done_ = false;
+  std::atomic<bool> done_{false};
 };
 
 MPI_Datatype mpi_type(ncclDataType_t t) {
@@ -145,18 +175,19 @@ ncclResult_t check_call(ncclComm* comm, ncclDataType_t type, const char* call) {
   return ncclSuccess;
 }
 
-bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
-  const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
-  return pa < pb + bn && pb < pa + an;
+// Waits for what `stream` still holds that touches the buffers (stream order: the input may be
+// their output, the output their input).
+void wait_for_buffers(cudaStream_t stream, Range in, Range out) {
+  keel_emu::wait_stream_touching(stream, in.p, in.n);
+  keel_emu::wait_stream_touching(stream, out.p, out.n);
 }
 
-// Starts `start` (which issues one MPI non-blocking collective into the request) on `stream`,
-// after what the stream already holds (stream order: its input may be their output).
+// Starts `start` (which issues one MPI non-blocking collective into the request) on `stream`.
 template <typename Start>
-ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scratch,
-                     const char* call, Start start) {
-  keel_emu::wait_stream(stream);
-  auto c = std::make_shared<Collective>(comm, std::move(scratch));
+ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scratch, Range in,
+                     Range out, const char* call, Start start) {
+  wait_for_buffers(stream, in, out);
+  auto c = std::make_shared<Collective>(comm, std::move(scratch), in, out);
   const int rc = start(c->scratch(), c->request());
   if (rc != MPI_SUCCESS) {
     return error(comm, ncclSystemError, std::string(call) + ": MPI error " + std::to_string(rc));
@@ -291,14 +322,16 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = count * type_size(type);
   if (comm->size == 1) {
-    keel_emu::wait_stream(stream);
+    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
     return ncclSuccess;
   }
-  return enqueue(comm, stream, {}, "ncclAllReduce", [&](const void*, MPI_Request* req) {
-    return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
-                          mpi_type(type), mpi_op(op), comm->mpi, req);
-  });
+  return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclAllReduce",
+                 [&](const void*, MPI_Request* req) {
+                   return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv,
+                                         static_cast<int>(count), mpi_type(type), mpi_op(op),
+                                         comm->mpi, req);
+                 });
 }
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
@@ -306,12 +339,14 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   if (const ncclResult_t rc = check_call(comm, type, "ncclBroadcast"); rc != ncclSuccess) return rc;
   if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
   const size_t bytes = count * type_size(type);
-  keel_emu::wait_stream(stream);
+  wait_for_buffers(stream, {send, bytes}, {recv, bytes});
   if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
   if (comm->size == 1) return ncclSuccess;
-  return enqueue(comm, stream, {}, "ncclBroadcast", [&](const void*, MPI_Request* req) {
-    return MPI_Ibcast(recv, static_cast<int>(count), mpi_type(type), root, comm->mpi, req);
-  });
+  return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclBroadcast",
+                 [&](const void*, MPI_Request* req) {
+                   return MPI_Ibcast(recv, static_cast<int>(count), mpi_type(type), root, comm->mpi,
+                                     req);
+                 });
 }
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
@@ -323,17 +358,17 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (comm->size == 1) {
-    keel_emu::wait_stream(stream);
+    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
     return ncclSuccess;
   }
-  keel_emu::wait_stream(stream);
+  wait_for_buffers(stream, {send, all}, {recv, bytes});
   std::vector<char> copy;
   if (overlaps(send, all, recv, bytes)) {
     copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + all);
   }
   const bool copied = !copy.empty();
-  return enqueue(comm, stream, std::move(copy), "ncclReduceScatter",
+  return enqueue(comm, stream, std::move(copy), {send, all}, {recv, bytes}, "ncclReduceScatter",
                  [&](const void* scratch, MPI_Request* req) {
                    return MPI_Ireduce_scatter_block(copied ? scratch : send, recv,
                                                     static_cast<int>(recvcount), mpi_type(type),
@@ -347,11 +382,11 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   const size_t bytes = sendcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (comm->size == 1) {
-    keel_emu::wait_stream(stream);
+    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
     return ncclSuccess;
   }
-  keel_emu::wait_stream(stream);
+  wait_for_buffers(stream, {send, bytes}, {recv, all});
   // In place when send is this rank's block of recv (NCCL's in-place form).
   const bool in_place = static_cast<const char*>(send) ==
                         static_cast<const char*>(recv) + bytes * static_cast<size_t>(comm->rank);
@@ -360,12 +395,13 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
     copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
   }
   const bool copied = !copy.empty();
-  return enqueue(
-      comm, stream, std::move(copy), "ncclAllGather", [&](const void* scratch, MPI_Request* req) {
-        return MPI_Iallgather(in_place ? MPI_IN_PLACE : (copied ? scratch : send),
-                              static_cast<int>(sendcount), mpi_type(type), recv,
-                              static_cast<int>(sendcount), mpi_type(type), comm->mpi, req);
-      });
+  return enqueue(comm, stream, std::move(copy), {send, bytes}, {recv, all}, "ncclAllGather",
+                 [&](const void* scratch, MPI_Request* req) {
+                   return MPI_Iallgather(in_place ? MPI_IN_PLACE : (copied ? scratch : send),
+                                         static_cast<int>(sendcount), mpi_type(type), recv,
+                                         static_cast<int>(sendcount), mpi_type(type), comm->mpi,
+                                         req);
+                 });
 }
 
 }  // extern "C"

@@ -52,7 +52,7 @@ constexpr size_t kMaxSharedBytes = 232448;        // sm_90's opt-in maximum (227
 
 std::mutex g_mu;  // API state below; kernels run under g_launch_mu
 std::mutex g_launch_mu;
-cudaError_t g_last_error = cudaSuccess;
+thread_local cudaError_t g_last_error = cudaSuccess;  // per host thread, as CUDA's
 
 cudaError_t fail(cudaError_t code, const std::string& message) {
   std::fprintf(stderr, "keel cuda emulator: %s\n", message.c_str());
@@ -69,7 +69,7 @@ cudaError_t fail(cudaError_t code, const std::string& message) {
 #if defined(__x86_64__)
 extern "C" void keel_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
-  .text
+  .pushsection .text
   .globl keel_emu_switch
   .type keel_emu_switch,@function
 keel_emu_switch:
@@ -97,6 +97,7 @@ keel_emu_switch:
   ret
   .cfi_endproc
   .size keel_emu_switch, .-keel_emu_switch
+  .popsection
 )");
 
 struct Context {
@@ -149,6 +150,7 @@ struct Fiber {
 struct Warp {
   uint32_t exists = 0;   // lanes that are threads of the block
   uint32_t waiting = 0;  // lanes at an exchange
+  uint32_t exited = 0;   // lanes whose thread has returned
   uint64_t values[32] = {};
 };
 
@@ -160,7 +162,13 @@ struct Block {
   std::vector<Warp> warps;
   int live = 0, at_barrier = 0;
   Context sched;
-  std::vector<unsigned char> shared;
+  std::vector<unsigned char> shared;  // dynamic shared memory
+  // Static shared memory (Note [cuda-emu-shared] in emu.h): a fixed area, so addresses stay put;
+  // each tag's offset is kept for the whole launch, the bytes re-poisoned for every block.
+  std::vector<unsigned char> statics;
+  std::map<const void*, size_t> static_offsets;
+  size_t statics_used = 0;
+  size_t shared_limit = 0;  // static + dynamic bytes a block may use
   std::string fault;
 };
 
@@ -168,6 +176,7 @@ thread_local Block* t_block = nullptr;
 thread_local Fiber* t_fiber = nullptr;
 // The ids every thread of the running block shares (set before its fibers are made).
 thread_local ThreadIds t_fiber_ids_template;
+thread_local uint64_t t_launches = 0;  // kernels this thread has run (Note [cuda-emu-order])
 
 struct Stacks {
   std::vector<char*> stacks;
@@ -212,16 +221,24 @@ void release_barrier(Block& b) {
   b.at_barrier = 0;
 }
 
-// Completes the exchange of the lanes in `mask` once all of them wait at it with that mask.
+// Completes the exchange of the lanes in `mask` once every lane of it that has not exited waits
+// at it with that mask (CUDA: the non-exited threads named in the mask must take part). Reading
+// an exited lane is undefined in CUDA: a fault.
 void try_release_warp(Block& b, int warp, uint32_t mask) {
   Warp& w = b.warps[static_cast<size_t>(warp)];
-  if ((w.waiting & mask) != mask) return;
+  if (((w.waiting | w.exited) & mask) != mask || (w.waiting & mask) == 0) return;
   Fiber* lanes = &b.fibers[static_cast<size_t>(warp) * 32];
   for (int l = 0; l < 32; ++l) {
-    if ((mask >> l & 1u) && lanes[l].wait_mask != mask) return;
+    if ((w.waiting & mask) >> l & 1u && lanes[l].wait_mask != mask) return;
   }
   for (int l = 0; l < 32; ++l) {
-    if (!(mask >> l & 1u)) continue;
+    if (!((w.waiting & mask) >> l & 1u)) continue;
+    if ((w.exited >> lanes[l].src & 1u) && b.fault.empty()) {
+      std::ostringstream os;
+      os << lanes[l].what << " in thread " << lanes[l].ids.thread_idx.x << " reads lane "
+         << lanes[l].src << ", which has exited";
+      b.fault = os.str();
+    }
     lanes[l].result = w.values[lanes[l].src];
     lanes[l].state = Fiber::kReady;
   }
@@ -241,6 +258,12 @@ void fiber_entry() {
   f.state = Fiber::kDone;
   --b.live;
   if (b.live > 0 && b.at_barrier == b.live) release_barrier(b);
+  // Exchanges that waited only for this lane can complete now.
+  Warp& w = b.warps[static_cast<size_t>(f.warp)];
+  w.exited |= 1u << f.lane;
+  for (int l = 0; l < 32 && w.waiting != 0; ++l) {
+    if (w.waiting >> l & 1u) try_release_warp(b, f.warp, b.fibers[f.warp * 32 + l].wait_mask);
+  }
   switch_context(f.ctx, b.sched);  // for good: a finished fiber is never resumed
   std::abort();
 }
@@ -274,6 +297,8 @@ bool run_block(Block& b) {
   b.live = n;
   b.at_barrier = 0;
   std::fill(b.shared.begin(), b.shared.end(), static_cast<unsigned char>(0xFF));
+  std::fill(b.statics.begin(), b.statics.begin() + static_cast<std::ptrdiff_t>(b.statics_used),
+            static_cast<unsigned char>(0xFF));
   for (int i = 0; i < n; ++i) {
     Fiber& f = b.fibers[static_cast<size_t>(i)];
     f.ids = t_fiber_ids_template;
@@ -285,13 +310,14 @@ bool run_block(Block& b) {
     b.warps[static_cast<size_t>(f.warp)].exists |= 1u << f.lane;
     make_context(f.ctx, t_stacks.get(static_cast<size_t>(i)), kStackBytes, fiber_entry);
   }
-  // Note [cuda-emu-order]: even blocks run their threads in ascending order between barriers, odd
-  // blocks in descending order, so a thread that reads what another writes without a barrier
-  // between them reads the value from before the write (NaN in fresh dynamic shared memory) in
-  // one of the two, whichever thread writes.
+  // Note [cuda-emu-order]: blocks alternate between running their threads in ascending and in
+  // descending order between barriers (by block index, and by launch, so a one-block grid gets
+  // both over its launches): a thread that reads what another writes without a barrier between
+  // them reads the value from before the write (NaN in fresh shared memory) in one of the two,
+  // whichever thread writes.
   const uint3 bi = t_fiber_ids_template.block_idx;
   const dim3 gd = t_fiber_ids_template.grid_dim;
-  const bool descending = (bi.x + gd.x * (bi.y + gd.y * bi.z)) % 2 == 1;
+  const bool descending = (bi.x + gd.x * (bi.y + gd.y * bi.z) + t_launches) % 2 == 1;
   while (b.live > 0) {
     bool ran = false;
     for (int k = 0; k < n; ++k) {
@@ -316,6 +342,29 @@ bool run_block(Block& b) {
 const ThreadIds& ids() { return t_fiber->ids; }
 int lane_id() { return t_fiber->lane; }
 void* dynamic_shared() { return t_block->shared.data(); }
+
+void* block_static_shared(const void* tag, size_t bytes, size_t align) {
+  Block& b = *t_block;
+  auto it = b.static_offsets.find(tag);
+  if (it == b.static_offsets.end()) {
+    align = std::max<size_t>(align, 16);
+    const size_t offset = (b.statics_used + align - 1) / align * align;
+    if (offset + bytes + b.shared.size() > b.shared_limit || offset + bytes > b.statics.size()) {
+      if (b.fault.empty()) {
+        b.fault = "static shared memory (" + std::to_string(offset + bytes) + " bytes) plus " +
+                  std::to_string(b.shared.size()) + " dynamic exceeds the block's " +
+                  std::to_string(b.shared_limit);
+      }
+      yield();  // the scheduler stops the block
+    }
+    std::fill(b.statics.begin() + static_cast<std::ptrdiff_t>(b.statics_used),
+              b.statics.begin() + static_cast<std::ptrdiff_t>(offset + bytes),
+              static_cast<unsigned char>(0xFF));
+    b.statics_used = offset + bytes;
+    it = b.static_offsets.emplace(tag, offset).first;
+  }
+  return b.statics.data() + it->second;
+}
 
 void syncthreads(const char* file, int line) {
   Block& b = *t_block;
@@ -362,6 +411,7 @@ std::map<const void*, int>& max_shared_attr() {
 namespace {
 
 struct Stream {
+  bool blocking = true;  // false: cudaStreamNonBlocking, which the legacy default stream skips
   std::vector<std::shared_ptr<Pending>> pending;
 };
 struct Event {
@@ -401,13 +451,49 @@ void wait_list(std::vector<std::shared_ptr<Pending>>& list) {
   while (!poll(list)) std::this_thread::yield();
 }
 
+// Waits for the items of `list` that touch [p, p + n).
+void wait_touching(std::vector<std::shared_ptr<Pending>>& list, const void* p, size_t n) {
+  for (;;) {
+    std::vector<std::shared_ptr<Pending>> touching;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      for (auto& w : list) {
+        if (w->touches(p, n)) touching.push_back(w);
+      }
+    }
+    if (touching.empty() || poll(touching)) break;
+    poll(list);
+    std::this_thread::yield();
+  }
+  poll(list);
+}
+
 }  // namespace
 
 void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work) {
   std::lock_guard<std::mutex> lock(g_mu);
   stream_of(stream).pending.push_back(std::move(work));
 }
-void wait_stream(cudaStream_t stream) { wait_list(stream_of(stream).pending); }
+// Stream order with the legacy default stream: work on it waits for every blocking stream, and
+// work on a blocking stream waits for it.
+void wait_stream(cudaStream_t stream) {
+  if (stream == nullptr) {
+    std::vector<cudaStream_t> blocking;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      for (cudaStream_t s : live_streams()) {
+        if (stream_of(s).blocking) blocking.push_back(s);
+      }
+    }
+    for (cudaStream_t s : blocking) wait_list(stream_of(s).pending);
+  } else if (stream_of(stream).blocking) {
+    wait_list(g_default_stream.pending);
+  }
+  wait_list(stream_of(stream).pending);
+}
+void wait_stream_touching(cudaStream_t stream, const void* p, size_t n) {
+  wait_touching(stream_of(stream).pending, p, n);
+}
 void wait_all_streams() {
   std::vector<cudaStream_t> all;
   {
@@ -435,11 +521,13 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   std::ostringstream why;
   const dim3 &g = cfg.grid, &bd = cfg.block;
   const uint64_t threads = uint64_t{bd.x} * bd.y * bd.z;
+  size_t allowed = kDefaultSharedBytes;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     const auto attr = max_shared_attr().find(cfg.kernel);
-    const size_t allowed =
-        attr == max_shared_attr().end() ? kDefaultSharedBytes : static_cast<size_t>(attr->second);
+    if (attr != max_shared_attr().end()) {
+      allowed = std::max(allowed, static_cast<size_t>(attr->second));
+    }
     if (threads == 0 || threads > 1024 || bd.x > 1024 || bd.y > 1024 || bd.z > 64) {
       why << "block (" << bd.x << "," << bd.y << "," << bd.z << ") is not 1 to 1024 threads";
     } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535 ||
@@ -448,9 +536,8 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
     } else if (cfg.kernel == nullptr && cfg.shared_bytes > kDefaultSharedBytes) {
       why << cfg.shared_bytes << " bytes of dynamic shared memory for a kernel launched without "
           << "its template arguments (the emulator cannot check its opt-in: name them)";
-    } else if (cfg.shared_bytes > std::max(allowed, kDefaultSharedBytes)) {
-      why << cfg.shared_bytes << " bytes of dynamic shared memory, above the "
-          << std::max(allowed, kDefaultSharedBytes)
+    } else if (cfg.shared_bytes > allowed) {
+      why << cfg.shared_bytes << " bytes of dynamic shared memory, above the " << allowed
           << " allowed (cudaFuncAttributeMaxDynamicSharedMemorySize)";
     } else if (cfg.stream != nullptr && !live_streams().count(cfg.stream)) {
       why << "stream " << static_cast<const void*>(cfg.stream) << " does not exist";
@@ -467,6 +554,11 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   b.body = body;
   b.arg = arg;
   b.shared.assign(cfg.shared_bytes, 0xFF);
+  b.statics.assign(kMaxSharedBytes, 0xFF);
+  // Static plus dynamic: 48 KiB, or with the opt-in the device's maximum (the attribute bounds
+  // the dynamic part alone, checked above).
+  b.shared_limit = allowed > kDefaultSharedBytes ? kMaxSharedBytes : kDefaultSharedBytes;
+  ++t_launches;
   Block* const outer_block = t_block;
   t_block = &b;
   t_fiber_ids_template.block_dim = bd;
@@ -664,6 +756,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  keel_emu::wait_all_streams();  // cudaFree synchronises the device
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = keel_emu::device_allocations().find(ptr);
   if (it == keel_emu::device_allocations().end()) {
@@ -719,12 +812,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
-  keel_emu::wait_all_streams();  // the legacy default stream orders after every stream
+  keel_emu::wait_stream(nullptr);  // the legacy default stream
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
-  keel_emu::wait_all_streams();
+  keel_emu::wait_stream(nullptr);
   if (bytes > 0) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
@@ -734,9 +827,11 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t str
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned /*flags*/) {
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
   std::lock_guard<std::mutex> lock(g_mu);
-  *stream = reinterpret_cast<cudaStream_t>(new keel_emu::Stream);
+  auto* s = new keel_emu::Stream;
+  s->blocking = (flags & cudaStreamNonBlocking) == 0;
+  *stream = reinterpret_cast<cudaStream_t>(s);
   keel_emu::live_streams().insert(*stream);
   return cudaSuccess;
 }

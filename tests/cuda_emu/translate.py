@@ -8,6 +8,7 @@ Only the three constructs a host compiler cannot parse change; every other line 
   kernel<<<grid, block, smem, stream>>>(args)       ->  ::keel_emu::launch_deduced("kernel", grid,
                                     block, smem, stream)([](auto... a) { kernel(a...); }, args)
   extern __shared__ T name[];                        ->  T* name = ::keel_emu::dynamic_shared_as<T>();
+  __shared__ T a[32], b[4][4];                       ->  the block's static shared memory (emu.h)
   #include <cub/...>                                 ->  (dropped: tests/cuda_emu/emu.h has the sort)
 
 Usage: translate.py IN.cu OUT.cc. Exits 2 with one line when a launch cannot be parsed.
@@ -19,6 +20,9 @@ import sys
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*)(\s*<[^<>;{}]*>)?(\s*)<<<(.*?)>>>(\s*)\(", re.S)
 EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+# A static __shared__ declaration: a one-word type and one or more name[dims] declarators.
+STATIC_SHARED = re.compile(r"__shared__\s+([\w:]+)\s+((?:\w+(?:\s*\[[^\]]+\])*\s*,?\s*)+);")
+DECLARATOR = re.compile(r"(\w+)((?:\s*\[[^\]]+\])*)")
 CUB_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<cub/[^>]*>.*$", re.M)
 
 
@@ -41,6 +45,25 @@ def translate(text, path):
         line = out[: out.index("<<<")].count("\n") + 1
         raise ValueError("%s:%d: a kernel launch the emulator cannot parse" % (path, line))
     out = EXTERN_SHARED.sub(r"\1* \2 = ::keel_emu::dynamic_shared_as<\1>();", out)
+
+    # Static shared memory lives in the running block's area (poisoned with NaN for every block):
+    # the tag, a static local, tells the declarations apart (one per template instantiation).
+    def static_shared(m):
+        ty, decls = m.group(1), m.group(2)
+        parts = []
+        for d in DECLARATOR.finditer(decls):
+            name, dims = d.group(1), re.sub(r"\s+", "", d.group(2))
+            parts.append(
+                "static char keel_emu_tag_%s; auto& %s = ::keel_emu::static_shared<%s%s>("
+                "&keel_emu_tag_%s);" % (name, name, ty, dims, name))
+        return " ".join(parts)
+
+    out = STATIC_SHARED.sub(static_shared, out)
+    code = re.sub(r"//[^\n]*", "", out)  # comments go; line breaks stay
+    leftover = re.search(r"\b__shared__\b", code)
+    if leftover:
+        line = code[: leftover.start()].count("\n")
+        raise ValueError("%s:%d: a __shared__ declaration the emulator cannot parse" % (path, line))
     out = CUB_INCLUDE.sub("// (cub: tests/cuda_emu/emu.h)", out)
     return '#line 1 "%s"\n' % path + out, n
 
