@@ -5,17 +5,16 @@
 // What it checks that a GPU would only show as a wrong number, a hang or a crash:
 //  - launch configurations (block and grid limits, dynamic shared memory above 48 KiB without the
 //    opt-in attribute, above the 227 KiB Hopper maximum, a stream that does not exist);
-//  - __syncthreads that not every live thread of the block reaches, and warp shuffles whose mask
-//    names a lane that never arrives (both hang a GPU): reported as a deadlock naming the kernel,
-//    the block and where each thread waits;
-//  - reads of memory nobody wrote: device allocations and every block's dynamic shared memory
-//    start as NaN (0xFF bytes);
+//  - threads waiting at different __syncthreads, and barriers and warp exchanges waiting for each
+//    other (both hang a GPU): a fault naming the kernel, the block and where each thread waits;
+//  - reads of memory nobody wrote: new device allocations and every block's shared memory, static
+//    and dynamic, start as NaN (0xFF bytes); thread order alternates between blocks and launches
+//    (Note [cuda-emu-order]) so a missing barrier shows whichever thread writes;
 //  - accesses past the end of a device allocation or after its cudaFree: the allocation ends at a
 //    protected page and cudaFree unmaps it, so the access faults.
-// Kernels run when they are launched (every stream is synchronous). Blocks run one after another
-// on the calling thread; the threads of a block run cooperatively, switching only at barriers and
-// warp exchanges, so an unsynchronised shared-memory race shows as wrong values more often than
-// on a GPU, not less.
+// Kernels run when they are launched, after their stream's pending work (the emulated NCCL's
+// collectives). Blocks run one after another on the calling thread; the threads of a block run
+// cooperatively, switching only at barriers and warp exchanges.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
