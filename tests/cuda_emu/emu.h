@@ -55,7 +55,8 @@ const ThreadIds& ids();
 // fault.
 void syncthreads(const char* file, int line);
 // The warp exchange behind every shuffle: publishes `bits` as this lane's value, waits until every
-// lane of `mask` has published, and returns the value of lane `src` (which must be in `mask`).
+// lane of `mask` that has not exited has published, and returns the value of lane `src` (which
+// must be in `mask` and not have exited).
 uint64_t warp_exchange(uint32_t mask, uint64_t bits, int src, const char* what);
 int lane_id();
 
@@ -231,7 +232,8 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
       ::keel_emu::warp_exchange(mask, ::keel_emu::to_bits(v), from, "__shfl_down_sync"));
 }
 
-// Atomics: blocks may run on several host threads (runtime.cc), so these are real atomics.
+// Atomics: kernel runs are serialised, but these stay real atomics, so another host thread that
+// reads the memory meanwhile sees whole values.
 template <typename T>
 T atomicAdd(T* p, T v) {
   std::atomic_ref<T> a(*p);
