@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "framework/kernels/cuda/device.h"
+
 namespace {
 
 // ---- kernels ----
@@ -337,6 +339,25 @@ TEST(CudaEmulatorDeathTest, ReadingPastAnAllocationFaults) {
   cudaFree(in);
   EXPECT_DEATH(read_kernel<<<1, 1>>>(in, out, 0), "");  // after cudaFree
   cudaFree(out);
+}
+
+TEST(CudaEmulatorDeathTest, WritingPastDynamicSharedMemoryFaults) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  float* out = device_alloc<float>(64);
+  // 64 threads write s[threadIdx.x] into 16 floats of dynamic shared memory.
+  EXPECT_DEATH(racy_kernel<<<1, 64, 16 * sizeof(float)>>>(out), "");
+  cudaFree(out);
+}
+
+TEST(CudaEmulator, ABlockTheCachingAllocatorHandsOutAgainReadsAsNaN) {
+  keel::kernels::cuda::Allocator alloc(0);
+  auto* p = static_cast<float*>(alloc.allocate(4096));
+  cudaMemset(p, 0, 4096);
+  alloc.deallocate(p);
+  auto* q = static_cast<float*>(alloc.allocate(4096));
+  ASSERT_EQ(q, p) << "the cache did not hand the block out again";
+  for (float v : to_host(q, 1024)) EXPECT_TRUE(std::isnan(v));
+  alloc.deallocate(q);
 }
 
 TEST(CudaEmulator, CublasLtRejectsALeadingDimensionShorterThanAColumn) {

@@ -153,6 +153,36 @@ struct Warp {
   uint64_t values[32] = {};
 };
 
+// Host memory whose end touches a protected page, so an access past it faults (the dynamic shared
+// memory of a launch: 16-byte aligned, as CUDA's is at least).
+class GuardedBytes {
+ public:
+  explicit GuardedBytes(size_t bytes) : size_(bytes) {
+    const size_t page = static_cast<size_t>(getpagesize());
+    const size_t body = (bytes + 15) / 16 * 16;
+    length_ = (body + page - 1) / page * page + page;
+    void* p = mmap(nullptr, length_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::fprintf(stderr, "keel cuda emulator: out of memory for shared memory\n");
+      std::abort();
+    }
+    base_ = static_cast<char*>(p);
+    mprotect(base_ + length_ - page, page, PROT_NONE);
+    data_ = base_ + length_ - page - body;
+  }
+  ~GuardedBytes() { munmap(base_, length_); }
+  GuardedBytes(const GuardedBytes&) = delete;
+  GuardedBytes& operator=(const GuardedBytes&) = delete;
+  unsigned char* data() const { return reinterpret_cast<unsigned char*>(data_); }
+  size_t size() const { return size_; }
+  void poison() const { std::memset(data_, 0xFF, size_); }
+
+ private:
+  char* base_ = nullptr;
+  char* data_ = nullptr;
+  size_t size_ = 0, length_ = 0;
+};
+
 struct Block {
   const LaunchConfig* cfg = nullptr;
   void (*body)(const void*) = nullptr;
@@ -161,7 +191,7 @@ struct Block {
   std::vector<Warp> warps;
   int live = 0, at_barrier = 0;
   Context sched;
-  std::vector<unsigned char> shared;  // dynamic shared memory
+  std::unique_ptr<GuardedBytes> shared;  // dynamic shared memory
   // Static shared memory (Note [cuda-emu-shared] in emu.h): a fixed area, so addresses stay put;
   // each tag's offset is kept for the whole launch, the bytes re-poisoned for every block.
   std::vector<unsigned char> statics;
@@ -295,7 +325,7 @@ bool run_block(Block& b) {
   b.warps.assign(static_cast<size_t>((n + 31) / 32), Warp{});
   b.live = n;
   b.at_barrier = 0;
-  std::fill(b.shared.begin(), b.shared.end(), static_cast<unsigned char>(0xFF));
+  b.shared->poison();
   std::fill(b.statics.begin(), b.statics.begin() + static_cast<std::ptrdiff_t>(b.statics_used),
             static_cast<unsigned char>(0xFF));
   for (int i = 0; i < n; ++i) {
@@ -340,7 +370,7 @@ bool run_block(Block& b) {
 
 const ThreadIds& ids() { return t_fiber->ids; }
 int lane_id() { return t_fiber->lane; }
-void* dynamic_shared() { return t_block->shared.data(); }
+void* dynamic_shared() { return t_block->shared->data(); }
 
 void* block_static_shared(const void* tag, size_t bytes, size_t align) {
   Block& b = *t_block;
@@ -348,10 +378,10 @@ void* block_static_shared(const void* tag, size_t bytes, size_t align) {
   if (it == b.static_offsets.end()) {
     align = std::max<size_t>(align, 16);
     const size_t offset = (b.statics_used + align - 1) / align * align;
-    if (offset + bytes + b.shared.size() > b.shared_limit || offset + bytes > b.statics.size()) {
+    if (offset + bytes + b.shared->size() > b.shared_limit || offset + bytes > b.statics.size()) {
       if (b.fault.empty()) {
         b.fault = "static shared memory (" + std::to_string(offset + bytes) + " bytes) plus " +
-                  std::to_string(b.shared.size()) + " dynamic exceeds the block's " +
+                  std::to_string(b.shared->size()) + " dynamic exceeds the block's " +
                   std::to_string(b.shared_limit);
       }
       yield();  // the scheduler stops the block
@@ -552,7 +582,7 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   b.cfg = &cfg;
   b.body = body;
   b.arg = arg;
-  b.shared.assign(cfg.shared_bytes, 0xFF);
+  b.shared = std::make_unique<GuardedBytes>(cfg.shared_bytes);
   b.statics.assign(kMaxSharedBytes, 0xFF);
   // Static plus dynamic: 48 KiB, or with the opt-in the device's maximum (the attribute bounds
   // the dynamic part alone, checked above).
@@ -751,6 +781,19 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   keel_emu::device_allocations()[user] = {base, length};
   *ptr = user;
   return cudaSuccess;
+}
+
+// device.cc's allocator calls this when its cache hands a block out again (KEEL_CUDA_EMULATOR):
+// once the work still pending on it is done, the block reads as NaN, like a fresh cudaMalloc.
+void keel_cuda_emu_block_reused(void* block, size_t bytes) {
+  std::vector<cudaStream_t> all;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    all.assign(keel_emu::live_streams().begin(), keel_emu::live_streams().end());
+  }
+  keel_emu::wait_stream_touching(nullptr, block, bytes);
+  for (cudaStream_t s : all) keel_emu::wait_stream_touching(s, block, bytes);
+  std::memset(block, 0xFF, bytes);
 }
 
 cudaError_t cudaFree(void* ptr) {

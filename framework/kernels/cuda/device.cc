@@ -96,6 +96,12 @@ void check_launch(const char* kernel, const std::string& where, const char* file
 
 // ---- Allocator ------------------------------------------------------------------------------
 
+#if KEEL_CUDA_EMULATOR
+// tests/cuda_emu (the CUDA emulator, which compiles this file unchanged otherwise): fills a block
+// the cache hands out again with NaN, so a kernel reading what its new owner never wrote shows.
+extern "C" void keel_cuda_emu_block_reused(void* block, size_t bytes);
+#endif
+
 size_t Allocator::bucket_size(size_t bytes) {
   constexpr size_t kMin = 512;
   if (bytes <= kMin) return kMin;
@@ -126,6 +132,9 @@ void* Allocator::allocate(size_t bytes) {
     it->second.pop_back();
     stats_.bytes_cached -= static_cast<int64_t>(size);
     ++stats_.cache_hits;
+#if KEEL_CUDA_EMULATOR
+    keel_cuda_emu_block_reused(p, size);
+#endif
   } else {
     cudaError_t st = cudaMalloc(&p, size);
     if (st == cudaErrorMemoryAllocation && stats_.bytes_cached > 0) {
