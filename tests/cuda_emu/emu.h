@@ -169,10 +169,10 @@ inline DeducedLauncher launch_deduced(const char* name, dim3 grid, dim3 block,
 // function, so each declaration and template instantiation has its own): every thread of the
 // block gets the same object, NaN-poisoned when the block starts.
 void* block_static_shared(const void* tag, size_t bytes, size_t align);
-template <typename T>
+template <typename T, size_t Align = alignof(T)>
 T& static_shared(const void* tag) {
   static_assert(std::is_trivially_copyable_v<T>, "shared memory holds trivial types");
-  return *static_cast<T*>(block_static_shared(tag, sizeof(T), alignof(T)));
+  return *static_cast<T*>(block_static_shared(tag, sizeof(T), Align));
 }
 
 template <typename T>
@@ -320,3 +320,107 @@ cudaError_t cub::DeviceRadixSort::SortPairs(void* temp, size_t& temp_bytes, cons
   return ::keel_emu::sort_pairs_i32(temp, temp_bytes, keys_in, keys_out, values_in, values_out, n,
                                     begin_bit, end_bit);
 }
+
+// ---- WMMA (nvcuda::wmma), as the backend uses it: bf16/fp32 m16n16k16 fragments ----
+//
+// How a fragment's elements spread over a warp's lanes is unspecified in CUDA, so each emulated
+// lane holds the whole tile. Every operation is warp-collective, as CUDA requires: it starts with
+// a full-warp __syncwarp (a warp that is not converged deadlocks there). Loads and stores check
+// WMMA's rules (pointer 256-bit aligned, ldm a multiple of 16 bytes); a store writes, from each
+// lane, only the elements whose index is the lane's modulo 32, so a lane that reads the stored
+// tile before a __syncwarp sees what was there before.
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+  static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+  static constexpr int num_elements = rows * cols;
+  T x[num_elements];  // (r, c) at x[r * cols + c]
+};
+
+}  // namespace nvcuda::wmma
+
+namespace keel_emu {
+
+void wmma_fault(const char* what);  // stops the block with `what` (runtime.cc)
+
+inline float wmma_to_float(float v) { return v; }
+inline float wmma_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+void wmma_check(const char* op, const T* p, unsigned ldm) {
+  __syncwarp();
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) wmma_fault(op);
+  if ((static_cast<size_t>(ldm) * sizeof(T)) % 16 != 0) wmma_fault(op);
+}
+
+}  // namespace keel_emu
+
+namespace nvcuda::wmma {
+
+template <typename Use, int M, int N, int K, typename T, typename L>
+void fill_fragment(fragment<Use, M, N, K, T, L>& f, T v) {
+  __syncwarp();
+  for (T& e : f.x) e = v;
+}
+
+// A or B from memory with the fragment's own layout: element (r, c) at p[r * ldm + c] (row_major)
+// or p[r + c * ldm] (col_major).
+template <typename Use, int M, int N, int K, typename T, typename L, typename P>
+void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
+  static_assert(!std::is_same_v<Use, accumulator>, "an accumulator load names its layout");
+  ::keel_emu::wmma_check(
+      "wmma::load_matrix_sync: pointer not 256-bit aligned or ldm not a "
+      "multiple of 16 bytes",
+      p, ldm);
+  using F = fragment<Use, M, N, K, T, L>;
+  for (int r = 0; r < F::rows; ++r) {
+    for (int c = 0; c < F::cols; ++c) {
+      f.x[r * F::cols + c] = std::is_same_v<L, row_major> ? p[r * ldm + c] : p[r + c * ldm];
+    }
+  }
+}
+
+template <int M, int N, int K>
+void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ldm,
+                       layout_t layout) {
+  ::keel_emu::wmma_check(
+      "wmma::store_matrix_sync: pointer not 256-bit aligned or ldm not a "
+      "multiple of 16 bytes",
+      p, ldm);
+  const int lane = ::keel_emu::lane_id();
+  for (int e = lane; e < M * N; e += 32) {
+    const int r = e / N, c = e % N;
+    p[layout == mem_row_major ? r * ldm + c : r + c * ldm] = f.x[e];
+  }
+}
+
+// d = a b + c, fp32 accumulation (each product of bf16 values is exact in fp32).
+template <int M, int N, int K, typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
+              const fragment<matrix_b, M, N, K, T, LB>& b,
+              const fragment<accumulator, M, N, K, float>& c) {
+  __syncwarp();
+  fragment<accumulator, M, N, K, float> out;
+  for (int i = 0; i < M; ++i) {
+    for (int j = 0; j < N; ++j) {
+      float acc = c.x[i * N + j];
+      for (int kk = 0; kk < K; ++kk) {
+        acc +=
+            ::keel_emu::wmma_to_float(a.x[i * K + kk]) * ::keel_emu::wmma_to_float(b.x[kk * N + j]);
+      }
+      out.x[i * N + j] = acc;
+    }
+  }
+  d = out;
+}
+
+}  // namespace nvcuda::wmma

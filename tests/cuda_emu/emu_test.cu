@@ -2,8 +2,10 @@
 // and that each mistake it promises to catch (README.md here) is caught. CUDA source, translated
 // like the backend's kernels (translate.py); built only into keel_cuda_emu_tests.
 #include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <mma.h>
 
 #include <cmath>
 #include <string>
@@ -110,6 +112,19 @@ __global__ void exited_lanes_kernel(int* out) {
   out[lane] = __shfl_xor_sync(0xffffffffu, lane, 1);
 }
 
+// C = A B for one 16 x 16 x 16 tile: A row-major, B column-major, C row-major.
+__global__ void wmma_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c) {
+  namespace wmma = nvcuda::wmma;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+  wmma::load_matrix_sync(fa, a, 16);
+  wmma::load_matrix_sync(fb, b, 16);
+  wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
 __global__ void atomic_kernel(int* counter, float* maxv) {
   atomicAdd(counter, 1);
   atomicMax(reinterpret_cast<int*>(maxv), __float_as_int(static_cast<float>(threadIdx.x)));
@@ -200,6 +215,38 @@ TEST(CudaEmulator, ExitedLanesDoNotHoldUpAWarpExchange) {
   const std::vector<int> h = to_host(out, 16);
   for (int l = 0; l < 16; ++l) EXPECT_EQ(h[l], l ^ 1) << l;
   cudaFree(out);
+}
+
+TEST(CudaEmulator, WmmaMultipliesATileAndChecksAlignment) {
+  std::vector<__nv_bfloat16> a(256), b(256);
+  for (int i = 0; i < 256; ++i) {
+    a[i] = __float2bfloat16_rn(static_cast<float>(i % 7) - 3.0f);
+    b[i] = __float2bfloat16_rn(static_cast<float>(i % 5) - 2.0f);
+  }
+  auto* da = device_alloc<__nv_bfloat16>(256 + 16);
+  auto* db = device_alloc<__nv_bfloat16>(256);
+  float* dc = device_alloc<float>(256);
+  cudaMemcpy(da, a.data(), 512, cudaMemcpyHostToDevice);
+  cudaMemcpy(db, b.data(), 512, cudaMemcpyHostToDevice);
+  wmma_kernel<<<1, 32>>>(da, db, dc);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<float> c = to_host(dc, 256);
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      float want = 0.0f;  // B column-major: element (k, j) at b[k + 16 j]
+      for (int k = 0; k < 16; ++k) {
+        want += __bfloat162float(a[i * 16 + k]) * __bfloat162float(b[k + 16 * j]);
+      }
+      EXPECT_EQ(c[i * 16 + j], want) << i << "," << j;
+    }
+  }
+  // 8 elements (16 bytes) in: not the 256-bit alignment WMMA's loads need.
+  const LaunchResult r = launch_and_capture([&] { wmma_kernel<<<1, 32>>>(da + 8, db, dc); });
+  EXPECT_EQ(r.error, cudaErrorLaunchFailure);
+  EXPECT_NE(r.message.find("not 256-bit aligned"), std::string::npos) << r.message;
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dc);
 }
 
 TEST(CudaEmulator, AtomicsSeeEveryThread) {

@@ -194,7 +194,7 @@ struct Block {
   std::unique_ptr<GuardedBytes> shared;  // dynamic shared memory
   // Static shared memory (Note [cuda-emu-shared] in emu.h): a fixed area, so addresses stay put;
   // each tag's offset is kept for the whole launch, the bytes re-poisoned for every block.
-  std::vector<unsigned char> statics;
+  std::unique_ptr<GuardedBytes> statics;  // 1 KiB-aligned: kMaxSharedBytes is 227 x 1024
   std::map<const void*, size_t> static_offsets;
   size_t statics_used = 0;
   size_t shared_limit = 0;  // static + dynamic bytes a block may use
@@ -326,8 +326,7 @@ bool run_block(Block& b) {
   b.live = n;
   b.at_barrier = 0;
   b.shared->poison();
-  std::fill(b.statics.begin(), b.statics.begin() + static_cast<std::ptrdiff_t>(b.statics_used),
-            static_cast<unsigned char>(0xFF));
+  std::memset(b.statics->data(), 0xFF, b.statics_used);
   for (int i = 0; i < n; ++i) {
     Fiber& f = b.fibers[static_cast<size_t>(i)];
     f.ids = t_fiber_ids_template;
@@ -372,13 +371,21 @@ const ThreadIds& ids() { return t_fiber->ids; }
 int lane_id() { return t_fiber->lane; }
 void* dynamic_shared() { return t_block->shared->data(); }
 
+void wmma_fault(const char* what) {
+  Block& b = *t_block;
+  if (b.fault.empty()) {
+    b.fault = std::string(what) + " (thread " + std::to_string(t_fiber->ids.thread_idx.x) + ")";
+  }
+  yield();  // the scheduler stops the block
+}
+
 void* block_static_shared(const void* tag, size_t bytes, size_t align) {
   Block& b = *t_block;
   auto it = b.static_offsets.find(tag);
   if (it == b.static_offsets.end()) {
     align = std::max<size_t>(align, 16);
     const size_t offset = (b.statics_used + align - 1) / align * align;
-    if (offset + bytes + b.shared->size() > b.shared_limit || offset + bytes > b.statics.size()) {
+    if (offset + bytes + b.shared->size() > b.shared_limit || offset + bytes > b.statics->size()) {
       if (b.fault.empty()) {
         b.fault = "static shared memory (" + std::to_string(offset + bytes) + " bytes) plus " +
                   std::to_string(b.shared->size()) + " dynamic exceeds the block's " +
@@ -386,13 +393,11 @@ void* block_static_shared(const void* tag, size_t bytes, size_t align) {
       }
       yield();  // the scheduler stops the block
     }
-    std::fill(b.statics.begin() + static_cast<std::ptrdiff_t>(b.statics_used),
-              b.statics.begin() + static_cast<std::ptrdiff_t>(offset + bytes),
-              static_cast<unsigned char>(0xFF));
+    std::memset(b.statics->data() + b.statics_used, 0xFF, offset + bytes - b.statics_used);
     b.statics_used = offset + bytes;
     it = b.static_offsets.emplace(tag, offset).first;
   }
-  return b.statics.data() + it->second;
+  return b.statics->data() + it->second;
 }
 
 void syncthreads(const char* file, int line) {
@@ -583,7 +588,7 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   b.body = body;
   b.arg = arg;
   b.shared = std::make_unique<GuardedBytes>(cfg.shared_bytes);
-  b.statics.assign(kMaxSharedBytes, 0xFF);
+  b.statics = std::make_unique<GuardedBytes>(kMaxSharedBytes);
   // Static plus dynamic: 48 KiB, or with the opt-in the device's maximum (the attribute bounds
   // the dynamic part alone, checked above).
   b.shared_limit = allowed > kDefaultSharedBytes ? kMaxSharedBytes : kDefaultSharedBytes;

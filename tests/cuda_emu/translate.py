@@ -21,7 +21,8 @@ LAUNCH = re.compile(r"([A-Za-z_][\w:]*)(\s*<[^<>;{}]*>)?(\s*)<<<(.*?)>>>(\s*)\("
 EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 # A static __shared__ declaration: a one-word type and one or more name[dims] declarators.
-STATIC_SHARED = re.compile(r"__shared__\s+([\w:]+)\s+((?:\w+(?:\s*\[[^\]]+\])*\s*,?\s*)+);")
+STATIC_SHARED = re.compile(
+    r"__shared__\s+(?:__align__\(\s*(\d+)\s*\)\s+)?([\w:]+)\s+((?:\w+(?:\s*\[[^\]]+\])*\s*,?\s*)+);")
 DECLARATOR = re.compile(r"(\w+)((?:\s*\[[^\]]+\])*)")
 CUB_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<cub/[^>]*>.*$", re.M)
 
@@ -49,13 +50,14 @@ def translate(text, path):
     # Static shared memory lives in the running block's area (poisoned with NaN for every block):
     # the tag, a static local, tells the declarations apart (one per template instantiation).
     def static_shared(m):
-        ty, decls = m.group(1), m.group(2)
+        align, ty, decls = m.group(1), m.group(2), m.group(3)
+        align_arg = ", %s" % align if align else ""
         parts = []
         for d in DECLARATOR.finditer(decls):
             name, dims = d.group(1), re.sub(r"\s+", "", d.group(2))
             parts.append(
-                "static char keel_emu_tag_%s; auto& %s = ::keel_emu::static_shared<%s%s>("
-                "&keel_emu_tag_%s);" % (name, name, ty, dims, name))
+                "static char keel_emu_tag_%s; auto& %s = ::keel_emu::static_shared<%s%s%s>("
+                "&keel_emu_tag_%s);" % (name, name, ty, dims, align_arg, name))
         return " ".join(parts)
 
     out = STATIC_SHARED.sub(static_shared, out)

@@ -22,9 +22,16 @@
 // kernel sums the per-block scale-gradient partials per head in a fixed order. Every sum has a
 // fixed order, so results are bitwise reproducible; max |logit| combines blocks with an integer
 // atomicMax on the float's bits (exact and order-independent for non-negative floats).
+//
+// Max |logit| alone (what the cuDNN path reports beside cuDNN's attention, Note [cuda-exec-bf16]):
+// for bf16 q and k in 16-row-aligned layouts, on the tensor cores (WMMA m16n16k16, fp32
+// accumulation) rather than on the CUDA cores in fp32 as the fused kernels are; otherwise the
+// forward's tiles and dot products without the softmax, bitwise the forward's value.
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "framework/error.h"
 #include "framework/kernels/cuda/attention.h"
@@ -214,6 +221,65 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   block_max_into(amax, max_abs_logit);
+}
+
+// ---- max |scale q.k| on the tensor cores (bf16 q, k; see can_use_tensor_cores) ----
+//
+// One block per (b * H + h, 64-query tile), longest rows first; warp w owns queries q0 + 16 w ..
+// + 15, holds their q as D / 16 A fragments, and walks the keys up to its last query 16 at a time:
+// one 16 x 16 score tile per step (fp32 accumulation over D), stored to the warp's shared tile,
+// masked (key <= query) and folded into the lane's max. Tiles past T are skipped: T % 16 == 0.
+constexpr int kTcRows = 16;                     // WMMA tile edge
+constexpr int kTcQueryTile = kTcRows * kWarps;  // queries per block
+
+__global__ void __launch_bounds__(kThreads)
+    attention_max_logit_tc_kernel(AttentionShape s, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                  const float* scale, float* max_abs_logit) {
+  namespace wmma = nvcuda::wmma;
+  __shared__ __align__(32) float tiles[kWarps][kTcRows * kTcRows];
+  const int64_t bh = blockIdx.x, b = bh / s.H, h = bh % s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * int64_t{kTcQueryTile} + warp * kTcRows;
+  const int kd = static_cast<int>(s.D / kTcRows);
+  const float sc = scale[h];
+  float amax = 0.0f;
+  if (q0 < s.T) {  // warp-uniform
+    wmma::fragment<wmma::matrix_a, kTcRows, kTcRows, kTcRows, __nv_bfloat16, wmma::row_major>
+        a[kAttentionMaxHeadDim / kTcRows];
+    const __nv_bfloat16* qrow = q + (b * s.T + q0) * s.ldq + h * s.D;
+    for (int i = 0; i < kd; ++i) {
+      wmma::load_matrix_sync(a[i], qrow + i * kTcRows, static_cast<unsigned>(s.ldq));
+    }
+    float* tile = tiles[warp];
+    for (int64_t k0 = 0; k0 <= q0; k0 += kTcRows) {
+      wmma::fragment<wmma::accumulator, kTcRows, kTcRows, kTcRows, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+      // B = K^T: element (d, key) at k[key * ldk + d], i.e. column-major with ldm = ldk.
+      const __nv_bfloat16* kcol = k + (b * s.T + k0) * s.ldk + h * s.D;
+      for (int i = 0; i < kd; ++i) {
+        wmma::fragment<wmma::matrix_b, kTcRows, kTcRows, kTcRows, __nv_bfloat16, wmma::col_major>
+            bk;
+        wmma::load_matrix_sync(bk, kcol + i * kTcRows, static_cast<unsigned>(s.ldk));
+        wmma::mma_sync(acc, a[i], bk, acc);
+      }
+      wmma::store_matrix_sync(tile, acc, kTcRows, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < kTcRows * kTcRows; e += 32) {
+        const int64_t t = q0 + e / kTcRows, key = k0 + e % kTcRows;
+        if (key <= t) amax = fmaxf(amax, fabsf(sc * tile[e]));
+      }
+      __syncwarp();  // the tile is read before the next store
+    }
+  }
+  block_max_into(amax, max_abs_logit);
+}
+
+// The tensor-core form's requirements: bf16, D a multiple of 16, T a multiple of 16 (whole
+// tiles), row strides a multiple of 8 elements and q, k 32-byte aligned (WMMA's loads).
+bool can_use_tensor_cores(const AttentionShape& s, const void* q, const void* k) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
+  return s.D % kTcRows == 0 && s.T % kTcRows == 0 && s.ldq % 8 == 0 && s.ldk % 8 == 0 &&
+         aligned(q) && aligned(k);
 }
 
 // ---- backward ----
@@ -499,6 +565,17 @@ void max_logit_impl(Context& ctx, const AttentionShape& s, const T* q, const T* 
   KEEL_CUDA_CHECK(cudaMemsetAsync(max_abs_logit, 0, sizeof(float), ctx.stream()),
                   "attention_max_abs_logit");
   if (s.B == 0 || s.T == 0) return;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (can_use_tensor_cores(s, q, k)) {
+      const dim3 grid(static_cast<unsigned>(s.B * s.H),
+                      static_cast<unsigned>((s.T + kTcQueryTile - 1) / kTcQueryTile));
+      attention_max_logit_tc_kernel<<<grid, kThreads, 0, ctx.stream()>>>(s, q, k, scale,
+                                                                         max_abs_logit);
+      KEEL_CUDA_LAUNCH_CHECK("attention_max_abs_logit (tensor cores)", "B=", s.B, " T=", s.T,
+                             " H=", s.H, " D=", s.D);
+      return;
+    }
+  }
   const size_t smem = max_logit_smem(s.D);
   allow_smem(attention_max_logit_kernel<T>, smem, "attention_max_abs_logit");
   attention_max_logit_kernel<T>
