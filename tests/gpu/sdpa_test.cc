@@ -27,11 +27,16 @@ using cuda::DeviceBuffer;
 namespace cudnn = cuda::cudnn;
 
 // Bounds (besides gpu_test_util.h's). cuDNN runs on q' = bf16(scale[h] * q) (Note
-// [cudnn-sdpa-scale]): that rounding moves each logit by up to 2^-9 of scale * sum |q_d k_d|, so
-// even the fp32 lse gets the bf16 bound. dq is rounded twice (dq' by cuDNN, then scale * dq') and
-// dscale sums the rounded dq': twice the bf16 bound. A wrong result is off by O(1).
+// [cudnn-sdpa-scale]): that rounding moves each logit by up to 2^-9 of scale * sum |q_d k_d|
+// (~0.01 at D = 128 with these inputs), so even the fp32 lse gets the bf16 bound, and the
+// gradients, sums that cancel, move by a few percent of their rms. On the CUDA emulator, with
+// keel's fused kernel standing in for cuDNN behind the same fold (tests/cuda_emu/sdpa.cc), the
+// worst elements were off by 2.5-3% of the bound's scale for dk and dv and 4-4.5% for dq (rounded
+// twice: dq' and then scale * dq'; dscale sums the rounded dq'). Hence 4x and 6x the bf16 bound,
+// leaving cuDNN's own rounding some room; a wrong result is off by O(1).
 constexpr double kLseRtol = kBf16Rtol;
-constexpr double kDqRtol = 2 * kBf16Rtol;
+constexpr double kGradRtol = 4 * kBf16Rtol;
+constexpr double kDqRtol = 6 * kBf16Rtol;
 
 struct SdpaCase {
   int64_t B, T, H, D;
@@ -168,7 +173,7 @@ class SdpaTest : public GpuTest {
     EXPECT_TRUE(untouched_outside(g_out, N, HD, L.ldo, {0})) << "out";
     EXPECT_TRUE(matches(g_lse, lse_ref, kLseRtol)) << "lse";
     const std::pair<int64_t, double> grads[] = {
-        {L.off_q, kDqRtol}, {L.off_k, kBf16Rtol}, {L.off_v, kBf16Rtol}};
+        {L.off_q, kDqRtol}, {L.off_k, kGradRtol}, {L.off_v, kGradRtol}};
     const char* names[] = {"dq", "dk", "dv"};
     for (int i = 0; i < 3; ++i) {
       const auto [off, rtol] = grads[i];

@@ -1,0 +1,110 @@
+// The CUDA emulator's cuDNN attention (see README.md here), in place of sdpa_cudnn.cc, so the
+// execution context's cuDNN path runs on the emulator too: its staging, the per-head scale fold
+// of Note [cudnn-sdpa-scale] (fold_head_scale and unfold_head_scale_grad, the backend's own
+// kernels), and the standalone max |logit| beside it. With KEEL_CUDA_EMU_CUDNN=1 sdpa_available
+// takes the shapes cuDNN takes (up to keel's D <= 128) and the attention itself is keel's fused
+// kernel run as cuDNN is: on q' = scale * q with unit scales, the log-sum-exp as its softmax
+// stats. Without it, this build behaves as one without the cuDNN frontend.
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "framework/error.h"
+#include "framework/kernels/cuda/attention.h"
+#include "framework/kernels/cuda/sdpa_cudnn.h"
+#include "tests/cuda_emu/emu.h"
+
+namespace keel::kernels::cuda::cudnn {
+
+namespace {
+
+bool enabled() {
+  const char* env = std::getenv("KEEL_CUDA_EMU_CUDNN");
+  return env != nullptr && std::string(env) == "1";
+}
+
+std::string shape_string(const AttentionShape& s) {
+  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D, " ldq=", s.ldq,
+                              " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
+}
+
+// sdpa_cudnn.cc's limits, and the fused kernel's D <= 128 that stands in for cuDNN here.
+std::string shape_problem(const AttentionShape& s) {
+  if (!enabled()) return "built without the cuDNN frontend (emulator: KEEL_CUDA_EMU_CUDNN unset)";
+  if (s.B <= 0 || s.T <= 0 || s.H <= 0 || s.D <= 0) return "empty shape";
+  if (s.D % 8 != 0 || s.D > kAttentionMaxHeadDim) {
+    return "head dim D must be a multiple of 8 and at most 128 (emulated cuDNN)";
+  }
+  const int64_t c = s.H * s.D;
+  if (s.ldq < c || s.ldk < c || s.ldv < c || s.ldo < c) return "a row stride is below H * D";
+  if (s.ldq % 8 != 0 || s.ldk % 8 != 0 || s.ldv % 8 != 0 || s.ldo % 8 != 0) {
+    return "row strides must be multiples of 8 elements (16-byte rows)";
+  }
+  return "";
+}
+
+void require(const AttentionShape& s, const char* what) {
+  const std::string problem = shape_problem(s);
+  KEEL_CHECK(problem.empty(), kInternal, "cudnn ", what, " unavailable [", shape_string(s),
+             "]: ", problem);
+}
+
+// Unit scales for the folded q', in device memory (the emulator's is the host's).
+DeviceBuffer unit_scales(Context& ctx, int64_t H) {
+  DeviceBuffer ones = ctx.alloc(static_cast<size_t>(H) * sizeof(float));
+  const std::vector<float> host(static_cast<size_t>(H), 1.0f);
+  ctx.copy_to_device(ones.data(), host.data(), host.size() * sizeof(float));
+  return ones;
+}
+
+// The shape of q' (dense rows of H * D) with the other operands' strides.
+AttentionShape folded(const AttentionShape& s) {
+  AttentionShape f = s;
+  f.ldq = s.H * s.D;
+  return f;
+}
+
+}  // namespace
+
+bool sdpa_available(Context&, const AttentionShape& s, std::string* why) {
+  const std::string problem = shape_problem(s);
+  if (why != nullptr) *why = problem;
+  return problem.empty();
+}
+
+void sdpa_forward(Context& ctx, const AttentionShape& s, Bf16* out, float* lse, const Bf16* q,
+                  const Bf16* k, const Bf16* v, const float* scale) {
+  require(s, "sdpa_forward");
+  DeviceBuffer qs = ctx.alloc(static_cast<size_t>(s.B * s.T * s.H * s.D) * sizeof(Bf16));
+  fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
+  const DeviceBuffer ones = unit_scales(ctx, s.H);
+  attention_forward<Bf16>(ctx, folded(s), out, lse, qs.as<Bf16>(), k, v, ones.as<float>(), nullptr);
+}
+
+void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf16* dv,
+                   float* dscale, const Bf16* dout, const Bf16* out, const float* lse,
+                   const Bf16* q, const Bf16* k, const Bf16* v, const float* scale) {
+  require(s, "sdpa_backward");
+  const int64_t HD = s.H * s.D, rows = s.B * s.T;
+  DeviceBuffer qs = ctx.alloc(static_cast<size_t>(rows * HD) * sizeof(Bf16));
+  DeviceBuffer dqs = ctx.alloc(static_cast<size_t>(rows * HD) * sizeof(Bf16));
+  fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
+  const DeviceBuffer ones = unit_scales(ctx, s.H);
+  attention_backward<Bf16>(ctx, folded(s), dqs.as<Bf16>(), dk, dv, nullptr, dout, out, lse,
+                           qs.as<Bf16>(), k, v, ones.as<float>());
+  // dq' into dq's rows (stride ldq): emulated device memory is host memory.
+  keel_emu::wait_stream(ctx.stream());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < HD; ++j) dq[r * s.ldq + j] = dqs.as<Bf16>()[r * HD + j];
+  }
+  unfold_head_scale_grad(ctx, s, dq, dscale, q, scale);
+}
+
+bool have_frontend() { return enabled(); }
+
+std::string library_version() {
+  return enabled() ? "emulated cuDNN (keel's fused attention behind cuDNN's interface)"
+                   : "built without the cuDNN frontend";
+}
+
+}  // namespace keel::kernels::cuda::cudnn
