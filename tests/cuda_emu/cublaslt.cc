@@ -1,13 +1,15 @@
 // The CUDA emulator's cuBLASLt (see README.md here): the handle, descriptors, heuristic and matmul
 // that framework/kernels/cuda/gemm.cc calls, with cuBLASLt's column-major semantics, so the
 // backend's own row-major mapping, transposes, leading dimensions, bias epilogue and dtypes are
-// what the emulated GEMM tests check. The product accumulates in double and rounds once to the
-// output type; TF32 compute rounds the inputs to TF32 first, as the tensor cores do. Arguments
+// what the emulated GEMM tests check. The product accumulates in fp32 (fused multiply-adds in
+// increasing k), as the tensor cores do in another order, so the tests' bounds meet rounding of
+// the GPU's size; TF32 compute rounds the inputs to TF32 first, as the tensor cores do. Arguments
 // cuBLASLt rejects (a leading dimension shorter than a column, operand shapes that do not chain,
 // mixed input types, an unknown attribute) are rejected here too, with a message on stderr.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -260,24 +262,24 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
 #pragma omp parallel for schedule(static)
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t i = 0; i < m; ++i) {
-      double acc = 0.0;
+      float acc = 0.0f;
       for (int64_t p = 0; p < k; ++p) {
         float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
         if (tf32) {
           x = to_tf32(x);
           y = to_tf32(y);
         }
-        acc += static_cast<double>(x) * static_cast<double>(y);
+        acc = std::fma(x, y, acc);
       }
-      double r = static_cast<double>(al_) * acc;
+      float r = al_ * acc;
       // beta == 0 must not read C (it may hold NaN), as in BLAS.
-      if (be != 0.0f) r += static_cast<double>(be) * load(C, c.type, i + j * c.ld);
+      if (be != 0.0f) r += be * load(C, c.type, i + j * c.ld);
       if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
       const int64_t o = i + j * dd.ld;
       if (dd.type == CUDA_R_32F) {
-        static_cast<float*>(D)[o] = static_cast<float>(r);
+        static_cast<float*>(D)[o] = r;
       } else {
-        static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(static_cast<float>(r));
+        static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(r);
       }
     }
   }
