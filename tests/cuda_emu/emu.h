@@ -90,6 +90,24 @@ struct LaunchConfig {
 // cudaGetLastError, as a GPU launch does.
 void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg);
 
+// Runs call(args...) on every thread of cfg's grid, each thread with its own copy of `args`.
+template <typename Call, typename Tuple>
+void run_each_thread(const LaunchConfig& cfg, const Call& call, const Tuple& args) {
+  struct Bound {
+    const Call* call;
+    const Tuple* args;
+  };
+  const Bound bound{&call, &args};
+  run_grid(
+      cfg,
+      [](const void* p) {
+        const Bound& b = *static_cast<const Bound*>(p);
+        Tuple mine = *b.args;
+        std::apply(*b.call, mine);
+      },
+      &bound);
+}
+
 template <typename... Params>
 class Launcher {
  public:
@@ -104,19 +122,8 @@ class Launcher {
   template <typename... Args>
   void operator()(Args&&... args) const {
     static_assert(sizeof...(Args) == sizeof...(Params), "kernel launched with the wrong arity");
-    struct Call {
-      void (*kernel)(Params...);
-      std::tuple<std::decay_t<Params>...> args;
-    };
-    const Call call{kernel_, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
-    run_grid(
-        cfg_,
-        [](const void* p) {
-          const Call& c = *static_cast<const Call*>(p);
-          std::tuple<std::decay_t<Params>...> mine = c.args;
-          std::apply(c.kernel, mine);
-        },
-        &call);
+    run_each_thread(cfg_, kernel_,
+                    std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...));
   }
 
  private:
@@ -141,19 +148,7 @@ class DeducedLauncher {
 
   template <typename Call, typename... Args>
   void operator()(Call call, Args&&... args) const {
-    struct Bound {
-      Call call;
-      std::tuple<std::decay_t<Args>...> args;
-    };
-    const Bound bound{call, std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...)};
-    run_grid(
-        cfg_,
-        [](const void* p) {
-          const Bound& b = *static_cast<const Bound*>(p);
-          std::tuple<std::decay_t<Args>...> mine = b.args;
-          std::apply(b.call, mine);
-        },
-        &bound);
+    run_each_thread(cfg_, call, std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...));
   }
 
  private:
