@@ -13,20 +13,25 @@
 //  - accesses past the end of a device allocation or after its cudaFree: the allocation ends at a
 //    protected page and cudaFree unmaps it, so the access faults.
 // Kernels run when they are launched, after their stream's pending work (the emulated NCCL's
-// collectives). Blocks run one after another on the calling thread; the threads of a block run
-// cooperatively, switching only at barriers and warp exchanges.
+// collectives). A launch's blocks run on the launching thread and a pool of host threads (Note
+// [cuda-emu-blocks]); the threads of a block run cooperatively on one host thread, switching only
+// at barriers and warp exchanges.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <omp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -198,6 +203,7 @@ struct Block {
   std::map<const void*, size_t> static_offsets;
   size_t statics_used = 0;
   size_t shared_limit = 0;  // static + dynamic bytes a block may use
+  uint64_t launch = 0;      // the launch's number (Note [cuda-emu-order])
   std::string fault;
 };
 
@@ -205,7 +211,7 @@ thread_local Block* t_block = nullptr;
 thread_local Fiber* t_fiber = nullptr;
 // The ids every thread of the running block shares (set before its fibers are made).
 thread_local ThreadIds t_fiber_ids_template;
-thread_local uint64_t t_launches = 0;  // kernels this thread has run (Note [cuda-emu-order])
+std::atomic<uint64_t> g_launches{0};  // kernels launched so far (Note [cuda-emu-order])
 
 struct Stacks {
   std::vector<char*> stacks;
@@ -345,7 +351,7 @@ bool run_block(Block& b) {
   // whichever thread writes.
   const uint3 bi = t_fiber_ids_template.block_idx;
   const dim3 gd = t_fiber_ids_template.grid_dim;
-  const bool descending = (bi.x + gd.x * (bi.y + gd.y * bi.z) + t_launches) % 2 == 1;
+  const bool descending = (bi.x + gd.x * (bi.y + gd.y * bi.z) + b.launch) % 2 == 1;
   while (b.live > 0) {
     bool ran = false;
     for (int k = 0; k < n; ++k) {
@@ -551,6 +557,74 @@ namespace {
 thread_local int t_device = 0;
 }  // namespace
 
+// Note [cuda-emu-blocks]: a launch's blocks run on the launching thread and on up to
+// OMP_NUM_THREADS - 1 pool threads at once (each with its own stacks, its own shared memory and
+// the scheduler of its block), so blocks that race with each other without atomics can show it,
+// and the emulator uses the cores the tests are given.
+class WorkerPool {
+ public:
+  WorkerPool() {
+    const int n = std::max(1, omp_get_max_threads()) - 1;
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this, i] { loop(i + 1); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  size_t size() const { return threads_.size(); }
+
+  // Runs job(0) here and job(1) .. job(workers - 1) on pool threads; returns when all are done.
+  void run(int workers, const std::function<void(int)>& job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &job;
+      workers_ = workers;
+      pending_ = workers - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    job(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return quit_ || generation_ != seen; });
+        if (quit_) return;
+        seen = generation_;
+        if (id >= workers_) continue;
+        job = job_;
+      }
+      (*job)(id);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --pending_;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  int workers_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool quit_ = false;
+};
+WorkerPool g_pool;
+
 void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg) {
   std::ostringstream why;
   const dim3 &g = cfg.grid, &bd = cfg.block;
@@ -583,38 +657,50 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   }
   wait_stream(cfg.stream);  // stream order: after what the stream still has in flight
   std::lock_guard<std::mutex> launch_lock(g_launch_mu);
-  Block b;
-  b.cfg = &cfg;
-  b.body = body;
-  b.arg = arg;
-  b.shared = std::make_unique<GuardedBytes>(cfg.shared_bytes);
-  b.statics = std::make_unique<GuardedBytes>(kMaxSharedBytes);
-  // Static plus dynamic: 48 KiB, or with the opt-in the device's maximum (the attribute bounds
-  // the dynamic part alone, checked above).
-  b.shared_limit = allowed > kDefaultSharedBytes ? kMaxSharedBytes : kDefaultSharedBytes;
-  ++t_launches;
-  Block* const outer_block = t_block;
-  t_block = &b;
-  t_fiber_ids_template.block_dim = bd;
-  t_fiber_ids_template.grid_dim = g;
-  bool ok = true;
-  for (unsigned z = 0; ok && z < g.z; ++z) {
-    for (unsigned y = 0; ok && y < g.y; ++y) {
-      for (unsigned x = 0; ok && x < g.x; ++x) {
-        t_fiber_ids_template.block_idx = uint3{x, y, z};
-        ok = run_block(b);
-        if (!ok) {
-          std::lock_guard<std::mutex> lock(g_mu);
-          std::ostringstream os;
-          os << "kernel " << cfg.name << " block (" << x << "," << y << "," << z << ") of grid ("
-             << g.x << "," << g.y << "," << g.z << "), block (" << bd.x << "," << bd.y << ","
-             << bd.z << "): " << b.fault;
-          fail(cudaErrorLaunchFailure, os.str());
-        }
+  const uint64_t launch = g_launches++;
+  const uint64_t blocks = uint64_t{g.x} * g.y * g.z;
+  const int workers = static_cast<int>(std::min<uint64_t>(blocks, g_pool.size() + 1));
+  std::vector<std::string> faults(static_cast<size_t>(workers));
+  std::atomic<bool> stop{false};
+  // Worker w runs blocks w, w + workers, ... on its host thread, in its own Block (Note
+  // [cuda-emu-blocks]).
+  const auto work = [&](int w) {
+    Block b;
+    b.cfg = &cfg;
+    b.body = body;
+    b.arg = arg;
+    b.shared = std::make_unique<GuardedBytes>(cfg.shared_bytes);
+    b.statics = std::make_unique<GuardedBytes>(kMaxSharedBytes);
+    // Static plus dynamic: 48 KiB, or with the opt-in the device's maximum (the attribute bounds
+    // the dynamic part alone, checked above).
+    b.shared_limit = allowed > kDefaultSharedBytes ? kMaxSharedBytes : kDefaultSharedBytes;
+    b.launch = launch;
+    Block* const outer_block = t_block;
+    t_block = &b;
+    t_fiber_ids_template.block_dim = bd;
+    t_fiber_ids_template.grid_dim = g;
+    for (uint64_t i = static_cast<uint64_t>(w); i < blocks && !stop.load(); i += workers) {
+      const auto x = static_cast<unsigned>(i % g.x), y = static_cast<unsigned>(i / g.x % g.y),
+                 z = static_cast<unsigned>(i / (uint64_t{g.x} * g.y));
+      t_fiber_ids_template.block_idx = uint3{x, y, z};
+      if (!run_block(b)) {
+        std::ostringstream os;
+        os << "kernel " << cfg.name << " block (" << x << "," << y << "," << z << ") of grid ("
+           << g.x << "," << g.y << "," << g.z << "), block (" << bd.x << "," << bd.y << "," << bd.z
+           << "): " << b.fault;
+        faults[static_cast<size_t>(w)] = os.str();
+        stop = true;
       }
     }
+    t_block = outer_block;
+  };
+  g_pool.run(workers, work);
+  for (const std::string& f : faults) {
+    if (f.empty()) continue;
+    std::lock_guard<std::mutex> lock(g_mu);
+    fail(cudaErrorLaunchFailure, f);  // on the launching thread: its cudaGetLastError reports it
+    break;
   }
-  t_block = outer_block;
 }
 
 // ---- memory ----
