@@ -944,14 +944,13 @@ std::string Trainer::sample(int64_t n_chars, uint64_t seed, float temperature) {
   src.copy(0, len, ctx.data());
   for (int64_t i = 0; i < len; ++i) out += static_cast<char>(ctx[i]);
   std::vector<double> p(d.V);
-  std::vector<float> row(static_cast<size_t>(d.Vl));  // the last position's logits, on the host
   for (int64_t i = 0; i < n_chars; ++i) {
     const int64_t start = std::max<int64_t>(0, len - T);
     std::vector<int32_t> window(ctx.begin() + start,
                                 ctx.begin() + std::min<int64_t>(len, start + T));
     window.resize(T, 0);
     model_->forward(window.data(), nullptr, 1);
-    model_->logits().copy_to_host((len - start - 1) * d.Vl, d.Vl, row.data());
+    const std::vector<float> row = model_->logits_row(len - start - 1);  // the last position
     double mx = -1e300, sum = 0.0;
     for (int64_t v = 0; v < d.V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / temperature);
     for (int64_t v = 0; v < d.V; ++v) sum += p[v] = std::exp(row[v] / temperature - mx);

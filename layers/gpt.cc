@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "framework/error.h"
+#include "framework/kernels/cuda/bf16.h"
 #include "parallel/tp_regions.h"
 
 namespace keel {
@@ -160,7 +161,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   targets_ = ctx_.zeros({BT}, DType::kI32);
   x0_ = ctx_.zeros({BT, C});
   xf_ = ctx_.zeros({BT, C});
-  logits_ = ctx_.zeros({BT, d.Vl});
+  // Note [act-dtype]: bf16 under BF16 on a device (only the head's GEMMs and the loss read it).
+  logits_ = ctx_.zeros({BT, d.Vl}, exec.act_dtype());
   row_max_ = ctx_.zeros({BT});
   lse_ = ctx_.zeros({BT});
   tl_ = ctx_.zeros({BT});
@@ -178,6 +180,21 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dscale = ctx_.zeros({d.Hl});
   max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
   sums_ = ctx_.zeros({3}, DType::kF64);
+}
+
+std::vector<float> GPT::logits_row(int64_t row) const {
+  const int64_t V = logits_.dim(1);
+  KEEL_CHECK(row >= 0 && row < logits_.dim(0), kInternal, "GPT::logits_row: row ", row,
+             " outside [0, ", logits_.dim(0), ")");
+  std::vector<float> out(static_cast<size_t>(V));
+  if (logits_.dtype() == DType::kBF16) {
+    std::vector<Bf16> bits(out.size());
+    logits_.copy_to_host(row * V, V, bits.data());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = from_bf16(bits[i]);
+  } else {
+    logits_.copy_to_host(row * V, V, out.data());
+  }
+  return out;
 }
 
 float* GPT::head_weight() { return ps_.param(lm_head_ >= 0 ? lm_head_ : wte_); }
@@ -214,7 +231,8 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   ln_f_->forward(x, xf_.f32(), B);
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_forward(logits_.f32(), xf_.f32(), head_weight(), nullptr, BT, C, d.Vl);
+    ctx_.exec->linear_forward(kernels::act(logits_), xf_.f32(), head_weight(), nullptr, BT, C,
+                              d.Vl);
   }
   if (!targets) return stats;
 
@@ -223,11 +241,11 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
-  ctx_.exec->xent_row_max(logits_.f32(), BT, d.Vl, d.v_valid, mx);
+  ctx_.exec->xent_row_max(kernels::act(logits_), BT, d.Vl, d.v_valid, mx);
   tp.all_reduce(mx, BT, ReduceOp::kMax);
-  ctx_.exec->xent_row_sumexp(logits_.f32(), mx, BT, d.Vl, d.v_valid, lse);
+  ctx_.exec->xent_row_sumexp(kernels::act(logits_), mx, BT, d.Vl, d.v_valid, lse);
   tp.all_reduce(lse, BT, ReduceOp::kSum);
-  ctx_.exec->xent_target_logit(logits_.f32(), targets_.i32(), BT, d.Vl, d.v_begin, tl);
+  ctx_.exec->xent_target_logit(kernels::act(logits_), targets_.i32(), BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
   // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
   double sums[3];  // sum of (lse - target logit), of lse^2, of lse
@@ -245,13 +263,13 @@ void GPT::backward(float loss_weight) {
   float* dxf = scratch_.dn.f32();
   {
     ProfileScope p(&profiler_, "loss");
-    ctx_.exec->xent_backward(logits_.f32(), logits_.f32(), lse_.f32(), targets_.i32(), BT, d.Vl,
-                             d.v_valid, d.v_begin, loss_weight / static_cast<float>(BT),
-                             static_cast<float>(z_coef_));
+    ctx_.exec->xent_backward(kernels::act(logits_), kernels::act(logits_), lse_.f32(),
+                             targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,
+                             loss_weight / static_cast<float>(BT), static_cast<float>(z_coef_));
   }
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, logits_.f32(), xf_.f32(),
+    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, kernels::act(logits_), xf_.f32(),
                                head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
     tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C);

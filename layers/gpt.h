@@ -67,8 +67,11 @@ class GPT {
   // Gradient of (loss_weight * (ce + z_loss)) of the last forward, accumulated into params().grads.
   void backward(float loss_weight);
   // [B T, V_local] logits of the last forward (valid until backward overwrites them), on the
-  // execution context's device: read them on the host with Tensor::copy_to_host.
+  // execution context's device, in its act_dtype() (bf16 under BF16 on a GPU: Note [act-dtype]):
+  // read them on the host with Tensor::copy_to_host, or a row as floats with logits_row.
   const Tensor& logits() const { return logits_; }
+  // Row `row` < B T of logits() on the host as V_local floats (bf16 ones widened exactly).
+  std::vector<float> logits_row(int64_t row) const;
 
   // Called during backward with each parameter id as soon as its gradient is complete for this
   // backward (DP gradient sync starts its buckets from here). Empty: no calls.

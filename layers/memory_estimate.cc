@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "framework/kernels/exec_context.h"
+
 namespace keel {
 
 namespace {
@@ -83,10 +85,14 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
   // GELU: pre-activation and output; gated: up, gate and their product.
   const double mlp = (gated ? 3 : 2) * BT * Fl;
-  const double block = 4 * BT * C + norms + attn + mlp;   // n1, r1, n2, out
-  double model = 2 * BT + 3 * BT * C + BT * Vl + 3 * BT;  // tokens, targets; x0, xf, dres; logits
-  model += 2 * BT;                                        // ln_f mean and rstd
-  if (rope) model += T * D;                               // the cos/sin table: [T, D / 2] each
+  const double block = 4 * BT * C + norms + attn + mlp;  // n1, r1, n2, out
+  // tokens, targets; x0, xf, dres; logits (bf16 under BF16 on a GPU: Note [act-dtype]); max,
+  // lse, target logit.
+  const bool bf16 = gpu && kernels::resolve_precision(cfg.train().precision(), device) ==
+                               kernels::Precision::kBf16;
+  double model = 2 * BT + 3 * BT * C + (bf16 ? 0.5 : 1.0) * BT * Vl + 3 * BT;
+  model += 2 * BT;           // ln_f mean and rstd
+  if (rope) model += T * D;  // the cos/sin table: [T, D / 2] each
   // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, dgate (gated), dsub
   // (post-norm), the per-thread T x T attention workspace and dscale.
   model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;

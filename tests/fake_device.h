@@ -315,15 +315,15 @@ class FakeDeviceExec final : public kernels::ExecContext {
   int threads() const override { return cpu().threads(); }
   void synchronize() override { cpu().synchronize(); }
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t IC, int64_t OC) override {
-    Call c("linear_forward", {out, inp, weight, bias});
+  void linear_forward(kernels::ActOut out, kernels::ActIn inp, const float* weight,
+                      const float* bias, int64_t N, int64_t IC, int64_t OC) override {
+    Call c("linear_forward", {out.data, inp.data, weight, bias});
     cpu().linear_forward(out, inp, weight, bias, N, IC, OC);
   }
   void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
-                       const float* dout, const float* inp, const float* weight, int64_t N,
+                       kernels::ActIn dout, kernels::ActIn inp, const float* weight, int64_t N,
                        int64_t IC, int64_t OC) override {
-    Call c("linear_backward", {dinp, dweight, dbias, dout, inp, weight});
+    Call c("linear_backward", {dinp, dweight, dbias, dout.data, inp.data, weight});
     cpu().linear_backward(dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override {
@@ -464,19 +464,19 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().position_backward(dwpe, dout, B, T, C);
   }
 
-  void xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+  void xent_row_max(kernels::ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                     float* row_max) override {
-    Call c("xent_row_max", {logits, row_max});
+    Call c("xent_row_max", {logits.data, row_max});
     cpu().xent_row_max(logits, N, V_local, v_valid_local, row_max);
   }
-  void xent_row_sumexp(const float* logits, const float* row_max, int64_t N, int64_t V_local,
+  void xent_row_sumexp(kernels::ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                        int64_t v_valid_local, float* sumexp) override {
-    Call c("xent_row_sumexp", {logits, row_max, sumexp});
+    Call c("xent_row_sumexp", {logits.data, row_max, sumexp});
     cpu().xent_row_sumexp(logits, row_max, N, V_local, v_valid_local, sumexp);
   }
-  void xent_target_logit(const float* logits, const int32_t* targets, int64_t N, int64_t V_local,
+  void xent_target_logit(kernels::ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
-    Call c("xent_target_logit", {logits, targets, target_logit});
+    Call c("xent_target_logit", {logits.data, targets, target_logit});
     cpu().xent_target_logit(logits, targets, N, V_local, v_begin, target_logit);
   }
   void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,
@@ -484,10 +484,10 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("xent_finish", {row_max, sumexp, target_logit, lse, sums});
     cpu().xent_finish(row_max, sumexp, target_logit, N, lse, sums);
   }
-  void xent_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                     int64_t N, int64_t V_local, int64_t v_valid_local, int64_t v_begin,
-                     float grad_scale, float z_coef) override {
-    Call c("xent_backward", {dlogits, logits, lse, targets});
+  void xent_backward(kernels::ActOut dlogits, kernels::ActIn logits, const float* lse,
+                     const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
+                     int64_t v_begin, float grad_scale, float z_coef) override {
+    Call c("xent_backward", {dlogits.data, logits.data, lse, targets});
     cpu().xent_backward(dlogits, logits, lse, targets, N, V_local, v_valid_local, v_begin,
                         grad_scale, z_coef);
   }

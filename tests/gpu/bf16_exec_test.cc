@@ -4,15 +4,19 @@
 // the fp32 sums (bf16_in_f32_out_rtol) and, for attention, the bf16 rounding of the output and of
 // the probabilities inside the fused kernel (kBf16Rtol element-wise; gradients of q, k and the
 // scale by relative norm, 2e-2, because the softmax backward's row term comes from the rounded
-// output: Note in cuda/attention.h). Then one whole GPT step in BF16 against the CPU's fp32
-// step: loss within 1e-2 relative, gradient arena within 5e-2 relative norm. Skips without a GPU.
+// output: Note in cuda/attention.h). Activations stored in bf16 (Note [act-dtype]): the GEMM's
+// bf16 output and bf16 operands, and the loss phases on bf16 logits. Then one whole GPT step in
+// BF16 against the CPU's fp32 step: loss within 1e-2 relative, gradient arena within 5e-2
+// relative norm. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
 #include "framework/config/config.h"
+#include "framework/error.h"
 #include "framework/kernels/cuda/exec_context.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/tensor.h"
@@ -153,6 +157,137 @@ TEST_F(Bf16ExecTest, AttentionOnPackedQkvMatchesCpuOnRoundedInputs) {
   }
 }
 
+// ---- Note [act-dtype]: activations stored in bf16 (the LM head's logits) ----
+
+// A bf16 device tensor holding `host` rounded to bf16; one of n bf16 NaNs.
+Tensor dev_bf16(const std::vector<float>& host) {
+  Tensor t = Tensor::zeros({static_cast<int64_t>(host.size())}, DType::kBF16, Device::kCuda);
+  const std::vector<Bf16> bits = to_bf16(host);
+  t.copy_from_host(0, t.numel(), bits.data());
+  return t;
+}
+Tensor poisoned_bf16(int64_t n) {
+  return dev_bf16(std::vector<float>(static_cast<size_t>(n), std::nanf("")));
+}
+std::vector<float> host_bf16(const Tensor& t) {
+  std::vector<Bf16> bits(static_cast<size_t>(t.numel()));
+  t.copy_to_host(0, t.numel(), bits.data());
+  return from_bf16(bits);
+}
+
+// The GEMM writes bf16 from its fp32 accumulators: one bf16 rounding of the CPU's fp32 product of
+// the rounded inputs. Inputs fp32 (staged) or already bf16; with and without a bias.
+TEST_F(Bf16ExecTest, LinearForwardWritesBf16Activations) {
+  const int64_t N = 96, IC = 320, OC = 200;
+  const auto x = random_vec(N * IC, -1.0f, 1.0f, 11), w = random_vec(OC * IC, -0.5f, 0.5f, 12);
+  const auto b = random_vec(OC, -0.3f, 0.3f, 13);
+  const auto xr = bf16_rounded(x), wr = bf16_rounded(w), br = bf16_rounded(b);
+  Tensor tx = dev(x), txb = dev_bf16(x), tw = dev(w), tb = dev(b);
+  for (const bool bias : {false, true}) {
+    for (const bool inp_bf16 : {false, true}) {
+      Tensor out = poisoned_bf16(N * OC);
+      gpu().linear_forward(kernels::act(out), kernels::act(inp_bf16 ? txb : tx), tw.f32(),
+                           bias ? tb.f32() : nullptr, N, IC, OC);
+      std::vector<float> ref(N * OC);
+      cpu().linear_forward(ref.data(), xr.data(), wr.data(), bias ? br.data() : nullptr, N, IC, OC);
+      EXPECT_TRUE(matches(host_bf16(out), ref, kBf16Rtol))
+          << "bias " << bias << ", bf16 input " << inp_bf16;
+    }
+  }
+}
+
+// bf16 dout and inp are the operands the fp32 ones are rounded to: the same gradients, and the
+// bias gradient sums the bf16 dout as stored.
+TEST_F(Bf16ExecTest, LinearBackwardReadsBf16Activations) {
+  const int64_t N = 80, IC = 256, OC = 160;
+  const auto x = random_vec(N * IC, -1.0f, 1.0f, 14), w = random_vec(OC * IC, -0.5f, 0.5f, 15);
+  const auto g = random_vec(N * OC, -1.0f, 1.0f, 16);
+  const auto dx0 = random_vec(N * IC, -0.2f, 0.2f, 17), dw0 = random_vec(OC * IC, -0.2f, 0.2f, 18);
+  const auto db0 = random_vec(OC, -0.2f, 0.2f, 19);
+  Tensor tx = dev_bf16(x), tw = dev(w), tg = dev_bf16(g), tdx = dev(dx0), tdw = dev(dw0),
+         tdb = dev(db0);
+  gpu().linear_backward(tdx.f32(), /*accumulate_dinp=*/true, tdw.f32(), tdb.f32(), kernels::act(tg),
+                        kernels::act(tx), tw.f32(), N, IC, OC);
+  auto dx = dx0, dw = dw0, db = db0;
+  const auto xr = bf16_rounded(x), wr = bf16_rounded(w), gr = bf16_rounded(g);
+  cpu().linear_backward(dx.data(), true, dw.data(), db.data(), gr.data(), xr.data(), wr.data(), N,
+                        IC, OC);
+  EXPECT_TRUE(matches(host(tdx), dx, bf16_in_f32_out_rtol(OC))) << "dinp";
+  EXPECT_TRUE(matches(host(tdw), dw, bf16_in_f32_out_rtol(N))) << "dweight";
+  EXPECT_TRUE(matches(host(tdb), db, f32_rtol(N))) << "dbias";
+}
+
+// The loss phases on bf16 logits compute in fp32: the CPU's statistics of the rounded logits to
+// fp32 accuracy; the gradient, written in place as the GPT does, one bf16 rounding of the CPU's.
+TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
+  const int64_t N = 48, V_local = 300, v_valid = 290, v_begin = 256;
+  auto logits = random_vec(N * V_local, -4, 4, 20);
+  for (int64_t n = 0; n < N; n += 5) logits[n * V_local + n] += 12.0f;  // some peaked rows
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t c = v_valid; c < V_local; ++c) logits[n * V_local + c] = 30.0f + c % 3;  // padding
+  }
+  std::vector<int32_t> targets(N);
+  for (int64_t n = 0; n < N; ++n) {
+    // Most targets in this shard [v_begin, v_begin + v_valid), some in another rank's.
+    targets[n] = static_cast<int32_t>(n % 7 == 3 ? 7 * n : v_begin + (n * 37) % v_valid);
+  }
+  const float grad_scale = 1.0f / static_cast<float>(N), z_coef = 1e-3f;
+  const auto lr = bf16_rounded(logits);
+  std::vector<float> mx(N), se(N), tl(N), lse(N), dlogits(N * V_local);
+  std::vector<double> sums(3);
+  cpu().xent_row_max(lr.data(), N, V_local, v_valid, mx.data());
+  cpu().xent_row_sumexp(lr.data(), mx.data(), N, V_local, v_valid, se.data());
+  cpu().xent_target_logit(lr.data(), targets.data(), N, V_local, v_begin, tl.data());
+  cpu().xent_finish(mx.data(), se.data(), tl.data(), N, lse.data(), sums.data());
+  cpu().xent_backward(dlogits.data(), lr.data(), lse.data(), targets.data(), N, V_local, v_valid,
+                      v_begin, grad_scale, z_coef);
+
+  Tensor tl_logits = dev_bf16(logits), t_mx = poisoned(N), t_se = poisoned(N), t_tl = poisoned(N);
+  Tensor t_targets = Tensor::zeros({N}, DType::kI32, Device::kCuda);
+  t_targets.copy_from_host(0, N, targets.data());
+  Tensor t_sums = Tensor::zeros({3}, DType::kF64, Device::kCuda);
+  const kernels::ActOut l = kernels::act(tl_logits);
+  gpu().xent_row_max(l, N, V_local, v_valid, t_mx.f32());
+  gpu().xent_row_sumexp(l, t_mx.f32(), N, V_local, v_valid, t_se.f32());
+  gpu().xent_target_logit(l, t_targets.i32(), N, V_local, v_begin, t_tl.f32());
+  EXPECT_TRUE(matches(host(t_mx), mx, f32_rtol(V_local))) << "row max";
+  EXPECT_TRUE(matches(host(t_se), se, f32_rtol(V_local))) << "sum-exp";
+  EXPECT_TRUE(matches(host(t_tl), tl, 0.0)) << "target logit (a widened bf16: exact)";
+  gpu().xent_finish(t_mx.f32(), t_se.f32(), t_tl.f32(), N, t_se.f32(), t_sums.f64());
+  gpu().xent_backward(l, l, t_se.f32(), t_targets.i32(), N, V_local, v_valid, v_begin, grad_scale,
+                      z_coef);
+  EXPECT_TRUE(matches(host(t_se), lse, f32_rtol(V_local))) << "log-sum-exp";
+  EXPECT_TRUE(matches(host_bf16(tl_logits), dlogits, kBf16Rtol)) << "dlogits";
+}
+
+// bf16 memory where a method takes fp32 is a programming error, named, never a misread.
+TEST_F(Bf16ExecTest, Bf16ActivationsOnlyUnderBf16) {
+  Tensor out = poisoned_bf16(16 * 8), x = dev(random_vec(16 * 4, -1, 1, 21));
+  Tensor w = dev(random_vec(8 * 4, -1, 1, 22));
+  cuda::CudaExec fp32_exec(0);
+  ASSERT_EQ(fp32_exec.act_dtype(), DType::kF32);
+  ASSERT_EQ(gpu().act_dtype(), DType::kBF16);
+  try {
+    fp32_exec.linear_forward(kernels::act(out), x.f32(), w.f32(), nullptr, 16, 4, 8);
+    ADD_FAILURE() << "bf16 output accepted under FP32";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_NE(std::string(e.what()).find("linear_forward: out is bf16"), std::string::npos)
+        << e.what();
+  }
+  std::vector<Bf16> host_bits(16 * 8);
+  std::vector<float> host_x(16 * 4), host_w(8 * 4);
+  try {
+    cpu().linear_forward(kernels::ActOut(host_bits.data(), DType::kBF16), host_x.data(),
+                         host_w.data(), nullptr, 16, 4, 8);
+    ADD_FAILURE() << "bf16 output accepted by the CPU";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_NE(std::string(e.what()).find("linear_forward: out is bf16"), std::string::npos)
+        << e.what();
+  }
+}
+
 // One training step of a small GPT: the GPU in BF16 against the CPU in FP32, same seed and batch.
 TEST_F(Bf16ExecTest, WholeStepMatchesCpuToBf16Tolerance) {
   config::KeelConfig cfg = default_config();
@@ -180,7 +315,15 @@ TEST_F(Bf16ExecTest, WholeStepMatchesCpuToBf16Tolerance) {
   }
   const LossStats a = on_cpu.forward(tokens.data(), targets.data(), B);
   const LossStats b = on_gpu.forward(tokens.data(), targets.data(), B);
+  std::printf("BF16 step vs the CPU's FP32: ce %.8f vs %.8f (rel %.2e), log_z rel %.2e\n", b.ce,
+              a.ce, std::abs(b.ce - a.ce) / a.ce, std::abs(b.log_z - a.log_z) / std::abs(a.log_z));
   EXPECT_NEAR(b.ce, a.ce, 1e-2 * a.ce);
+  // Note [act-dtype]: the GPU's logits are bf16; a row reads back as floats.
+  EXPECT_EQ(on_gpu.logits().dtype(), DType::kBF16);
+  EXPECT_EQ(on_cpu.logits().dtype(), DType::kF32);
+  for (const int64_t row : {int64_t{0}, int64_t{B * 64 - 1}}) {
+    EXPECT_TRUE(matches(on_gpu.logits_row(row), on_cpu.logits_row(row), 5e-2)) << "row " << row;
+  }
   EXPECT_NEAR(b.log_z, a.log_z, 1e-2 * std::abs(a.log_z) + 1e-3);
   EXPECT_NEAR(b.max_attn_logit, a.max_attn_logit, 2e-2 * a.max_attn_logit);
   on_cpu.backward(1.0f);

@@ -152,16 +152,21 @@ TEST(MemoryEstimate, FormatsBytes) {
 }
 
 // On a GPU attention keeps its log-sum-exp [B, H, T] instead of the CPU's probabilities
-// [B, H, T, T], and there is no per-thread T x T workspace; everything else is the same.
+// [B, H, T, T], and there is no per-thread T x T workspace; under BF16 (a GPU's default) the
+// logits are bf16 (Note [act-dtype]); everything else is the same.
 TEST(MemoryEstimate, GpuAttentionKeepsOnlyTheLogSumExp) {
   const config::KeelConfig cfg = small_config({"model.qk_norm=RMS"});
+  const config::KeelConfig fp32 = small_config({"model.qk_norm=RMS", "train.precision=FP32"});
   const int64_t B = 4, threads = 3;
   const MemoryEstimate cpu = estimate_memory(cfg, 2, 1, B, threads);
   const MemoryEstimate gpu = estimate_memory(cfg, 2, 1, B, threads, Device::kCuda);
+  const MemoryEstimate gpu_fp32 = estimate_memory(fp32, 2, 1, B, threads, Device::kCuda);
   const double T = cfg.model().seq_len(), L = cfg.model().n_layers();
   const double Hl = cfg.model().n_heads() / 2.0;
-  EXPECT_EQ(cpu.activations - gpu.activations,
+  const double Vl = std::ceil(cfg.model().vocab_size() / 128.0) * 64.0;  // padded, then halved
+  EXPECT_EQ(cpu.activations - gpu_fp32.activations,
             4.0 * (L * B * Hl * (T * T - T) + threads * 2 * T * T));
+  EXPECT_EQ(gpu_fp32.activations - gpu.activations, 2.0 * B * T * Vl);
   EXPECT_EQ(gpu.parameters, cpu.parameters);
   EXPECT_EQ(gpu.optimizer, cpu.optimizer);
 }

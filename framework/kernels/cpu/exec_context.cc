@@ -24,15 +24,16 @@ class CpuExec final : public ExecContext {
   int threads() const override { return num_threads(); }
   void synchronize() override {}
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t IC, int64_t OC) override {
-    kernels::linear_forward<float>(out, inp, weight, bias, N, IC, OC);
+  void linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias, int64_t N,
+                      int64_t IC, int64_t OC) override {
+    kernels::linear_forward<float>(act_f32(out, "linear_forward", "out"),
+                                   act_f32(inp, "linear_forward", "inp"), weight, bias, N, IC, OC);
   }
-  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
-                       const float* dout, const float* inp, const float* weight, int64_t N,
-                       int64_t IC, int64_t OC) override {
-    kernels::linear_backward<float>(dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC,
-                                    OC);
+  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
+                       ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override {
+    kernels::linear_backward<float>(dinp, accumulate_dinp, dweight, dbias,
+                                    act_f32(dout, "linear_backward", "dout"),
+                                    act_f32(inp, "linear_backward", "inp"), weight, N, IC, OC);
   }
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override {
     kernels::load_tokens(dst, host_src, n);
@@ -145,27 +146,31 @@ class CpuExec final : public ExecContext {
     kernels::position_backward(dwpe, dout, B, T, C);
   }
 
-  void xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+  void xent_row_max(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                     float* row_max) override {
-    kernels::xent_row_max(logits, N, V_local, v_valid_local, row_max);
+    kernels::xent_row_max(act_f32(logits, "xent_row_max", "logits"), N, V_local, v_valid_local,
+                          row_max);
   }
-  void xent_row_sumexp(const float* logits, const float* row_max, int64_t N, int64_t V_local,
+  void xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                        int64_t v_valid_local, float* sumexp) override {
-    kernels::xent_row_sumexp(logits, row_max, N, V_local, v_valid_local, sumexp);
+    kernels::xent_row_sumexp(act_f32(logits, "xent_row_sumexp", "logits"), row_max, N, V_local,
+                             v_valid_local, sumexp);
   }
-  void xent_target_logit(const float* logits, const int32_t* targets, int64_t N, int64_t V_local,
+  void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
-    kernels::xent_target_logit(logits, targets, N, V_local, v_begin, target_logit);
+    kernels::xent_target_logit(act_f32(logits, "xent_target_logit", "logits"), targets, N, V_local,
+                               v_begin, target_logit);
   }
   void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,
                    float* lse, double* sums) override {
     kernels::xent_finish(row_max, sumexp, target_logit, N, lse, sums);
   }
-  void xent_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+  void xent_backward(ActOut dlogits, ActIn logits, const float* lse, const int32_t* targets,
                      int64_t N, int64_t V_local, int64_t v_valid_local, int64_t v_begin,
                      float grad_scale, float z_coef) override {
-    kernels::xent_backward(dlogits, logits, lse, targets, N, V_local, v_valid_local, v_begin,
-                           grad_scale, z_coef);
+    kernels::xent_backward(act_f32(dlogits, "xent_backward", "dlogits"),
+                           act_f32(logits, "xent_backward", "logits"), lse, targets, N, V_local,
+                           v_valid_local, v_begin, grad_scale, z_coef);
   }
 
   void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
@@ -185,6 +190,18 @@ Factories& factories() {
 }
 
 }  // namespace
+
+const float* act_f32(ActIn a, const char* method, const char* arg) {
+  KEEL_CHECK(a.dtype == DType::kF32, kInternal, method, ": ", arg, " is ", dtype_name(a.dtype),
+             " memory where fp32 is expected (Note [act-dtype])");
+  return static_cast<const float*>(a.data);
+}
+
+float* act_f32(ActOut a, const char* method, const char* arg) {
+  KEEL_CHECK(a.dtype == DType::kF32, kInternal, method, ": ", arg, " is ", dtype_name(a.dtype),
+             " memory where fp32 is expected (Note [act-dtype])");
+  return static_cast<float*>(a.data);
+}
 
 const char* precision_name(Precision p) { return p == Precision::kBf16 ? "BF16" : "FP32"; }
 

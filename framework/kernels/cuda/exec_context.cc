@@ -74,44 +74,100 @@ Bf16* CudaExec::stage(int64_t elems) {
 // operand keeps cuBLASLt's and cuDNN's alignment.
 static int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
-void CudaExec::linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+namespace {
+
+// Note [act-dtype]: true for bf16 memory (which the BF16 precision alone takes), false for fp32;
+// throws keel::Error (kInternal) naming the method and the argument otherwise.
+bool is_bf16(ActIn a, Precision p, const char* method, const char* arg) {
+  if (a.dtype == keel::DType::kF32) return false;
+  KEEL_CHECK(a.dtype == keel::DType::kBF16 && p == Precision::kBf16, kInternal,
+             "CudaExec::", method, ": ", arg, " is ", keel::dtype_name(a.dtype), " memory under ",
+             precision_name(p), " (Note [act-dtype])");
+  return true;
+}
+
+const Bf16* bf16_of(ActIn a) { return static_cast<const Bf16*>(a.data); }
+
+}  // namespace
+
+void CudaExec::linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias,
                               int64_t N, int64_t IC, int64_t OC) {
+  const bool out_bf16 = is_bf16(out, precision_, "linear_forward", "out");
+  const bool inp_bf16 = is_bf16(inp, precision_, "linear_forward", "inp");
   if (precision_ == Precision::kFp32) {
-    cuda::linear_forward(ctx_, out, inp, weight, bias, N, IC, OC);
+    cuda::linear_forward(ctx_, static_cast<float*>(out.data), static_cast<const float*>(inp.data),
+                         weight, bias, N, IC, OC);
     return;
   }
-  Bf16* a = stage(align64(N * IC) + OC * IC);
-  Bf16* w = a + align64(N * IC);
-  to_bf16_rows(ctx_, a, IC, inp, IC, N, IC);
+  // Note [cuda-exec-bf16]: the weight, an fp32 input and (for a bf16 output, whose epilogue adds
+  // a bias of its own type) the bias are rounded into the staging buffer.
+  const bool bias_bf16 = out_bf16 && bias != nullptr;
+  Bf16* w = stage(align64(OC * IC) + (inp_bf16 ? 0 : align64(N * IC)) + (bias_bf16 ? OC : 0));
+  Bf16* next = w + align64(OC * IC);
   to_bf16_rows(ctx_, w, IC, weight, IC, OC, IC);
-  cuda::linear_forward(ctx_, out, a, w, bias, N, IC, OC);
+  const Bf16* a = bf16_of(inp);
+  if (!inp_bf16) {
+    to_bf16_rows(ctx_, next, IC, static_cast<const float*>(inp.data), IC, N, IC);
+    a = next;
+    next += align64(N * IC);
+  }
+  if (out_bf16) {
+    const Bf16* b = nullptr;
+    if (bias_bf16) {
+      to_bf16_rows(ctx_, next, OC, bias, OC, 1, OC);
+      b = next;
+    }
+    cuda::linear_forward(ctx_, static_cast<Bf16*>(out.data), a, w, b, N, IC, OC);
+  } else {
+    cuda::linear_forward(ctx_, static_cast<float*>(out.data), a, w, bias, N, IC, OC);
+  }
 }
 
 void CudaExec::linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
-                               const float* dout, const float* inp, const float* weight, int64_t N,
-                               int64_t IC, int64_t OC) {
+                               ActIn dout, ActIn inp, const float* weight, int64_t N, int64_t IC,
+                               int64_t OC) {
+  const bool dout_bf16 = is_bf16(dout, precision_, "linear_backward", "dout");
+  const bool inp_bf16 = is_bf16(inp, precision_, "linear_backward", "inp");
   if (precision_ == Precision::kFp32) {
-    cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC,
-                          OC);
+    cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias,
+                          static_cast<const float*>(dout.data), static_cast<const float*>(inp.data),
+                          weight, N, IC, OC);
     return;
   }
   // Note [cuda-exec-bf16]: bf16 operands, fp32 dinp and dweight (beta 1 accumulates in fp32).
-  Bf16* d = stage(align64(N * OC) + align64(OC * IC) + N * IC);
-  Bf16* w = d + align64(N * OC);
-  Bf16* x = w + align64(OC * IC);
-  to_bf16_rows(ctx_, d, OC, dout, OC, N, OC);
+  // Operands already in bf16 (Note [act-dtype]) are read where they are.
+  const bool stage_d = !dout_bf16, stage_x = dweight != nullptr && !inp_bf16;
+  Bf16* next = stage((stage_d ? align64(N * OC) : 0) + (dinp != nullptr ? align64(OC * IC) : 0) +
+                     (stage_x ? N * IC : 0));
+  const Bf16* d = bf16_of(dout);
+  if (stage_d) {
+    to_bf16_rows(ctx_, next, OC, static_cast<const float*>(dout.data), OC, N, OC);
+    d = next;
+    next += align64(N * OC);
+  }
   if (dinp != nullptr) {
-    to_bf16_rows(ctx_, w, IC, weight, IC, OC, IC);
-    gemm(ctx_, false, false, N, IC, OC, 1.0f, d, OC, w, IC, accumulate_dinp ? 1.0f : 0.0f, dinp, IC,
-         DType::kBF16, DType::kF32);
+    to_bf16_rows(ctx_, next, IC, weight, IC, OC, IC);
+    gemm(ctx_, false, false, N, IC, OC, 1.0f, d, OC, next, IC, accumulate_dinp ? 1.0f : 0.0f, dinp,
+         IC, DType::kBF16, DType::kF32);
+    next += align64(OC * IC);
   }
   if (dweight != nullptr) {
-    to_bf16_rows(ctx_, x, IC, inp, IC, N, IC);
+    const Bf16* x = bf16_of(inp);
+    if (stage_x) {
+      to_bf16_rows(ctx_, next, IC, static_cast<const float*>(inp.data), IC, N, IC);
+      x = next;
+    }
     gemm(ctx_, true, false, OC, IC, N, 1.0f, d, OC, x, IC, 1.0f, dweight, IC, DType::kBF16,
          DType::kF32);
   }
-  // The bias gradient sums the fp32 dout itself: nothing to round.
-  if (dbias != nullptr) column_sum_add(ctx_, dbias, dout, N, OC, OC);
+  // The bias gradient sums dout as it is stored: an fp32 dout has nothing to round.
+  if (dbias != nullptr) {
+    if (dout_bf16) {
+      column_sum_add(ctx_, dbias, d, N, OC, OC);
+    } else {
+      column_sum_add(ctx_, dbias, static_cast<const float*>(dout.data), N, OC, OC);
+    }
+  }
 }
 
 void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
@@ -332,19 +388,34 @@ void CudaExec::position_backward(float* dwpe, const float* dout, int64_t B, int6
 
 // ---- cross_entropy.h ----
 
-void CudaExec::xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+void CudaExec::xent_row_max(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                             float* row_max) {
-  cuda::xent_row_max(ctx_, logits, N, V_local, v_valid_local, row_max);
+  if (is_bf16(logits, precision_, "xent_row_max", "logits")) {
+    cuda::xent_row_max(ctx_, bf16_of(logits), N, V_local, v_valid_local, row_max);
+  } else {
+    cuda::xent_row_max(ctx_, static_cast<const float*>(logits.data), N, V_local, v_valid_local,
+                       row_max);
+  }
 }
 
-void CudaExec::xent_row_sumexp(const float* logits, const float* row_max, int64_t N,
-                               int64_t V_local, int64_t v_valid_local, float* sumexp) {
-  cuda::xent_row_sumexp(ctx_, logits, row_max, N, V_local, v_valid_local, sumexp);
+void CudaExec::xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
+                               int64_t v_valid_local, float* sumexp) {
+  if (is_bf16(logits, precision_, "xent_row_sumexp", "logits")) {
+    cuda::xent_row_sumexp(ctx_, bf16_of(logits), row_max, N, V_local, v_valid_local, sumexp);
+  } else {
+    cuda::xent_row_sumexp(ctx_, static_cast<const float*>(logits.data), row_max, N, V_local,
+                          v_valid_local, sumexp);
+  }
 }
 
-void CudaExec::xent_target_logit(const float* logits, const int32_t* targets, int64_t N,
-                                 int64_t V_local, int64_t v_begin, float* target_logit) {
-  cuda::xent_target_logit(ctx_, logits, targets, N, V_local, v_begin, target_logit);
+void CudaExec::xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
+                                 int64_t v_begin, float* target_logit) {
+  if (is_bf16(logits, precision_, "xent_target_logit", "logits")) {
+    cuda::xent_target_logit(ctx_, bf16_of(logits), targets, N, V_local, v_begin, target_logit);
+  } else {
+    cuda::xent_target_logit(ctx_, static_cast<const float*>(logits.data), targets, N, V_local,
+                            v_begin, target_logit);
+  }
 }
 
 void CudaExec::xent_finish(const float* row_max, const float* sumexp, const float* target_logit,
@@ -352,12 +423,20 @@ void CudaExec::xent_finish(const float* row_max, const float* sumexp, const floa
   cuda::xent_finish(ctx_, row_max, sumexp, target_logit, N, lse, sums);
 }
 
-void CudaExec::xent_backward(float* dlogits, const float* logits, const float* lse,
-                             const int32_t* targets, int64_t N, int64_t V_local,
-                             int64_t v_valid_local, int64_t v_begin, float grad_scale,
-                             float z_coef) {
-  cuda::xent_backward(ctx_, dlogits, logits, lse, targets, N, V_local, v_valid_local, v_begin,
-                      grad_scale, z_coef);
+void CudaExec::xent_backward(ActOut dlogits, ActIn logits, const float* lse, const int32_t* targets,
+                             int64_t N, int64_t V_local, int64_t v_valid_local, int64_t v_begin,
+                             float grad_scale, float z_coef) {
+  const bool bf16 = is_bf16(logits, precision_, "xent_backward", "logits");
+  KEEL_CHECK(is_bf16(dlogits, precision_, "xent_backward", "dlogits") == bf16, kInternal,
+             "CudaExec::xent_backward: dlogits and logits differ in dtype");
+  if (bf16) {
+    cuda::xent_backward(ctx_, static_cast<Bf16*>(dlogits.data), bf16_of(logits), lse, targets, N,
+                        V_local, v_valid_local, v_begin, grad_scale, z_coef);
+  } else {
+    cuda::xent_backward(ctx_, static_cast<float*>(dlogits.data),
+                        static_cast<const float*>(logits.data), lse, targets, N, V_local,
+                        v_valid_local, v_begin, grad_scale, z_coef);
+  }
 }
 
 // ---- adamw.h ----

@@ -35,6 +35,10 @@ class CudaExec final : public kernels::ExecContext {
   Device device() const override { return Device::kCuda; }
   // FP32 or BF16 (Note [cuda-exec-bf16] in exec_context.cc).
   void set_precision(Precision p) override { precision_ = p; }
+  // Note [act-dtype]: bf16 under BF16.
+  keel::DType act_dtype() const override {
+    return precision_ == Precision::kBf16 ? keel::DType::kBF16 : keel::DType::kF32;
+  }
   // The attention kernel the BF16 precision picked for the last new shape: "cuDNN fused SDPA" or
   // "keel's fused attention (cuDNN: <why not>)"; empty before the first bf16 attention.
   const std::string& attention_path() const { return attention_path_; }
@@ -42,11 +46,10 @@ class CudaExec final : public kernels::ExecContext {
   int threads() const override { return 1; }
   void synchronize() override;
 
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int64_t IC, int64_t OC) override;
-  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
-                       const float* dout, const float* inp, const float* weight, int64_t N,
-                       int64_t IC, int64_t OC) override;
+  void linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias, int64_t N,
+                      int64_t IC, int64_t OC) override;
+  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
+                       ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override;
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override;
 
   void gelu_forward(float* out, const float* inp, int64_t n) override;
@@ -103,15 +106,15 @@ class CudaExec final : public kernels::ExecContext {
   void position_forward(float* out, const float* wpe, int64_t B, int64_t T, int64_t C) override;
   void position_backward(float* dwpe, const float* dout, int64_t B, int64_t T, int64_t C) override;
 
-  void xent_row_max(const float* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+  void xent_row_max(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                     float* row_max) override;
-  void xent_row_sumexp(const float* logits, const float* row_max, int64_t N, int64_t V_local,
+  void xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                        int64_t v_valid_local, float* sumexp) override;
-  void xent_target_logit(const float* logits, const int32_t* targets, int64_t N, int64_t V_local,
+  void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override;
   void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,
                    float* lse, double* sums) override;
-  void xent_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+  void xent_backward(ActOut dlogits, ActIn logits, const float* lse, const int32_t* targets,
                      int64_t N, int64_t V_local, int64_t v_valid_local, int64_t v_begin,
                      float grad_scale, float z_coef) override;
 

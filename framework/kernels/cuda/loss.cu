@@ -19,33 +19,37 @@ namespace {
 
 constexpr int kRowThreads = 512;
 
-__global__ void row_max_kernel(const float* logits, int64_t V_local, int64_t v_valid,
-                               float* row_max) {
+// T: float, or __nv_bfloat16 for logits stored in bf16 (Note [act-dtype]): every element is
+// widened to fp32 as it is read and the arithmetic is the fp32 one.
+template <typename T>
+__global__ void row_max_kernel(const T* logits, int64_t V_local, int64_t v_valid, float* row_max) {
   __shared__ float shared[32];
-  const float* row = logits + blockIdx.x * V_local;
+  const T* row = logits + blockIdx.x * V_local;
   float mx = -INFINITY;
-  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) mx = fmaxf(mx, row[v]);
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) mx = fmaxf(mx, to_f(row[v]));
   mx = block_max(mx, shared);
   if (threadIdx.x == 0) row_max[blockIdx.x] = mx;
 }
 
-__global__ void row_sumexp_kernel(const float* logits, const float* row_max, int64_t V_local,
+template <typename T>
+__global__ void row_sumexp_kernel(const T* logits, const float* row_max, int64_t V_local,
                                   int64_t v_valid, float* sumexp) {
   __shared__ float shared[32];
-  const float* row = logits + blockIdx.x * V_local;
+  const T* row = logits + blockIdx.x * V_local;
   const float mx = row_max[blockIdx.x];
   float acc = 0.0f;
-  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) acc += exp_t(row[v] - mx);
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) acc += exp_t(to_f(row[v]) - mx);
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) sumexp[blockIdx.x] = acc;
 }
 
-__global__ void target_logit_kernel(const float* logits, const int32_t* targets, int64_t N,
+template <typename T>
+__global__ void target_logit_kernel(const T* logits, const int32_t* targets, int64_t N,
                                     int64_t V_local, int64_t v_begin, float* target_logit) {
   const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (n >= N) return;
   const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
-  target_logit[n] = (col >= 0 && col < V_local) ? logits[n * V_local + col] : 0.0f;
+  target_logit[n] = (col >= 0 && col < V_local) ? to_f(logits[n * V_local + col]) : 0.0f;
 }
 
 __global__ void finish_kernel(const float* row_max, const float* sumexp, const float* target,
@@ -73,20 +77,22 @@ __global__ void finish_kernel(const float* row_max, const float* sumexp, const f
   }
 }
 
-__global__ void xent_backward_kernel(float* dlogits, const float* logits, const float* lse,
+// dlogits in T as well: the bf16 gradient is what the LM head's backward GEMMs read.
+template <typename T>
+__global__ void xent_backward_kernel(T* dlogits, const T* logits, const float* lse,
                                      const int32_t* targets, int64_t V_local, int64_t v_valid,
                                      int64_t v_begin, float grad_scale, float z_coef) {
   const int64_t n = blockIdx.x;
-  const float* row = logits + n * V_local;
-  float* drow = dlogits + n * V_local;
+  const T* row = logits + n * V_local;
+  T* drow = dlogits + n * V_local;
   const float l = lse[n];
   const float coef = grad_scale * (1.0f + 2.0f * z_coef * l);
   const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
   // Each element is read and written by one thread, so dlogits may alias logits.
   for (int64_t v = threadIdx.x; v < V_local; v += blockDim.x) {
-    float d = v < v_valid ? coef * exp_t(row[v] - l) : 0.0f;
+    float d = v < v_valid ? coef * exp_t(to_f(row[v]) - l) : 0.0f;
     if (v == col) d -= grad_scale;
-    drow[v] = d;
+    drow[v] = from_f<T>(d);
   }
 }
 
@@ -98,30 +104,33 @@ void check_rows(int64_t N, int64_t V_local, int64_t v_valid, const char* name) {
 
 }  // namespace
 
-void xent_row_max(Context& ctx, const float* logits, int64_t N, int64_t V_local,
-                  int64_t v_valid_local, float* row_max) {
+template <typename T>
+void xent_row_max(Context& ctx, const T* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                  float* row_max) {
   check_rows(N, V_local, v_valid_local, "xent_row_max");
   if (N == 0) return;
   row_max_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
-      logits, V_local, v_valid_local, row_max);
+      dev(logits), V_local, v_valid_local, row_max);
   KEEL_CUDA_LAUNCH_CHECK("xent_row_max", "N=", N, " V_local=", V_local);
 }
 
-void xent_row_sumexp(Context& ctx, const float* logits, const float* row_max, int64_t N,
+template <typename T>
+void xent_row_sumexp(Context& ctx, const T* logits, const float* row_max, int64_t N,
                      int64_t V_local, int64_t v_valid_local, float* sumexp) {
   check_rows(N, V_local, v_valid_local, "xent_row_sumexp");
   if (N == 0) return;
   row_sumexp_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
-      logits, row_max, V_local, v_valid_local, sumexp);
+      dev(logits), row_max, V_local, v_valid_local, sumexp);
   KEEL_CUDA_LAUNCH_CHECK("xent_row_sumexp", "N=", N, " V_local=", V_local);
 }
 
-void xent_target_logit(Context& ctx, const float* logits, const int32_t* targets, int64_t N,
+template <typename T>
+void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit) {
   check_rows(N, V_local, V_local, "xent_target_logit");
   if (N == 0) return;
   target_logit_kernel<<<grid_for(N, 256, int64_t{1} << 30), 256, 0, ctx.stream()>>>(
-      logits, targets, N, V_local, v_begin, target_logit);
+      dev(logits), targets, N, V_local, v_begin, target_logit);
   KEEL_CUDA_LAUNCH_CHECK("xent_target_logit", "N=", N, " V_local=", V_local);
 }
 
@@ -137,15 +146,28 @@ void load_tokens(Context& ctx, int32_t* dst, const int32_t* host_src, int64_t n)
   ctx.copy_to_device(dst, host_src, static_cast<size_t>(n) * sizeof(int32_t));
 }
 
-void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,
+template <typename T>
+void xent_backward(Context& ctx, T* dlogits, const T* logits, const float* lse,
                    const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
                    int64_t v_begin, float grad_scale, float z_coef) {
   check_rows(N, V_local, v_valid_local, "xent_backward");
   if (N == 0 || V_local == 0) return;
   xent_backward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
-      dlogits, logits, lse, targets, V_local, v_valid_local, v_begin, grad_scale, z_coef);
+      dev(dlogits), dev(logits), lse, targets, V_local, v_valid_local, v_begin, grad_scale, z_coef);
   KEEL_CUDA_LAUNCH_CHECK("xent_backward", "N=", N, " V_local=", V_local,
                          " v_valid_local=", v_valid_local);
 }
+
+#define KEEL_XENT_INSTANTIATE(T)                                                                \
+  template void xent_row_max<T>(Context&, const T*, int64_t, int64_t, int64_t, float*);         \
+  template void xent_row_sumexp<T>(Context&, const T*, const float*, int64_t, int64_t, int64_t, \
+                                   float*);                                                     \
+  template void xent_target_logit<T>(Context&, const T*, const int32_t*, int64_t, int64_t,      \
+                                     int64_t, float*);                                          \
+  template void xent_backward<T>(Context&, T*, const T*, const float*, const int32_t*, int64_t, \
+                                 int64_t, int64_t, int64_t, float, float);
+KEEL_XENT_INSTANTIATE(float)
+KEEL_XENT_INSTANTIATE(Bf16)
+#undef KEEL_XENT_INSTANTIATE
 
 }  // namespace keel::kernels::cuda

@@ -66,11 +66,15 @@ void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool
                    const float* weight, const float* mean, const float* rstd);
 
 // ---- cross-entropy with z-loss, vocab-parallel phases (framework/kernels/cross_entropy.h) ----
-void xent_row_max(Context& ctx, const float* logits, int64_t N, int64_t V_local,
-                  int64_t v_valid_local, float* row_max);
-void xent_row_sumexp(Context& ctx, const float* logits, const float* row_max, int64_t N,
+// T: float or Bf16 logits (Note [act-dtype]); the statistics are fp32 and computed in fp32.
+template <typename T>
+void xent_row_max(Context& ctx, const T* logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                  float* row_max);
+template <typename T>
+void xent_row_sumexp(Context& ctx, const T* logits, const float* row_max, int64_t N,
                      int64_t V_local, int64_t v_valid_local, float* sumexp);
-void xent_target_logit(Context& ctx, const float* logits, const int32_t* targets, int64_t N,
+template <typename T>
+void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit);
 // The finish after the all-reduces (the CPU's xent_finish): per row, in double,
 // l = row_max + log(sumexp); lse[n] = l (as float; lse may alias sumexp); sums[3] (=, device
@@ -83,7 +87,9 @@ void xent_finish(Context& ctx, const float* row_max, const float* sumexp, const 
 // on ctx's stream (framework/kernels/gemm.h's load_tokens). Returns once the copy is complete, so
 // host_src may be reused at once (pageable memory is staged by the runtime anyway).
 void load_tokens(Context& ctx, int32_t* dst, const int32_t* host_src, int64_t n);
-void xent_backward(Context& ctx, float* dlogits, const float* logits, const float* lse,
+// dlogits (=, T, may alias logits) computed in fp32 and rounded once to T.
+template <typename T>
+void xent_backward(Context& ctx, T* dlogits, const T* logits, const float* lse,
                    const int32_t* targets, int64_t N, int64_t V_local, int64_t v_valid_local,
                    int64_t v_begin, float grad_scale, float z_coef);
 
