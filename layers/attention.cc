@@ -84,7 +84,8 @@ void Attention::allocate(const LayerContext& ctx) {
   // fused GPU kernel (the execution context says how much).
   const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
   saved_ = ctx.zeros({ctx.exec->attention_saved_elems(as)});
-  att_ = ctx.zeros({d.BT(), HD});
+  // Note [act-dtype]: only the output projection and attention's backward read it.
+  att_ = ctx.zeros({d.BT(), HD}, ctx.exec->act_dtype());
   scales_ = ctx.zeros({d.Hl});
 }
 
@@ -116,7 +117,7 @@ void Attention::qk_scales(float* out) const {
                               1.0f / std::sqrt(static_cast<float>(d.D)));
 }
 
-void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
+void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Profiler* prof = ctx_.profiler;
@@ -172,14 +173,14 @@ void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
   {
     ProfileScope p(prof, "attention");
     kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
-    ctx_.exec->attention_forward(s, att_.f32(), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
+    ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
                                  scales_.f32(), max_logit);
   }
   {
     ProfileScope p(prof, "matmul.attn_proj");
     // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    ctx_.exec->linear_forward(y, att_.f32(), ps_.param(proj_w_), bias, BT, HD, d.C);
+    ctx_.exec->linear_forward(y, kernels::act(att_), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
@@ -187,7 +188,7 @@ void Attention::forward(const float* x, float* y, int64_t B, float* max_logit) {
   }
 }
 
-void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) {
+void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Scratch& sc = *ctx_.scratch;
@@ -195,7 +196,7 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
   {
     ProfileScope p(prof, "matmul.attn_proj");
     ctx_.exec->linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_),
-                               dy, att_.f32(), ps_.param(proj_w_), BT, HD, d.C);
+                               dy, kernels::act(att_), ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
   float* dqkv = sc.dqkv.f32();
@@ -214,9 +215,9 @@ void Attention::backward(const float* x, const float* dy, float* dx, int64_t B) 
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(), att_.f32(),
-                                  saved_.f32(), q, k, qkv_.f32() + 2 * HD, scales_.f32(),
-                                  sc.attn_ws.f32());
+    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(),
+                                  kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
+                                  scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
       ctx_.exec->scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl,
                                        d.qk_scope != config::HEAD);

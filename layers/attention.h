@@ -20,9 +20,10 @@ class Attention {
   void allocate(const LayerContext& ctx);
   // y[BT, C] (=) from x[BT, C] (the block's normalised input). *max_logit (=, memory of the
   // execution context's device) the largest |scaled logit| of this layer.
-  void forward(const float* x, float* y, int64_t B, float* max_logit);
+  // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the qkv projection reads it.
+  void forward(kernels::ActIn x, float* y, int64_t B, float* max_logit);
   // dx[BT, C] (=) from dy[BT, C]; parameter gradients +=.
-  void backward(const float* x, const float* dy, float* dx, int64_t B);
+  void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);
 
  private:
   void qk_scales(float* out) const;  // [Hl] logit scale per local head

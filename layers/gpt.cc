@@ -67,9 +67,12 @@ void Block::allocate(const LayerContext& ctx) {
   attn_.allocate(ctx);
   mlp_.allocate(ctx);
   const Shape s{ctx.dims.BT(), ctx.dims.C};
-  n1_ = ctx.zeros(s);
+  // Note [act-dtype]: with pre-sublayer norms n1_ and n2_ hold the norm outputs, which only the
+  // sublayers' input projections read; post-sublayer, the norms' fp32 inputs.
+  const DType norm_out = ctx.dims.post_norm ? DType::kF32 : ctx.exec->act_dtype();
+  n1_ = ctx.zeros(s, norm_out);
   r1_ = ctx.zeros(s);
-  n2_ = ctx.zeros(s);
+  n2_ = ctx.zeros(s, norm_out);
   out_ = ctx.zeros(s);
 }
 
@@ -88,11 +91,11 @@ void Block::forward(const float* x, int64_t B, float* max_logit) {
   }
   // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)). n1_, n2_ keep the norm outputs (the sublayer
   // inputs); the attention and MLP outputs pass through out_ before the residual adds.
-  ln1_.forward(x, n1_.f32(), B);
-  attn_.forward(n1_.f32(), out_.f32(), B, max_logit);
+  ln1_.forward(x, kernels::act(n1_), B);
+  attn_.forward(kernels::act(n1_), out_.f32(), B, max_logit);
   ctx_.exec->add(r1_.f32(), x, out_.f32(), n);
-  ln2_.forward(r1_.f32(), n2_.f32(), B);
-  mlp_.forward(n2_.f32(), out_.f32(), B);
+  ln2_.forward(r1_.f32(), kernels::act(n2_), B);
+  mlp_.forward(kernels::act(n2_), out_.f32(), B);
   ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
 }
 
@@ -111,9 +114,9 @@ void Block::backward(const float* x, float* dres, int64_t B) {
     ctx_.exec->add_inplace(dres, dsub, n);
     return;
   }
-  mlp_.backward(n2_.f32(), dres, dn, B);
+  mlp_.backward(kernels::act(n2_), dres, dn, B);
   ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
-  attn_.backward(n1_.f32(), dres, dn, B);
+  attn_.backward(kernels::act(n1_), dres, dn, B);
   ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
 }
 
@@ -160,7 +163,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   tokens_ = ctx_.zeros({BT}, DType::kI32);
   targets_ = ctx_.zeros({BT}, DType::kI32);
   x0_ = ctx_.zeros({BT, C});
-  xf_ = ctx_.zeros({BT, C});
+  // Note [act-dtype]: only the LM head's GEMMs read the final norm's output.
+  xf_ = ctx_.zeros({BT, C}, exec.act_dtype());
   // Note [act-dtype]: bf16 under BF16 on a device (only the head's GEMMs and the loss read it).
   logits_ = ctx_.zeros({BT, d.Vl}, exec.act_dtype());
   row_max_ = ctx_.zeros({BT});
@@ -228,11 +232,11 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
     max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
     for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
   }
-  ln_f_->forward(x, xf_.f32(), B);
+  ln_f_->forward(x, kernels::act(xf_), B);
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_forward(kernels::act(logits_), xf_.f32(), head_weight(), nullptr, BT, C,
-                              d.Vl);
+    ctx_.exec->linear_forward(kernels::act(logits_), kernels::act(xf_), head_weight(), nullptr, BT,
+                              C, d.Vl);
   }
   if (!targets) return stats;
 
@@ -269,8 +273,8 @@ void GPT::backward(float loss_weight) {
   }
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, kernels::act(logits_), xf_.f32(),
-                               head_weight(), BT, C, d.Vl);
+    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, kernels::act(logits_),
+                               kernels::act(xf_), head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
     tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C);
   }

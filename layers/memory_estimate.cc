@@ -78,19 +78,23 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double B = static_cast<double>(micro_batch), BT = B * T;
   const double groups = m.qk_norm_scope() == config::PROJECTION ? 1 : Hl;
   const bool gpu = device != Device::kCpu;
+  // Note [act-dtype]: under BF16 on a GPU the activations only matrix products read are bf16,
+  // half a float each: the logits, the final and (pre-sublayer) block norms' outputs, attention's
+  // output and the MLP's activated hidden.
+  const bool bf16 = gpu && kernels::resolve_precision(cfg.train().precision(), device) ==
+                               kernels::Precision::kBf16;
+  const double act = bf16 ? 0.5 : 1.0;
   // qkv, what attention saves (CPU: probabilities; GPU: log-sum-exp), att, scales
-  double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + BT * HD + Hl;
+  double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
   if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
   const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
   // GELU: pre-activation and output; gated: up, gate and their product.
-  const double mlp = (gated ? 3 : 2) * BT * Fl;
-  const double block = 4 * BT * C + norms + attn + mlp;  // n1, r1, n2, out
-  // tokens, targets; x0, xf, dres; logits (bf16 under BF16 on a GPU: Note [act-dtype]); max,
-  // lse, target logit.
-  const bool bf16 = gpu && kernels::resolve_precision(cfg.train().precision(), device) ==
-                               kernels::Precision::kBf16;
-  double model = 2 * BT + 3 * BT * C + (bf16 ? 0.5 : 1.0) * BT * Vl + 3 * BT;
+  const double mlp = (gated ? 2 : 1) * BT * Fl + act * BT * Fl;
+  // n1, n2 (norm outputs before the sublayers, or post-sublayer the norms' fp32 inputs), r1, out
+  const double block = (post_norm ? 2 : 2 * act) * BT * C + 2 * BT * C + norms + attn + mlp;
+  // tokens, targets; x0, xf, dres; logits; max, lse, target logit
+  double model = 2 * BT + (2 + act) * BT * C + act * BT * Vl + 3 * BT;
   model += 2 * BT;           // ln_f mean and rstd
   if (rope) model += T * D;  // the cos/sin table: [T, D / 2] each
   // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, dgate (gated), dsub

@@ -2,17 +2,17 @@
 // anything is allocated, so that keel-train can refuse a job no machine holds with a clear error
 // instead of dying with "out of memory" (or stalling for hours building 2^31 layers).
 //
-// The estimate mirrors what the code allocates (fp32 but for a GPU's bf16 logits): the parameter
-// and gradient arenas (layers/params.cc, this TP rank's slice, each tensor padded to 16 floats),
-// the AdamW moments m and v (framework/optim; a 1/dp shard of the arena plus its reduce-scattered
-// gradient shard under ZeRO-1), the activations one micro-batch saves for backward plus the logits
-// and the shared backward scratch (layers/gpt.cc, attention.cc, mlp.cc, norm.cc), the temporary
-// buffers MPI allocates to reduce gradients over DP (measured with Open MPI: about one bucket for
-// the all-reduce, the whole arena for ZeRO-1's reduce-scatter), the built-in corpus held in memory,
-// and a fixed process baseline (runtime, MPI, OpenBLAS) plus bookkeeping per layer.
-// Files given as data.path are memory-mapped page cache, which the kernel can drop, so they are
-// not counted. Doubles throughout: a config of 2^31 layers or a 2^31 vocabulary computes a huge
-// number, never an overflowed one.
+// The estimate mirrors what the code allocates (fp32, but for the bf16 activations of a BF16 GPU
+// run): the parameter and gradient arenas (layers/params.cc, this TP rank's slice, each tensor
+// padded to 16 floats), the AdamW moments m and v (framework/optim; a 1/dp shard of the arena plus
+// its reduce-scattered gradient shard under ZeRO-1), the activations one micro-batch saves for
+// backward plus the logits and the shared backward scratch (layers/gpt.cc, attention.cc, mlp.cc,
+// norm.cc), the temporary buffers MPI allocates to reduce gradients over DP (measured with Open
+// MPI: about one bucket for the all-reduce, the whole arena for ZeRO-1's reduce-scatter), the
+// built-in corpus held in memory, and a fixed process baseline (runtime, MPI, OpenBLAS) plus
+// bookkeeping per layer. Files given as data.path are memory-mapped page cache, which the kernel
+// can drop, so they are not counted. Doubles throughout: a config of 2^31 layers or a 2^31
+// vocabulary computes a huge number, never an overflowed one.
 #pragma once
 
 #include <cstdint>

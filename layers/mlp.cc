@@ -26,10 +26,11 @@ Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : p
 void Mlp::allocate(const LayerContext& ctx) {
   h_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
   if (gated_) a_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
-  g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
+  // Note [act-dtype]: only the down projection reads the activated hidden.
+  g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl}, ctx.exec->act_dtype());
 }
 
-void Mlp::forward(const float* x, float* y, int64_t B) {
+void Mlp::forward(kernels::ActIn x, float* y, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t BT = B * d.T;
   Profiler* prof = ctx_.profiler;
@@ -44,16 +45,16 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   }
   if (gated_) {
     ProfileScope p(prof, "glu");
-    ctx_.exec->glu_forward(act_, g_.f32(), a_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->glu_forward(act_, kernels::act(g_), a_.f32(), h_.f32(), BT * d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    ctx_.exec->gelu_forward(g_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->gelu_forward(kernels::act(g_), h_.f32(), BT * d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    ctx_.exec->linear_forward(y, g_.f32(), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
+    ctx_.exec->linear_forward(y, kernels::act(g_), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
@@ -61,7 +62,7 @@ void Mlp::forward(const float* x, float* y, int64_t B) {
   }
 }
 
-void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
+void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t BT = B * d.T;
   float* dh = ctx_.scratch->dh.f32();
@@ -69,7 +70,7 @@ void Mlp::backward(const float* x, const float* dy, float* dx, int64_t B) {
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     ctx_.exec->linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
-                               g_.f32(), ps_.param(proj_w_), BT, d.Fl, d.C);
+                               kernels::act(g_), ps_.param(proj_w_), BT, d.Fl, d.C);
   }
   float* da = gated_ ? ctx_.scratch->dgate.f32() : nullptr;
   if (gated_) {

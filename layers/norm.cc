@@ -26,7 +26,7 @@ kernels::NormShape Norm::shape(int64_t B) const {
   return kernels::NormShape{B * ctx_.dims.T, 1, C, C, C, C};
 }
 
-void Norm::forward(const float* x, float* y, int64_t B) {
+void Norm::forward(const float* x, kernels::ActOut y, int64_t B) {
   ProfileScope p(ctx_.profiler, "norm");
   ctx_.exec->norm_forward(op_, shape(B), y, x, ps_.param(w_), ps_.param_or_null(b_), mean_.f32(),
                           rstd_.f32(), kBlockNormEps);

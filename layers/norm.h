@@ -18,7 +18,9 @@ class Norm {
  public:
   Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
   void allocate(const LayerContext& ctx);
-  void forward(const float* x, float* y, int64_t B);  // y[BT, C] (=)
+  // y[BT, C] (=): fp32, or bf16 under BF16 on a GPU when only matrix products read it
+  // (Note [act-dtype]).
+  void forward(const float* x, kernels::ActOut y, int64_t B);
   // dx[BT, C] += norm backward of dy (the residual stream's gradient accumulates).
   void backward(const float* x, const float* dy, float* dx, bool accumulate, int64_t B);
 

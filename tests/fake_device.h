@@ -333,8 +333,8 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().load_tokens(dst, host_src, n);
   }
 
-  void gelu_forward(float* out, const float* inp, int64_t n) override {
-    Call c("gelu_forward", {out, inp});
+  void gelu_forward(kernels::ActOut out, const float* inp, int64_t n) override {
+    Call c("gelu_forward", {out.data, inp});
     cpu().gelu_forward(out, inp, n);
   }
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
@@ -349,9 +349,9 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("add_inplace", {y, x});
     cpu().add_inplace(y, x, n);
   }
-  void glu_forward(kernels::GluAct act, float* out, const float* gate, const float* up,
+  void glu_forward(kernels::GluAct act, kernels::ActOut out, const float* gate, const float* up,
                    int64_t n) override {
-    Call c("glu_forward", {out, gate, up});
+    Call c("glu_forward", {out.data, gate, up});
     cpu().glu_forward(act, out, gate, up, n);
   }
   void glu_backward(kernels::GluAct act, float* dgate, float* dup, const float* dout,
@@ -364,10 +364,10 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().sum_squares(x, n, out, accumulate);
   }
 
-  void norm_forward(kernels::NormOp op, const kernels::NormShape& s, float* out, const float* inp,
-                    const float* weight, const float* bias, float* mean, float* rstd,
-                    float eps) override {
-    Call c("norm_forward", {out, inp, weight, bias, mean, rstd});
+  void norm_forward(kernels::NormOp op, const kernels::NormShape& s, kernels::ActOut out,
+                    const float* inp, const float* weight, const float* bias, float* mean,
+                    float* rstd, float eps) override {
+    Call c("norm_forward", {out.data, inp, weight, bias, mean, rstd});
     cpu().norm_forward(op, s, out, inp, weight, bias, mean, rstd, eps);
   }
   void norm_backward(kernels::NormOp op, const kernels::NormShape& s, float* dinp, bool accumulate,
@@ -410,17 +410,18 @@ class FakeDeviceExec final : public kernels::ExecContext {
   int64_t attention_workspace_elems(const kernels::AttentionShape& s) const override {
     return cpu().attention_workspace_elems(s);
   }
-  void attention_forward(const kernels::AttentionShape& s, float* out, float* saved, const float* q,
-                         const float* k, const float* v, const float* scale,
+  void attention_forward(const kernels::AttentionShape& s, kernels::ActOut out, float* saved,
+                         const float* q, const float* k, const float* v, const float* scale,
                          float* max_abs_logit) override {
-    Call c("attention_forward", {out, saved, q, k, v, scale, max_abs_logit});
+    Call c("attention_forward", {out.data, saved, q, k, v, scale, max_abs_logit});
     cpu().attention_forward(s, out, saved, q, k, v, scale, max_abs_logit);
   }
   void attention_backward(const kernels::AttentionShape& s, float* dq, float* dk, float* dv,
-                          float* dscale, const float* dout, const float* out, const float* saved,
+                          float* dscale, const float* dout, kernels::ActIn out, const float* saved,
                           const float* q, const float* k, const float* v, const float* scale,
                           float* workspace) override {
-    Call c("attention_backward", {dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace});
+    Call c("attention_backward",
+           {dq, dk, dv, dscale, dout, out.data, saved, q, k, v, scale, workspace});
     cpu().attention_backward(s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,

@@ -34,12 +34,18 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 
 // ---- Note [act-dtype]: activations stored in bf16 ----
 // Under BF16 on a device, the activations that only matrix products and the loss read are stored
-// in bf16 (act_dtype()), as autocast leaves a matrix product's output: today the LM head's logits.
-// The head's GEMM writes them in bf16 from fp32 accumulators; the loss phases widen each element
-// to fp32 and compute in fp32 as before, and the loss backward writes the bf16 logit gradients in
-// place, which the head's backward GEMMs read as they are (they rounded them to bf16 anyway). Of
-// a 124M step at 16 x 1024 tokens this halves the largest activation (3.3 GB of fp32 logits) and
-// removes ~13 GB of its ~25 GB of traffic. Everything else a layer holds stays fp32.
+// in bf16 (act_dtype()):
+// - the inputs of the projections: the block norms' outputs (pre-sublayer placement), the final
+//   norm's output, attention's output (which attention's backward also reads) and the MLP's
+//   activated hidden. Their producers compute in fp32 and write the bf16 rounding that the GEMMs
+//   made in a staging copy before, so storing them in bf16 changes no result;
+// - the LM head's logits, as autocast leaves a matrix product's output: the head's GEMM writes them
+//   from fp32 accumulators, the loss phases widen each element and compute in fp32, and the loss
+//   backward writes the bf16 logit gradient in place, which the head's backward GEMMs read as it
+//   is (they rounded it to bf16 anyway).
+// For 124M at 16 x 1024 tokens that is ~30 GB less memory traffic per step (16.5 GB of staging
+// copies, 13.2 GB around the logits) and 3.8 GB less activation memory. The residual stream,
+// q/k/v, the MLP's pre-activation and all gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -93,11 +99,13 @@ class ExecContext {
   virtual void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) = 0;
 
   // ---- elementwise.h, glu.h ----
-  virtual void gelu_forward(float* out, const float* inp, int64_t n) = 0;
+  // out of gelu_forward and glu_forward: Note [act-dtype] (glu_forward's may alias its inputs
+  // only in fp32).
+  virtual void gelu_forward(ActOut out, const float* inp, int64_t n) = 0;
   virtual void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) = 0;
   virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
   virtual void add_inplace(float* y, const float* x, int64_t n) = 0;
-  virtual void glu_forward(GluAct act, float* out, const float* gate, const float* up,
+  virtual void glu_forward(GluAct act, ActOut out, const float* gate, const float* up,
                            int64_t n) = 0;
   virtual void glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
                             const float* gate, const float* up, int64_t n) = 0;
@@ -106,7 +114,8 @@ class ExecContext {
   virtual void sum_squares(const float* x, int64_t n, double* out, bool accumulate) = 0;
 
   // ---- norm.h (the split forms serve a row sharded over TP ranks) ----
-  virtual void norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+  // out: Note [act-dtype].
+  virtual void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) = 0;
   virtual void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
@@ -134,15 +143,16 @@ class ExecContext {
   virtual int64_t attention_saved_elems(const AttentionShape& s) const = 0;
   virtual int64_t attention_workspace_elems(const AttentionShape& s) const = 0;
   // out (=); saved (=); *max_abs_logit (=, device float) the largest |scale q.k| unmasked.
-  virtual void attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+  // out (and the backward's out): Note [act-dtype]; bf16 only dense (s.ldo == s.H * s.D).
+  virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
                                  const float* k, const float* v, const float* scale,
                                  float* max_abs_logit) = 0;
   // dq, dk, dv (=); dscale (+=, nullable). out and saved as the forward left them; dq, dk, dv
   // must not alias q, k, v, out or dout.
   virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
-                                  float* dscale, const float* dout, const float* out,
-                                  const float* saved, const float* q, const float* k,
-                                  const float* v, const float* scale, float* workspace) = 0;
+                                  float* dscale, const float* dout, ActIn out, const float* saved,
+                                  const float* q, const float* k, const float* v,
+                                  const float* scale, float* workspace) = 0;
   virtual void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                                 float default_scale) = 0;
   virtual void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,

@@ -5,8 +5,9 @@
 // the probabilities inside the fused kernel (kBf16Rtol element-wise; gradients of q, k and the
 // scale by relative norm, 2e-2, because the softmax backward's row term comes from the rounded
 // output: Note in cuda/attention.h). Activations stored in bf16 (Note [act-dtype]): the GEMM's
-// bf16 output and bf16 operands, and the loss phases on bf16 logits. Then one whole GPT step in
-// BF16 against the CPU's fp32 step: loss within 1e-2 relative, gradient arena within 5e-2
+// bf16 output and bf16 operands, the loss phases on bf16 logits, and the producers' bf16 outputs
+// (norms, GELU, GLU, attention) bitwise equal to their fp32 outputs rounded. Then one whole GPT
+// step in BF16 against the CPU's fp32 step: loss within 1e-2 relative, gradient arena within 5e-2
 // relative norm. Skips without a GPU.
 #include <gtest/gtest.h>
 
@@ -258,6 +259,75 @@ TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
                       z_coef);
   EXPECT_TRUE(matches(host(t_se), lse, f32_rtol(V_local))) << "log-sum-exp";
   EXPECT_TRUE(matches(host_bf16(tl_logits), dlogits, kBf16Rtol)) << "dlogits";
+}
+
+// A producer that writes bf16 (Note [act-dtype]) writes exactly the rounding of its fp32 output,
+// which is what the matrix product that reads it staged before: storing it in bf16 changes no
+// result. Norms (LayerNorm with bias, RMSNorm), GELU and both GLUs, bitwise.
+TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
+  const int64_t N = 40, C = 96, n = N * C;
+  const auto x = random_vec(n, -2.0f, 2.0f, 23), up = random_vec(n, -2.0f, 2.0f, 24);
+  const auto w = random_vec(C, 0.5f, 1.5f, 25), b = random_vec(C, -0.2f, 0.2f, 26);
+  Tensor tx = dev(x), tup = dev(up), tw = dev(w), tb = dev(b);
+  Tensor mean = poisoned(N), rstd = poisoned(N);
+  const kernels::NormShape ns{N, 1, C, C, C, C};
+  for (const kernels::NormOp op : {kernels::NormOp::kLayer, kernels::NormOp::kRms}) {
+    Tensor f = poisoned(n), h = poisoned_bf16(n);
+    const float* bias = op == kernels::NormOp::kLayer ? tb.f32() : nullptr;
+    gpu().norm_forward(op, ns, f.f32(), tx.f32(), tw.f32(), bias, mean.f32(), rstd.f32(), 1e-5f);
+    gpu().norm_forward(op, ns, kernels::act(h), tx.f32(), tw.f32(), bias, mean.f32(), rstd.f32(),
+                       1e-5f);
+    EXPECT_TRUE(identical(host_bf16(h), bf16_rounded(host(f)))) << "norm " << static_cast<int>(op);
+  }
+  Tensor f = poisoned(n), h = poisoned_bf16(n);
+  gpu().gelu_forward(f.f32(), tx.f32(), n);
+  gpu().gelu_forward(kernels::act(h), tx.f32(), n);
+  EXPECT_TRUE(identical(host_bf16(h), bf16_rounded(host(f)))) << "gelu";
+  for (const kernels::GluAct a : {kernels::GluAct::kSilu, kernels::GluAct::kGelu}) {
+    Tensor gf = poisoned(n), gh = poisoned_bf16(n);
+    gpu().glu_forward(a, gf.f32(), tx.f32(), tup.f32(), n);
+    gpu().glu_forward(a, kernels::act(gh), tx.f32(), tup.f32(), n);
+    EXPECT_TRUE(identical(host_bf16(gh), bf16_rounded(host(gf)))) << "glu " << static_cast<int>(a);
+  }
+}
+
+// Attention with a bf16 output: the forward writes the fp32 path's output (already a widened
+// bf16) exactly, and the backward reading it gives the same gradients, bitwise.
+TEST_F(Bf16ExecTest, AttentionWithBf16OutputMatchesTheFp32Output) {
+  const int64_t B = 2, T = 32, H = 2, D = 32, HD = H * D, BT = B * T;
+  const auto qkv = random_vec(BT * 3 * HD, -1.0f, 1.0f, 27);
+  const auto scale = random_vec(H, 0.1f, 0.3f, 28);
+  const auto dout = random_vec(BT * HD, -1.0f, 1.0f, 29);
+  const AttentionShape s{B, T, H, D, 3 * HD, 3 * HD, 3 * HD, HD, 0};
+  Tensor tqkv = dev(qkv), tscale = dev(scale), tdout = dev(dout);
+  const float* q = tqkv.f32();
+  Tensor of = poisoned(BT * HD), ob = poisoned_bf16(BT * HD);
+  Tensor saved_f = poisoned(gpu().attention_saved_elems(s));
+  Tensor saved_b = poisoned(gpu().attention_saved_elems(s));
+  Tensor mf = poisoned(1), mb = poisoned(1);
+  gpu().attention_forward(s, of.f32(), saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
+                          mf.f32());
+  gpu().attention_forward(s, kernels::act(ob), saved_b.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
+                          mb.f32());
+  EXPECT_TRUE(identical(host_bf16(ob), host(of))) << "out";
+  EXPECT_TRUE(identical(host(mb), host(mf))) << "max |logit|";
+  Tensor ws = poisoned(std::max<int64_t>(1, gpu().attention_workspace_elems(s)));
+  Tensor gf = poisoned(BT * 3 * HD), gb = poisoned(BT * 3 * HD);
+  for (Tensor* g : {&gf, &gb}) {
+    float* dq = g->f32();
+    const kernels::ActIn out =
+        g == &gf ? kernels::ActIn(of.f32()) : kernels::ActIn(kernels::act(ob));
+    const float* saved = g == &gf ? saved_f.f32() : saved_b.f32();
+    gpu().attention_backward(s, dq, dq + HD, dq + 2 * HD, nullptr, tdout.f32(), out, saved, q,
+                             q + HD, q + 2 * HD, tscale.f32(), ws.f32());
+  }
+  EXPECT_TRUE(identical(host(gb), host(gf))) << "dq, dk, dv";
+  // A strided bf16 output is refused: the kernels write dense rows.
+  AttentionShape strided = s;
+  strided.ldo = 2 * HD;
+  EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), q, q + HD,
+                                       q + 2 * HD, tscale.f32(), mb.f32()),
+               Error);
 }
 
 // bf16 memory where a method takes fp32 is a programming error, named, never a misread.

@@ -39,8 +39,8 @@ class CpuExec final : public ExecContext {
     kernels::load_tokens(dst, host_src, n);
   }
 
-  void gelu_forward(float* out, const float* inp, int64_t n) override {
-    kernels::gelu_forward(out, inp, n);
+  void gelu_forward(ActOut out, const float* inp, int64_t n) override {
+    kernels::gelu_forward(act_f32(out, "gelu_forward", "out"), inp, n);
   }
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
     kernels::gelu_backward(dinp, inp, dout, n);
@@ -49,8 +49,8 @@ class CpuExec final : public ExecContext {
     kernels::add(out, a, b, n);
   }
   void add_inplace(float* y, const float* x, int64_t n) override { kernels::add_inplace(y, x, n); }
-  void glu_forward(GluAct act, float* out, const float* gate, const float* up, int64_t n) override {
-    kernels::glu_forward(act, out, gate, up, n);
+  void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override {
+    kernels::glu_forward(act, act_f32(out, "glu_forward", "out"), gate, up, n);
   }
   void glu_backward(GluAct act, float* dgate, float* dup, const float* dout, const float* gate,
                     const float* up, int64_t n) override {
@@ -61,10 +61,11 @@ class CpuExec final : public ExecContext {
     *out = accumulate ? *out + s : s;
   }
 
-  void norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+  void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                     const float* weight, const float* bias, float* mean, float* rstd,
                     float eps) override {
-    kernels::norm_forward(op, s, out, inp, weight, bias, mean, rstd, eps);
+    kernels::norm_forward(op, s, act_f32(out, "norm_forward", "out"), inp, weight, bias, mean, rstd,
+                          eps);
   }
   void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate, float* dweight,
                      float* dbias, const float* dout, const float* inp, const float* weight,
@@ -101,15 +102,17 @@ class CpuExec final : public ExecContext {
   int64_t attention_workspace_elems(const AttentionShape& s) const override {
     return kernels::attention_workspace_elems(s, s.threads > 0 ? s.threads : num_threads());
   }
-  void attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+  void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
                          const float* k, const float* v, const float* scale,
                          float* max_abs_logit) override {
-    kernels::attention_forward<float>(s, out, saved, q, k, v, scale, max_abs_logit);
+    kernels::attention_forward<float>(s, act_f32(out, "attention_forward", "out"), saved, q, k, v,
+                                      scale, max_abs_logit);
   }
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, const float* /*out*/, const float* saved,
-                          const float* q, const float* k, const float* v, const float* scale,
+                          const float* dout, ActIn out, const float* saved, const float* q,
+                          const float* k, const float* v, const float* scale,
                           float* workspace) override {
+    act_f32(out, "attention_backward", "out");  // the CPU's backward reads its saved probabilities
     kernels::attention_backward<float>(s, dq, dk, dv, dscale, dout, saved, q, k, v, scale,
                                        workspace);
   }

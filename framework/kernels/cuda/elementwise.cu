@@ -21,11 +21,12 @@ namespace {
 constexpr int kThreads = 256;
 
 // ---- GELU, add ----
-template <typename T>
-__global__ void gelu_forward_kernel(T* out, const T* inp, int64_t n) {
+// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
+template <typename TO, typename TI>
+__global__ void gelu_forward_kernel(TO* out, const TI* inp, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_f<T>(gelu_scalar<float>(to_f(inp[i])));
+    out[i] = from_f<TO>(gelu_scalar<float>(to_f(inp[i])));
   }
 }
 template <typename T>
@@ -43,8 +44,8 @@ __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
   }
 }
 
-template <typename T>
-void gelu_forward_impl(Context& ctx, T* out, const T* inp, int64_t n) {
+template <typename TO, typename TI>
+void gelu_forward_impl(Context& ctx, TO* out, const TI* inp, int64_t n) {
   if (n <= 0) return;
   gelu_forward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, inp, n);
   KEEL_CUDA_LAUNCH_CHECK("gelu_forward", "n=", n);
@@ -205,6 +206,9 @@ void gelu_forward(Context& ctx, float* out, const float* inp, int64_t n) {
 }
 void gelu_forward(Context& ctx, Bf16* out, const Bf16* inp, int64_t n) {
   gelu_forward_impl(ctx, dev(out), dev(inp), n);
+}
+void gelu_forward(Context& ctx, Bf16* out, const float* inp, int64_t n) {
+  gelu_forward_impl(ctx, dev(out), inp, n);
 }
 void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dout, int64_t n) {
   gelu_backward_impl(ctx, dinp, inp, dout, n);

@@ -54,13 +54,14 @@ void CudaExec::synchronize() { ctx_.synchronize(); }
 // ---- gemm.h ----
 
 // ---- Note [cuda-exec-bf16]: the BF16 precision ----
-// Activations, weights and gradients stay fp32 in memory (the model's tensors do not change with
-// the precision); a matrix product rounds its inputs to bf16 in a staging buffer and runs on the
-// bf16 tensor cores with fp32 accumulation and fp32 output, as autocast does. The weights'
-// conversion is a small share of the traffic (one read of each weight per GEMM, against the
-// N-row activations). Attention rounds q, k, v (and in the backward out and dout) into dense
-// bf16 rows and runs cuDNN's fused SDPA where it takes the shape, else the own fused kernel in
-// bf16; its results come back to fp32 exactly.
+// Weights, gradients and most activations stay fp32 in memory; a matrix product rounds its fp32
+// inputs to bf16 in a staging buffer and runs on the bf16 tensor cores with fp32 accumulation and
+// fp32 output, as autocast does. Inputs a layer stores in bf16 (Note [act-dtype] in
+// kernels/exec_context.h) are read where they are, and the LM head writes bf16 logits. The
+// weights' conversion is a small share of the traffic (one read of each weight per GEMM, against
+// the N-row activations). Attention rounds q, k, v (and in the backward dout, and out when it is
+// fp32) into dense bf16 rows and runs cuDNN's fused SDPA where it takes the shape, else the own
+// fused kernel in bf16; its output is written in bf16 in place, or widened to fp32 exactly.
 
 Bf16* CudaExec::stage(int64_t elems) {
   const size_t bytes = static_cast<size_t>(elems) * sizeof(Bf16);
@@ -176,8 +177,12 @@ void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
 
 // ---- elementwise.h, glu.h ----
 
-void CudaExec::gelu_forward(float* out, const float* inp, int64_t n) {
-  cuda::gelu_forward(ctx_, out, inp, n);
+void CudaExec::gelu_forward(ActOut out, const float* inp, int64_t n) {
+  if (is_bf16(out, precision_, "gelu_forward", "out")) {
+    cuda::gelu_forward(ctx_, static_cast<Bf16*>(out.data), inp, n);
+  } else {
+    cuda::gelu_forward(ctx_, static_cast<float*>(out.data), inp, n);
+  }
 }
 
 void CudaExec::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
@@ -192,8 +197,12 @@ void CudaExec::add_inplace(float* y, const float* x, int64_t n) {
   cuda::add_inplace(ctx_, y, x, n);
 }
 
-void CudaExec::glu_forward(GluAct act, float* out, const float* gate, const float* up, int64_t n) {
-  cuda::glu_forward(ctx_, act, out, gate, up, n);
+void CudaExec::glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) {
+  if (is_bf16(out, precision_, "glu_forward", "out")) {
+    cuda::glu_forward(ctx_, act, static_cast<Bf16*>(out.data), gate, up, n);
+  } else {
+    cuda::glu_forward(ctx_, act, static_cast<float*>(out.data), gate, up, n);
+  }
 }
 
 void CudaExec::glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
@@ -207,10 +216,16 @@ void CudaExec::sum_squares(const float* x, int64_t n, double* out, bool accumula
 
 // ---- norm.h ----
 
-void CudaExec::norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+void CudaExec::norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) {
-  cuda::norm_forward(ctx_, op, s, out, inp, weight, bias, mean, rstd, eps);
+  if (is_bf16(out, precision_, "norm_forward", "out")) {
+    cuda::norm_forward(ctx_, op, s, static_cast<Bf16*>(out.data), inp, weight, bias, mean, rstd,
+                       eps);
+  } else {
+    cuda::norm_forward(ctx_, op, s, static_cast<float*>(out.data), inp, weight, bias, mean, rstd,
+                       eps);
+  }
 }
 
 void CudaExec::norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
@@ -252,17 +267,29 @@ int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const { return 
 
 int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const { return 0; }
 
-void CudaExec::attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+// Note [act-dtype]: whether an attention output is bf16 memory the kernels can use as it is (dense
+// rows of H * D, as they write them).
+static bool dense_bf16_out(ActIn out, const AttentionShape& s, Precision p, const char* method) {
+  if (!is_bf16(out, p, method, "out")) return false;
+  KEEL_CHECK(s.ldo == s.H * s.D, kInternal, "CudaExec::", method,
+             ": a bf16 out must be dense (ldo ", s.ldo, " != H * D = ", s.H * s.D, ")");
+  return true;
+}
+
+void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
                                  const float* k, const float* v, const float* scale,
                                  float* max_abs_logit) {
+  const bool out_bf16 = dense_bf16_out(out, s, precision_, "attention_forward");
   if (precision_ == Precision::kFp32) {
-    cuda::attention_forward<float>(ctx_, s, out, saved, q, k, v, scale, max_abs_logit);
+    cuda::attention_forward<float>(ctx_, s, static_cast<float*>(out.data), saved, q, k, v, scale,
+                                   max_abs_logit);
     return;
   }
-  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D.
+  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D; a bf16 out is written in place.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  Bf16* qb = stage(4 * n);
-  Bf16 *kb = qb + n, *vb = qb + 2 * n, *ob = qb + 3 * n;
+  Bf16* qb = stage((out_bf16 ? 3 : 4) * n);
+  Bf16 *kb = qb + n, *vb = qb + 2 * n;
+  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : qb + 3 * n;
   to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
   to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
@@ -274,7 +301,10 @@ void CudaExec::attention_forward(const AttentionShape& s, float* out, float* sav
   } else {
     cuda::attention_forward<Bf16>(ctx_, c, ob, saved, qb, kb, vb, scale, max_abs_logit);
   }
-  from_bf16_rows(ctx_, out, s.ldo, ob, HD, BT, HD, /*accumulate=*/false);
+  if (!out_bf16) {
+    from_bf16_rows(ctx_, static_cast<float*>(out.data), s.ldo, ob, HD, BT, HD,
+                   /*accumulate=*/false);
+  }
 }
 
 AttentionShape CudaExec::dense_shape(const AttentionShape& s) {
@@ -298,23 +328,28 @@ bool CudaExec::use_cudnn(const AttentionShape& c) {
 }
 
 void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
-                                  float* dscale, const float* dout, const float* out,
-                                  const float* saved, const float* q, const float* k,
-                                  const float* v, const float* scale, float* /*workspace*/) {
+                                  float* dscale, const float* dout, ActIn out, const float* saved,
+                                  const float* q, const float* k, const float* v,
+                                  const float* scale, float* /*workspace*/) {
+  const bool out_bf16 = dense_bf16_out(out, s, precision_, "attention_backward");
   if (precision_ == Precision::kFp32) {
-    cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale);
+    cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout,
+                                    static_cast<const float*>(out.data), saved, q, k, v, scale);
     return;
   }
-  // Note [cuda-exec-bf16]: out rounds back to the forward's bf16 output exactly (it was widened
-  // from it), so the backward sees what the forward produced.
+  // Note [cuda-exec-bf16]: a bf16 out is the forward's output itself; an fp32 one rounds back to
+  // it exactly (it was widened from it), so the backward sees what the forward produced.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
   Bf16* qb = stage(8 * n);
-  Bf16 *kb = qb + n, *vb = qb + 2 * n, *ob = qb + 3 * n, *gb = qb + 4 * n;
+  Bf16 *kb = qb + n, *vb = qb + 2 * n, *gb = qb + 4 * n;
   Bf16 *dqb = qb + 5 * n, *dkb = qb + 6 * n, *dvb = qb + 7 * n;
+  const Bf16* ob = out_bf16 ? bf16_of(out) : qb + 3 * n;
   to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
   to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
-  to_bf16_rows(ctx_, ob, HD, out, s.ldo, BT, HD);
+  if (!out_bf16) {
+    to_bf16_rows(ctx_, qb + 3 * n, HD, static_cast<const float*>(out.data), s.ldo, BT, HD);
+  }
   to_bf16_rows(ctx_, gb, HD, dout, s.ldo, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {

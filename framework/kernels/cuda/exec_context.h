@@ -52,16 +52,16 @@ class CudaExec final : public kernels::ExecContext {
                        ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override;
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override;
 
-  void gelu_forward(float* out, const float* inp, int64_t n) override;
+  void gelu_forward(ActOut out, const float* inp, int64_t n) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
   void add(float* out, const float* a, const float* b, int64_t n) override;
   void add_inplace(float* y, const float* x, int64_t n) override;
-  void glu_forward(GluAct act, float* out, const float* gate, const float* up, int64_t n) override;
+  void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override;
   void glu_backward(GluAct act, float* dgate, float* dup, const float* dout, const float* gate,
                     const float* up, int64_t n) override;
   void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override;
 
-  void norm_forward(NormOp op, const NormShape& s, float* out, const float* inp,
+  void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                     const float* weight, const float* bias, float* mean, float* rstd,
                     float eps) override;
   void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate, float* dweight,
@@ -82,11 +82,11 @@ class CudaExec final : public kernels::ExecContext {
 
   int64_t attention_saved_elems(const AttentionShape& s) const override;
   int64_t attention_workspace_elems(const AttentionShape& s) const override;
-  void attention_forward(const AttentionShape& s, float* out, float* saved, const float* q,
+  void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
                          const float* k, const float* v, const float* scale,
                          float* max_abs_logit) override;
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, const float* out, const float* saved, const float* q,
+                          const float* dout, ActIn out, const float* saved, const float* q,
                           const float* k, const float* v, const float* scale,
                           float* workspace) override;
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,

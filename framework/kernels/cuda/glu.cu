@@ -37,11 +37,12 @@ __device__ __forceinline__ float act_grad(float x) {
 }
 
 // out may alias gate or up: each element is read before it is written, by the same thread.
-template <typename T, GluAct A>
-__global__ void glu_forward_kernel(T* out, const T* gate, const T* up, int64_t n) {
+// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
+template <typename TO, typename TI, GluAct A>
+__global__ void glu_forward_kernel(TO* out, const TI* gate, const TI* up, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_f<T>(act<A>(to_f(gate[i])) * to_f(up[i]));
+    out[i] = from_f<TO>(act<A>(to_f(gate[i])) * to_f(up[i]));
   }
 }
 // dup may alias dout: every input of element i is read before dup[i] is written.
@@ -56,15 +57,17 @@ __global__ void glu_backward_kernel(T* dgate, T* dup, const T* dout, const T* ga
   }
 }
 
-template <typename T>
-void glu_forward_impl(Context& ctx, GluAct a, T* out, const T* gate, const T* up, int64_t n) {
+template <typename TO, typename TI>
+void glu_forward_impl(Context& ctx, GluAct a, TO* out, const TI* gate, const TI* up, int64_t n) {
   KEEL_CHECK(n >= 0, kUsage, "cuda glu_forward: negative length ", n);
   if (n == 0) return;
   const unsigned blocks = grid_for(n, kThreads);
   if (a == GluAct::kSilu) {
-    glu_forward_kernel<T, GluAct::kSilu><<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
+    glu_forward_kernel<TO, TI, GluAct::kSilu>
+        <<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
   } else {
-    glu_forward_kernel<T, GluAct::kGelu><<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
+    glu_forward_kernel<TO, TI, GluAct::kGelu>
+        <<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
   }
   KEEL_CUDA_LAUNCH_CHECK("glu_forward", "n=", n, a == GluAct::kSilu ? " silu" : " gelu");
 }
@@ -93,6 +96,10 @@ void glu_forward(Context& ctx, GluAct act, float* out, const float* gate, const 
 }
 void glu_forward(Context& ctx, GluAct act, Bf16* out, const Bf16* gate, const Bf16* up, int64_t n) {
   glu_forward_impl(ctx, act, dev(out), dev(gate), dev(up), n);
+}
+void glu_forward(Context& ctx, GluAct act, Bf16* out, const float* gate, const float* up,
+                 int64_t n) {
+  glu_forward_impl(ctx, act, dev(out), gate, up, n);
 }
 void glu_backward(Context& ctx, GluAct act, float* dgate, float* dup, const float* dout,
                   const float* gate, const float* up, int64_t n) {

@@ -19,16 +19,17 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-template <typename T>
-__global__ void norm_forward_kernel(NormOp op, NormShape s, T* out, const T* inp,
+// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
+template <typename TO, typename TI>
+__global__ void norm_forward_kernel(NormOp op, NormShape s, TO* out, const TI* inp,
                                     const float* weight, const float* bias, float* mean,
                                     float* rstd, float eps) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;  // the whole warp leaves together
   const int64_t n = r / s.G, g = r % s.G, Cg = s.Cg;
-  const T* x = inp + n * s.ld_in + g * Cg;
-  T* y = out + n * s.ld_out + g * Cg;
+  const TI* x = inp + n * s.ld_in + g * Cg;
+  TO* y = out + n * s.ld_out + g * Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float* b = bias != nullptr ? bias + g * s.w_group_stride : nullptr;
   float mu = 0.0f;
@@ -46,7 +47,7 @@ __global__ void norm_forward_kernel(NormOp op, NormShape s, T* out, const T* inp
     float v = (to_f(x[c]) - mu) * rs;
     if (w != nullptr) v *= w[c];
     if (b != nullptr) v += b[c];
-    y[c] = from_f<T>(v);
+    y[c] = from_f<TO>(v);
   }
   if (lane == 0) {
     if (mean != nullptr) mean[r] = mu;
@@ -138,15 +139,15 @@ unsigned row_blocks(int64_t rows) {
 }
 
 // The forms' shared launches; T is float or __nv_bfloat16.
-template <typename T>
-void launch_norm_forward(Context& ctx, NormOp op, const NormShape& s, T* out, const T* inp,
+template <typename TO, typename TI>
+void launch_norm_forward(Context& ctx, NormOp op, const NormShape& s, TO* out, const TI* inp,
                          const float* weight, const float* bias, float* mean, float* rstd,
                          float eps) {
   check_shape(s, "norm_forward");
   KEEL_CHECK(op == NormOp::kL2 || weight != nullptr, kUsage,
              "cuda norm_forward: LayerNorm and RMSNorm need a weight");
   if (s.N == 0) return;
-  norm_forward_kernel<T><<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
+  norm_forward_kernel<TO, TI><<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
       op, s, out, inp, weight, bias, mean, rstd, eps);
   KEEL_CUDA_LAUNCH_CHECK("norm_forward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
@@ -181,6 +182,11 @@ void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const
 void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps) {
   launch_norm_forward(ctx, op, s, dev(out), dev(inp), weight, bias, mean, rstd, eps);
+}
+
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const float* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
+  launch_norm_forward(ctx, op, s, dev(out), inp, weight, bias, mean, rstd, eps);
 }
 
 void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,

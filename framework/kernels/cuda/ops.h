@@ -19,6 +19,8 @@ namespace keel::kernels::cuda {
 // ---- element-wise (framework/kernels/elementwise.h; GELU's math is shared: gelu_scalar) ----
 void gelu_forward(Context& ctx, float* out, const float* inp, int64_t n);  // (=)
 void gelu_forward(Context& ctx, Bf16* out, const Bf16* inp, int64_t n);
+// fp32 in, bf16 out (Note [act-dtype]): the fp32 result rounded once.
+void gelu_forward(Context& ctx, Bf16* out, const float* inp, int64_t n);
 void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dout, int64_t n);
 void gelu_backward(Context& ctx, Bf16* dinp, const Bf16* inp, const Bf16* dout, int64_t n);
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  // (=)
@@ -31,6 +33,9 @@ void add_inplace(Context& ctx, Bf16* y, const Bf16* x, int64_t n);
 void glu_forward(Context& ctx, GluAct act, float* out, const float* gate, const float* up,
                  int64_t n);
 void glu_forward(Context& ctx, GluAct act, Bf16* out, const Bf16* gate, const Bf16* up, int64_t n);
+// fp32 in, bf16 out (Note [act-dtype]): the fp32 result rounded once; out must not alias.
+void glu_forward(Context& ctx, GluAct act, Bf16* out, const float* gate, const float* up,
+                 int64_t n);
 // dgate = dout * up * act'(gate), dup = dout * act(gate) (both =); dup may be dout (in place),
 // dgate must not alias dout, gate or up.
 void glu_backward(Context& ctx, GluAct act, float* dgate, float* dup, const float* dout,
@@ -57,6 +62,9 @@ void adamw_update(Context& ctx, float* param, const float* grad, float* m, float
 void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps);
 void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
+                  const float* weight, const float* bias, float* mean, float* rstd, float eps);
+// fp32 in, bf16 out (Note [act-dtype]): the fp32 forward's output rounded once.
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const float* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps);
 void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
                    float* dweight, float* dbias, const float* dout, const float* inp,
