@@ -34,10 +34,9 @@ const Named kConfigs[4] = {
 };
 
 #if KEEL_HAVE_CUDA
-double measure_cuda_peak_tflops(bool bf16) {
+double measure_cuda_peak_tflops(bool bf16, int64_t n) {
   namespace cuda = kernels::cuda;
   cuda::Context ctx(0);
-  const int64_t n = 8192;
   const cuda::DType ab = bf16 ? cuda::DType::kBF16 : cuda::DType::kF32;
   const size_t ab_bytes = bf16 ? 2 : 4;
   cuda::DeviceBuffer A = ctx.alloc(n * n * ab_bytes), B = ctx.alloc(n * n * ab_bytes);
@@ -61,7 +60,7 @@ double measure_cuda_peak_tflops(bool bf16) {
   return 2.0 * n * n * n / (ms[ms.size() / 2] * 1e-3) / 1e12;
 }
 #else
-double measure_cuda_peak_tflops(bool /*bf16*/) {
+double measure_cuda_peak_tflops(bool /*bf16*/, int64_t /*n*/) {
   KEEL_FAIL(kUsage, "this keel was built without CUDA");
 }
 #endif

@@ -30,10 +30,10 @@ double flops_per_token(const config::KeelConfig& c);
 // sane), d_ff and max_positions from the model's defaults. Not validated.
 config::KeelConfig bench_job(const Named& named, int steps, int warmup);
 
-// The GPU's peak for the MFU denominator: keel's cuBLASLt GEMM on 8192^3 in the run's precision
-// (bf16 inputs with fp32 accumulation, or exact fp32), the median of 5 timed samples after a
-// warm-up (as keel-gpu-gemm-bench), on GPU 0 with a Context of its own. In TFLOP/s. Throws
-// keel::Error (kUsage) in a build without CUDA.
-double measure_cuda_peak_tflops(bool bf16);
+// The GPU's peak for the MFU denominator: keel's cuBLASLt GEMM on n^3 (8192^3 unless a smoke run
+// asks for less) in the run's precision (bf16 inputs with fp32 accumulation, or exact fp32), the
+// median of 5 timed samples after a warm-up (as keel-gpu-gemm-bench), on GPU 0 with a Context of
+// its own. In TFLOP/s. Throws keel::Error (kUsage) in a build without CUDA.
+double measure_cuda_peak_tflops(bool bf16, int64_t n = 8192);
 
 }  // namespace keel::bench

@@ -10,7 +10,9 @@
 // and prints the overhead (issue: at most 2%).
 //
 // Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] [--nccl]
-//                             [--set path=value]...
+//                             [--peak-n N] [--set path=value]...
+// --peak-n: the peak GEMM's size (default 8192); with --set shrinking the model, a smoke run of
+// the whole bench (the CUDA emulator's cuda_emu.train_bench_smoke test).
 // Exit codes: 0 done, 77 no CUDA device (skipped), 2 bad arguments, 1 error.
 #include <algorithm>
 #include <cstdio>
@@ -35,7 +37,7 @@ namespace {
 
 int run(int argc, char** argv) {
   std::string which = "all";
-  int steps = 5, warmup = 2;
+  int steps = 5, warmup = 2, peak_n = 8192;
   std::vector<std::string> sets;
   bool nccl = false;
   for (int i = 1; i < argc; ++i) {
@@ -44,10 +46,11 @@ int run(int argc, char** argv) {
       nccl = true;
       continue;
     }
-    KEEL_CHECK(a == "--config" || a == "--steps" || a == "--warmup" || a == "--set", kUsage,
-               "unknown option ", a,
-               " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
-               "[--nccl] [--set path=value]...)");
+    KEEL_CHECK(
+        a == "--config" || a == "--steps" || a == "--warmup" || a == "--peak-n" || a == "--set",
+        kUsage, "unknown option ", a,
+        " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
+        "[--nccl] [--peak-n N] [--set path=value]...)");
     KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--config") {
@@ -56,9 +59,9 @@ int run(int argc, char** argv) {
       sets.push_back(v);
     } else {
       const int n = std::atoi(v.c_str());
-      KEEL_CHECK(n >= (a == "--steps" ? 1 : 0) && std::to_string(n) == v, kUsage, a,
+      KEEL_CHECK(n >= (a == "--warmup" ? 0 : 1) && std::to_string(n) == v, kUsage, a,
                  ": not a valid count: ", v);
-      (a == "--steps" ? steps : warmup) = n;
+      (a == "--steps" ? steps : a == "--warmup" ? warmup : peak_n) = n;
     }
   }
   if (kernels::cuda::device_count() == 0) {
@@ -75,10 +78,10 @@ int run(int argc, char** argv) {
   const kernels::Precision precision =
       kernels::resolve_precision(probe.train().precision(), Device::kCuda);
   const double peak_tflops =
-      bench::measure_cuda_peak_tflops(precision == kernels::Precision::kBf16);
-  std::printf("keel-gpu-train-bench: %s, %s cuBLASLt peak %.1f TFLOP/s (8192^3, median of 5)\n",
+      bench::measure_cuda_peak_tflops(precision == kernels::Precision::kBf16, peak_n);
+  std::printf("keel-gpu-train-bench: %s, %s cuBLASLt peak %.1f TFLOP/s (%d^3, median of 5)\n",
               kernels::cuda::device_description(0).c_str(), kernels::precision_name(precision),
-              peak_tflops);
+              peak_tflops, peak_n);
   std::fflush(stdout);
   std::vector<std::string> summaries;
   for (const bench::Named& named : bench::kConfigs) {
