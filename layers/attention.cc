@@ -70,7 +70,8 @@ void Attention::allocate(const LayerContext& ctx) {
   qkv_ = ctx.zeros({d.BT(), 3 * HD});
   const int64_t groups = d.qk_scope == config::PROJECTION ? 1 : d.Hl;
   if (d.qk_norm != config::NONE) {
-    qk_ = ctx.zeros({d.BT(), 2 * HD});
+    // Note [act-dtype]: only attention (forward and backward) reads the normalised q, k.
+    qk_ = ctx.zeros({2, d.BT(), HD}, ctx.exec->act_dtype());
     q_mean_ = ctx.zeros({d.BT() * groups});
     q_rstd_ = ctx.zeros({d.BT() * groups});
     k_mean_ = ctx.zeros({d.BT() * groups});
@@ -102,7 +103,7 @@ kernels::NormShape Attention::qk_norm_shape(int64_t B) const {
     s.Cg = d.D;
   }
   s.ld_in = 3 * HD;
-  s.ld_out = 2 * HD;
+  s.ld_out = HD;
   s.w_group_stride = d.qk_scope == config::HEAD_SHARED ? 0 : s.Cg;
   return s;
 }
@@ -126,10 +127,18 @@ void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit)
     ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
                               3 * HD);
   }
-  float* q = qkv_.f32();
-  float* k = qkv_.f32() + HD;
+  // q and k as attention reads them: inside qkv_ (row stride 3 HD), or QK-normalised in qk_: q's
+  // rows [0, BT), then k's (row stride HD), bf16 under BF16 (Note [act-dtype]).
+  kernels::ActIn q = qkv_.f32(), k = qkv_.f32() + HD;
   int64_t ldqk = 3 * HD;
+  const bool rope = d.position == config::ROPE;
   if (d.qk_norm != config::NONE) {
+    // With RoPE and bf16 q, k the norm writes fp32 into the backward scratch dqk (free until this
+    // layer's backward) and the rotation rounds each value once into qk_; otherwise the norm
+    // writes qk_ and RoPE rotates it in place.
+    const kernels::ActOut qk = kernels::act(qk_);
+    const kernels::ActOut normed =
+        rope && qk.dtype != DType::kF32 ? kernels::ActOut(ctx_.scratch->dqk.f32()) : qk;
     ProfileScope p(prof, "qk_norm");
     const kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
@@ -144,30 +153,36 @@ void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit)
       ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
       tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
       tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
-      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), qk_.f32(), qkv_.f32(),
+      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), normed, qkv_.f32(),
                                          w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
                                          eps);
-      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), qk_.f32() + HD,
+      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), normed.at(BT * HD),
                                          qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
                                          k_rstd_.f32(), eps);
     } else {
-      ctx_.exec->norm_forward(op, s, qk_.f32(), qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
-                              q_mean_.f32(), q_rstd_.f32(), eps);
-      ctx_.exec->norm_forward(op, s, qk_.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
-                              k_mean_.f32(), k_rstd_.f32(), eps);
+      ctx_.exec->norm_forward(op, s, normed, qkv_.f32(), w(q_norm_w_), w(q_norm_b_), q_mean_.f32(),
+                              q_rstd_.f32(), eps);
+      ctx_.exec->norm_forward(op, s, normed.at(BT * HD), qkv_.f32() + HD, w(k_norm_w_),
+                              w(k_norm_b_), k_mean_.f32(), k_rstd_.f32(), eps);
     }
-    q = qk_.f32();
-    k = qk_.f32() + HD;
-    ldqk = 2 * HD;
-  }
-  if (d.position == config::ROPE) {
-    // q and k are rotated after QK-norm (OLMo 2, Qwen3), in place in the buffer attention reads:
-    // qk_ with QK-norm, else q and k inside qkv_. The norm's backward reads only qkv_'s raw q, k
-    // and the saved statistics, and the QKV projection's backward reads x, so nothing needs the
-    // unrotated values. A row's q heads and k heads are adjacent, so one call rotates both as
-    // 2 Hl heads.
+    if (rope) {
+      // q and k are rotated after QK-norm (OLMo 2, Qwen3). The norm's backward reads only qkv_'s
+      // raw q, k and the saved statistics, and the QKV projection's backward reads x, so nothing
+      // needs the unrotated values. k's rows follow q's, so one call rotates both as 2 B
+      // sequences (row r is position r mod T either way).
+      ProfileScope p(prof, "rope");
+      ctx_.exec->rope_forward(*ctx_.rope, qk, static_cast<const float*>(normed.data), 2 * B, d.T,
+                              d.Hl, d.D, HD);
+    }
+    q = qk;
+    k = qk.at(BT * HD);
+    ldqk = HD;
+  } else if (rope) {
+    // Without QK-norm q and k are rotated in place inside qkv_: a row's q heads and k heads are
+    // adjacent, so one call rotates both as 2 Hl heads.
     ProfileScope p(prof, "rope");
-    ctx_.exec->rope_forward(*ctx_.rope, q, q, B, d.T, 2 * d.Hl, d.D, ldqk);
+    float* qk = qkv_.f32();
+    ctx_.exec->rope_forward(*ctx_.rope, qk, qk, B, d.T, 2 * d.Hl, d.D, ldqk);
   }
   qk_scales(scales_.f32());
   {
@@ -200,14 +215,16 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
   }
   const bool normed = d.qk_norm != config::NONE;
   float* dqkv = sc.dqkv.f32();
-  const int64_t ldqk = normed ? 2 * HD : 3 * HD;
+  // dq, dk in the layout of the q, k attention read: inside dqkv, or dq's rows then dk's in dqk.
+  const int64_t ldqk = normed ? HD : 3 * HD;
   float* dq = normed ? sc.dqk.f32() : dqkv;
-  float* dk = normed ? sc.dqk.f32() + HD : dqkv + HD;
+  float* dk = normed ? sc.dqk.f32() + BT * HD : dqkv + HD;
   {
     ProfileScope p(prof, "attention");
     // q, k as the forward's attention read them (rotated with ROPE).
-    const float* q = normed ? qk_.f32() : qkv_.f32();
-    const float* k = normed ? qk_.f32() + HD : qkv_.f32() + HD;
+    const kernels::ActIn q = normed ? kernels::ActIn(kernels::act(qk_)) : qkv_.f32();
+    const kernels::ActIn k =
+        normed ? kernels::ActIn(kernels::act(qk_).at(BT * HD)) : qkv_.f32() + HD;
     kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD, sc.attn_threads};
     // dq/dk use ldq/ldk, dv uses ldv (3 HD, inside dqkv).
     float* dscale = nullptr;
@@ -225,18 +242,23 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
   }
   if (d.position == config::ROPE) {
     // dq, dk are gradients w.r.t. the rotated q, k; the transposed rotation gives them w.r.t. the
-    // (normalised) q, k before RoPE, in place. dk follows dq in the same rows, as in forward.
+    // (normalised) q, k before RoPE, in place, in one call as in forward: dk's rows follow dq's
+    // (2 B sequences) with QK-norm, else dk's heads follow dq's in the same rows (2 Hl heads).
     ProfileScope p(prof, "rope");
-    ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
+    if (normed) {
+      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, 2 * B, d.T, d.Hl, d.D, ldqk);
+    } else {
+      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
+    }
   }
   if (normed) {
     ProfileScope p(prof, "qk_norm");
-    // Gradients flow from the normalised q, k (stride 2 HD) to the raw ones inside dqkv.
+    // Gradients flow from the normalised q, k (dk's rows after dq's) to the raw ones inside dqkv.
     kernels::NormShape s = qk_norm_shape(B);
     const kernels::NormOp op = qk_op(d.qk_norm);
     auto w = [&](int id) { return ps_.param_or_null(id); };
     auto g = [&](int id) { return ps_.grad_or_null(id); };
-    // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (2 HD).
+    // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (HD).
     if (d.qk_scope == config::PROJECTION) {
       Communicator& tp = ctx_.topo->tp_tensors();
       const int64_t Cg_total = d.H * d.D;
@@ -244,22 +266,21 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
       float* kp = k_stats_.f32();
       ctx_.exec->norm_backward_partials(s, sc.dqk.f32(), qkv_.f32(), w(q_norm_w_), q_mean_.f32(),
                                         q_rstd_.f32(), qp);
-      ctx_.exec->norm_backward_partials(s, sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_),
-                                        k_mean_.f32(), k_rstd_.f32(), kp);
+      ctx_.exec->norm_backward_partials(s, dk, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
+                                        k_rstd_.f32(), kp);
       tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
       tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
       ctx_.exec->norm_backward_from_partials(op, s, Cg_total, qp, dqkv, false, g(q_norm_w_),
                                              g(q_norm_b_), sc.dqk.f32(), qkv_.f32(), w(q_norm_w_),
                                              q_mean_.f32(), q_rstd_.f32());
       ctx_.exec->norm_backward_from_partials(op, s, Cg_total, kp, dqkv + HD, false, g(k_norm_w_),
-                                             g(k_norm_b_), sc.dqk.f32() + HD, qkv_.f32() + HD,
-                                             w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
+                                             g(k_norm_b_), dk, qkv_.f32() + HD, w(k_norm_w_),
+                                             k_mean_.f32(), k_rstd_.f32());
     } else {
       ctx_.exec->norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
                                qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      ctx_.exec->norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_),
-                               sc.dqk.f32() + HD, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
-                               k_rstd_.f32());
+      ctx_.exec->norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_), dk,
+                               qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
   {

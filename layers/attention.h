@@ -36,7 +36,9 @@ class Attention {
   // activations
   // [BT, 3 Hl D] projection output: q, k raw (rotated in place with ROPE and QK-norm NONE), v
   Tensor qkv_;
-  Tensor qk_;  // [BT, 2 Hl D] QK-normalised (then rotated, ROPE) q, k; unused for NONE
+  // [2, BT, Hl D] QK-normalised (then rotated, ROPE) q, then k (rows of the forward's B T each);
+  // unused for NONE. bf16 under BF16 on a GPU (Note [act-dtype]).
+  Tensor qk_;
   Tensor q_mean_, q_rstd_, k_mean_, k_rstd_;  // [BT * groups]
   Tensor q_stats_, k_stats_;  // [BT, 2] PROJECTION scope: row statistics reduced over TP
   // What attention's backward reads: the CPU's probabilities [B, Hl, T, T], a fused GPU kernel's

@@ -41,10 +41,12 @@ struct ModelDims {
 
 // Backward temporaries shared by all blocks (one block runs backward at a time).
 struct Scratch {
-  Tensor dn;       // [BT, C]     gradient w.r.t. a norm output
-  Tensor datt;     // [BT, Hl D]  gradient w.r.t. the attention output
-  Tensor dqkv;     // [BT, 3 Hl D]
-  Tensor dqk;      // [BT, 2 Hl D] gradient w.r.t. the QK-normalised q, k
+  Tensor dn;    // [BT, C]     gradient w.r.t. a norm output
+  Tensor datt;  // [BT, Hl D]  gradient w.r.t. the attention output
+  Tensor dqkv;  // [BT, 3 Hl D]
+  // [2, BT, Hl D] gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s layout); in a
+  // forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation
+  Tensor dqk;
   Tensor dh;       // [BT, Fl]    gradient w.r.t. the MLP hidden (GELU input; gated: up output)
   Tensor dgate;    // [BT, Fl]    gated MLPs: gradient w.r.t. the gate projection's output
   Tensor dsub;     // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add

@@ -174,7 +174,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dn = ctx_.zeros({BT, C});
   scratch_.datt = ctx_.zeros({BT, HD});
   scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
-  if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, 2 * HD});
+  if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({2, BT, HD});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl});
   if (d.post_norm) scratch_.dsub = ctx_.zeros({BT, C});

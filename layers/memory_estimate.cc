@@ -79,14 +79,14 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double groups = m.qk_norm_scope() == config::PROJECTION ? 1 : Hl;
   const bool gpu = device != Device::kCpu;
   // Note [act-dtype]: under BF16 on a GPU the activations only matrix products read are bf16,
-  // half a float each: the logits, the final and (pre-sublayer) block norms' outputs, attention's
-  // output and the MLP's activated hidden.
+  // half a float each: the logits, the final and (pre-sublayer) block norms' outputs, the
+  // QK-normalised q and k, attention's output and the MLP's activated hidden.
   const bool bf16 = gpu && kernels::resolve_precision(cfg.train().precision(), device) ==
                                kernels::Precision::kBf16;
   const double act = bf16 ? 0.5 : 1.0;
   // qkv, what attention saves (CPU: probabilities; GPU: log-sum-exp), att, scales
   double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
-  if (qk_on) attn += 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
+  if (qk_on) attn += act * 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
   const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
   // GELU: pre-activation and output; gated: up, gate and their product.

@@ -381,10 +381,10 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().norm_partial_stats(s, inp, stats);
   }
   void norm_forward_from_stats(kernels::NormOp op, const kernels::NormShape& s, int64_t Cg_total,
-                               const float* stats, float* out, const float* inp,
+                               const float* stats, kernels::ActOut out, const float* inp,
                                const float* weight, const float* bias, float* mean, float* rstd,
                                float eps) override {
-    Call c("norm_forward_from_stats", {stats, out, inp, weight, bias, mean, rstd});
+    Call c("norm_forward_from_stats", {stats, out.data, inp, weight, bias, mean, rstd});
     cpu().norm_forward_from_stats(op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd, eps);
   }
   void norm_backward_partials(const kernels::NormShape& s, const float* dout, const float* inp,
@@ -411,17 +411,17 @@ class FakeDeviceExec final : public kernels::ExecContext {
     return cpu().attention_workspace_elems(s);
   }
   void attention_forward(const kernels::AttentionShape& s, kernels::ActOut out, float* saved,
-                         const float* q, const float* k, const float* v, const float* scale,
+                         kernels::ActIn q, kernels::ActIn k, const float* v, const float* scale,
                          float* max_abs_logit) override {
-    Call c("attention_forward", {out.data, saved, q, k, v, scale, max_abs_logit});
+    Call c("attention_forward", {out.data, saved, q.data, k.data, v, scale, max_abs_logit});
     cpu().attention_forward(s, out, saved, q, k, v, scale, max_abs_logit);
   }
   void attention_backward(const kernels::AttentionShape& s, float* dq, float* dk, float* dv,
                           float* dscale, const float* dout, kernels::ActIn out, const float* saved,
-                          const float* q, const float* k, const float* v, const float* scale,
+                          kernels::ActIn q, kernels::ActIn k, const float* v, const float* scale,
                           float* workspace) override {
     Call c("attention_backward",
-           {dq, dk, dv, dscale, dout, out.data, saved, q, k, v, scale, workspace});
+           {dq, dk, dv, dscale, dout, out.data, saved, q.data, k.data, v, scale, workspace});
     cpu().attention_backward(s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -435,9 +435,9 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().scale_grad_accumulate(grad, dscale, H, shared_gain);
   }
 
-  void rope_forward(const kernels::RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
-                    int64_t H, int64_t D, int64_t row_stride) override {
-    Call c("rope_forward", {y, x});
+  void rope_forward(const kernels::RopeTable& table, kernels::ActOut y, const float* x, int64_t B,
+                    int64_t T, int64_t H, int64_t D, int64_t row_stride) override {
+    Call c("rope_forward", {y.data, x});
     cpu().rope_forward(table, y, x, B, T, H, D, row_stride);
   }
   void rope_backward(const kernels::RopeTable& table, float* dx, const float* dy, int64_t B,

@@ -35,17 +35,18 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // ---- Note [act-dtype]: activations stored in bf16 ----
 // Under BF16 on a device, the activations that only matrix products and the loss read are stored
 // in bf16 (act_dtype()):
-// - the inputs of the projections: the block norms' outputs (pre-sublayer placement), the final
-//   norm's output, attention's output (which attention's backward also reads) and the MLP's
-//   activated hidden. Their producers compute in fp32 and write the bf16 rounding that the GEMMs
-//   made in a staging copy before, so storing them in bf16 changes no result;
+// - the inputs of the projections and of attention: the block norms' outputs (pre-sublayer
+//   placement), the final norm's output, the QK-normalised (and rotated) q and k, attention's
+//   output (which attention's backward also reads) and the MLP's activated hidden. Their
+//   producers compute in fp32 and write the bf16 rounding that the GEMMs and attention made in a
+//   staging copy before, so storing them in bf16 changes no result;
 // - the LM head's logits, as autocast leaves a matrix product's output: the head's GEMM writes them
 //   from fp32 accumulators, the loss phases widen each element and compute in fp32, and the loss
 //   backward writes the bf16 logit gradient in place, which the head's backward GEMMs read as it
 //   is (they rounded it to bf16 anyway).
-// For 124M at 16 x 1024 tokens that is ~30 GB less memory traffic per step (16.5 GB of staging
-// copies, 13.2 GB around the logits) and 3.8 GB less activation memory. The residual stream,
-// q/k/v, the MLP's pre-activation and all gradients stay fp32.
+// For 124M at 16 x 1024 tokens that is ~34 GB less memory traffic per step (20.7 GB of staging
+// copies, 13.2 GB around the logits) and 4.4 GB less activation memory. The residual stream, the
+// QKV projection's output, the MLP's pre-activation and all gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -55,6 +56,11 @@ struct ActOut {
   DType dtype = DType::kF32;
   ActOut(float* p) : data(p) {}  // NOLINT(google-explicit-constructor): fp32 is the default
   ActOut(void* p, DType t) : data(p), dtype(t) {}
+  // The memory `elems` elements further on.
+  ActOut at(int64_t elems) const {
+    return ActOut(static_cast<char*>(data) + elems * static_cast<int64_t>(dtype_size(dtype)),
+                  dtype);
+  }
 };
 struct ActIn {
   const void* data = nullptr;
@@ -122,8 +128,9 @@ class ExecContext {
                              float* dweight, float* dbias, const float* dout, const float* inp,
                              const float* weight, const float* mean, const float* rstd) = 0;
   virtual void norm_partial_stats(const NormShape& s, const float* inp, float* stats) = 0;
+  // out: Note [act-dtype].
   virtual void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
-                                       const float* stats, float* out, const float* inp,
+                                       const float* stats, ActOut out, const float* inp,
                                        const float* weight, const float* bias, float* mean,
                                        float* rstd, float eps) = 0;
   virtual void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
@@ -143,23 +150,25 @@ class ExecContext {
   virtual int64_t attention_saved_elems(const AttentionShape& s) const = 0;
   virtual int64_t attention_workspace_elems(const AttentionShape& s) const = 0;
   // out (=); saved (=); *max_abs_logit (=, device float) the largest |scale q.k| unmasked.
-  // out (and the backward's out): Note [act-dtype]; bf16 only dense (s.ldo == s.H * s.D).
-  virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
-                                 const float* k, const float* v, const float* scale,
+  // q, k and out (and the backward's q, k and out): Note [act-dtype]; bf16 only dense (a row
+  // stride of s.H * s.D).
+  virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
+                                 ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) = 0;
   // dq, dk, dv (=); dscale (+=, nullable). out and saved as the forward left them; dq, dk, dv
   // must not alias q, k, v, out or dout.
   virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
                                   float* dscale, const float* dout, ActIn out, const float* saved,
-                                  const float* q, const float* k, const float* v,
-                                  const float* scale, float* workspace) = 0;
+                                  ActIn q, ActIn k, const float* v, const float* scale,
+                                  float* workspace) = 0;
   virtual void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                                 float default_scale) = 0;
   virtual void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
                                      bool shared_gain) = 0;
 
   // ---- rope.h (the table is the host table; a device context keeps its own copy of it) ----
-  virtual void rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+  // y: Note [act-dtype] (bf16 only out of place).
+  virtual void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                             int64_t H, int64_t D, int64_t row_stride) = 0;
   virtual void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
                              int64_t T, int64_t H, int64_t D, int64_t row_stride) = 0;

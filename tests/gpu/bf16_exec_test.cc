@@ -42,6 +42,33 @@ double rel_norm_err(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// A bf16 device tensor holding `host` rounded to bf16; one of n bf16 NaNs.
+Tensor dev_bf16(const std::vector<float>& host) {
+  Tensor t = Tensor::zeros({static_cast<int64_t>(host.size())}, DType::kBF16, Device::kCuda);
+  const std::vector<Bf16> bits = to_bf16(host);
+  t.copy_from_host(0, t.numel(), bits.data());
+  return t;
+}
+Tensor poisoned_bf16(int64_t n) {
+  return dev_bf16(std::vector<float>(static_cast<size_t>(n), std::nanf("")));
+}
+std::vector<float> host_bf16(const Tensor& t) {
+  std::vector<Bf16> bits(static_cast<size_t>(t.numel()));
+  t.copy_to_host(0, t.numel(), bits.data());
+  return from_bf16(bits);
+}
+
+// Columns [which * cols, (which + 1) * cols) of `rows` rows of stride ld, as dense rows.
+std::vector<float> column_block(const std::vector<float>& v, int64_t rows, int64_t ld, int which,
+                                int64_t cols) {
+  std::vector<float> r;
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* p = v.data() + row * ld + which * cols;
+    r.insert(r.end(), p, p + cols);
+  }
+  return r;
+}
+
 class Bf16ExecTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -84,25 +111,30 @@ TEST_F(Bf16ExecTest, LinearForwardRoundsInputsAccumulatesInFp32) {
   EXPECT_TRUE(matches(host(dout), ref, bf16_in_f32_out_rtol(IC)));
 }
 
+// fp32 operands are rounded to bf16; bf16 ones (Note [act-dtype]) are those roundings already:
+// the same gradients either way. The bias gradient sums dout as stored (fp32 or bf16).
 TEST_F(Bf16ExecTest, LinearBackwardAccumulatesFp32Gradients) {
   const int64_t N = 80, IC = 256, OC = 160;
   const auto x = random_vec(N * IC, -1.0f, 1.0f, 4), w = random_vec(OC * IC, -0.5f, 0.5f, 5);
   const auto g = random_vec(N * OC, -1.0f, 1.0f, 6);
   const auto dx0 = random_vec(N * IC, -0.2f, 0.2f, 7), dw0 = random_vec(OC * IC, -0.2f, 0.2f, 8);
   const auto db0 = random_vec(OC, -0.2f, 0.2f, 9);
-  Tensor tx = dev(x), tw = dev(w), tg = dev(g), tdx = dev(dx0), tdw = dev(dw0), tdb = dev(db0);
-  gpu().linear_backward(tdx.f32(), /*accumulate_dinp=*/true, tdw.f32(), tdb.f32(), tg.f32(),
-                        tx.f32(), tw.f32(), N, IC, OC);
-  auto dx = dx0, dw = dw0, db = db0;
   const auto xr = bf16_rounded(x), wr = bf16_rounded(w), gr = bf16_rounded(g);
-  cpu().linear_backward(dx.data(), true, dw.data(), nullptr, gr.data(), xr.data(), wr.data(), N, IC,
-                        OC);
-  // The bias gradient sums the unrounded fp32 dout.
-  cpu().linear_backward(nullptr, false, nullptr, db.data(), g.data(), x.data(), w.data(), N, IC,
-                        OC);
-  EXPECT_TRUE(matches(host(tdx), dx, bf16_in_f32_out_rtol(OC))) << "dinp";
-  EXPECT_TRUE(matches(host(tdw), dw, bf16_in_f32_out_rtol(N))) << "dweight";
-  EXPECT_TRUE(matches(host(tdb), db, f32_rtol(N))) << "dbias";
+  for (const bool bf16_operands : {false, true}) {
+    SCOPED_TRACE(bf16_operands ? "bf16 dout and inp" : "fp32 dout and inp");
+    Tensor tx = bf16_operands ? dev_bf16(x) : dev(x), tg = bf16_operands ? dev_bf16(g) : dev(g);
+    Tensor tw = dev(w), tdx = dev(dx0), tdw = dev(dw0), tdb = dev(db0);
+    gpu().linear_backward(tdx.f32(), /*accumulate_dinp=*/true, tdw.f32(), tdb.f32(),
+                          kernels::act(tg), kernels::act(tx), tw.f32(), N, IC, OC);
+    auto dx = dx0, dw = dw0, db = db0;
+    cpu().linear_backward(dx.data(), true, dw.data(), nullptr, gr.data(), xr.data(), wr.data(), N,
+                          IC, OC);
+    cpu().linear_backward(nullptr, false, nullptr, db.data(), bf16_operands ? gr.data() : g.data(),
+                          x.data(), w.data(), N, IC, OC);
+    EXPECT_TRUE(matches(host(tdx), dx, bf16_in_f32_out_rtol(OC))) << "dinp";
+    EXPECT_TRUE(matches(host(tdw), dw, bf16_in_f32_out_rtol(N))) << "dweight";
+    EXPECT_TRUE(matches(host(tdb), db, f32_rtol(N))) << "dbias";
+  }
 }
 
 TEST_F(Bf16ExecTest, AttentionOnPackedQkvMatchesCpuOnRoundedInputs) {
@@ -143,12 +175,7 @@ TEST_F(Bf16ExecTest, AttentionOnPackedQkvMatchesCpuOnRoundedInputs) {
                              qr.data() + 2 * HD, scale.data(), ws.data());
     const auto g = host(tdqkv);
     auto part = [&](const std::vector<float>& v, int which) {
-      std::vector<float> r;
-      for (int64_t row = 0; row < BT; ++row) {
-        const float* p = v.data() + row * 3 * HD + which * HD;
-        r.insert(r.end(), p, p + HD);
-      }
-      return r;
+      return column_block(v, BT, 3 * HD, which, HD);
     };
     for (const float x : g) ASSERT_FALSE(std::isnan(x)) << "an unwritten gradient element";
     EXPECT_LT(rel_norm_err(part(g, 0), part(dqkv, 0)), 2e-2) << "dq";
@@ -159,22 +186,6 @@ TEST_F(Bf16ExecTest, AttentionOnPackedQkvMatchesCpuOnRoundedInputs) {
 }
 
 // ---- Note [act-dtype]: activations stored in bf16 (the LM head's logits) ----
-
-// A bf16 device tensor holding `host` rounded to bf16; one of n bf16 NaNs.
-Tensor dev_bf16(const std::vector<float>& host) {
-  Tensor t = Tensor::zeros({static_cast<int64_t>(host.size())}, DType::kBF16, Device::kCuda);
-  const std::vector<Bf16> bits = to_bf16(host);
-  t.copy_from_host(0, t.numel(), bits.data());
-  return t;
-}
-Tensor poisoned_bf16(int64_t n) {
-  return dev_bf16(std::vector<float>(static_cast<size_t>(n), std::nanf("")));
-}
-std::vector<float> host_bf16(const Tensor& t) {
-  std::vector<Bf16> bits(static_cast<size_t>(t.numel()));
-  t.copy_to_host(0, t.numel(), bits.data());
-  return from_bf16(bits);
-}
 
 // The GEMM writes bf16 from its fp32 accumulators: one bf16 rounding of the CPU's fp32 product of
 // the rounded inputs. Inputs fp32 (staged) or already bf16; with and without a bias.
@@ -195,27 +206,6 @@ TEST_F(Bf16ExecTest, LinearForwardWritesBf16Activations) {
           << "bias " << bias << ", bf16 input " << inp_bf16;
     }
   }
-}
-
-// bf16 dout and inp are the operands the fp32 ones are rounded to: the same gradients, and the
-// bias gradient sums the bf16 dout as stored.
-TEST_F(Bf16ExecTest, LinearBackwardReadsBf16Activations) {
-  const int64_t N = 80, IC = 256, OC = 160;
-  const auto x = random_vec(N * IC, -1.0f, 1.0f, 14), w = random_vec(OC * IC, -0.5f, 0.5f, 15);
-  const auto g = random_vec(N * OC, -1.0f, 1.0f, 16);
-  const auto dx0 = random_vec(N * IC, -0.2f, 0.2f, 17), dw0 = random_vec(OC * IC, -0.2f, 0.2f, 18);
-  const auto db0 = random_vec(OC, -0.2f, 0.2f, 19);
-  Tensor tx = dev_bf16(x), tw = dev(w), tg = dev_bf16(g), tdx = dev(dx0), tdw = dev(dw0),
-         tdb = dev(db0);
-  gpu().linear_backward(tdx.f32(), /*accumulate_dinp=*/true, tdw.f32(), tdb.f32(), kernels::act(tg),
-                        kernels::act(tx), tw.f32(), N, IC, OC);
-  auto dx = dx0, dw = dw0, db = db0;
-  const auto xr = bf16_rounded(x), wr = bf16_rounded(w), gr = bf16_rounded(g);
-  cpu().linear_backward(dx.data(), true, dw.data(), db.data(), gr.data(), xr.data(), wr.data(), N,
-                        IC, OC);
-  EXPECT_TRUE(matches(host(tdx), dx, bf16_in_f32_out_rtol(OC))) << "dinp";
-  EXPECT_TRUE(matches(host(tdw), dw, bf16_in_f32_out_rtol(N))) << "dweight";
-  EXPECT_TRUE(matches(host(tdb), db, f32_rtol(N))) << "dbias";
 }
 
 // The loss phases on bf16 logits compute in fp32: the CPU's statistics of the rounded logits to
@@ -262,8 +252,9 @@ TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
 }
 
 // A producer that writes bf16 (Note [act-dtype]) writes exactly the rounding of its fp32 output,
-// which is what the matrix product that reads it staged before: storing it in bf16 changes no
-// result. Norms (LayerNorm with bias, RMSNorm), GELU and both GLUs, bitwise.
+// which is what the matrix product (or attention) that reads it staged before: storing it in bf16
+// changes no result. Norms (LayerNorm with bias, RMSNorm; also from split statistics), RoPE, GELU
+// and both GLUs, bitwise.
 TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
   const int64_t N = 40, C = 96, n = N * C;
   const auto x = random_vec(n, -2.0f, 2.0f, 23), up = random_vec(n, -2.0f, 2.0f, 24);
@@ -279,6 +270,26 @@ TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
                        1e-5f);
     EXPECT_TRUE(identical(host_bf16(h), bf16_rounded(host(f)))) << "norm " << static_cast<int>(op);
   }
+  // The split form (PROJECTION-scope QK-norm under TP) from all-reduced statistics.
+  Tensor stats = poisoned(2 * N);
+  gpu().norm_partial_stats(ns, tx.f32(), stats.f32());
+  for (const kernels::NormOp op : {kernels::NormOp::kLayer, kernels::NormOp::kRms}) {
+    Tensor f = poisoned(n), h = poisoned_bf16(n);
+    gpu().norm_forward_from_stats(op, ns, C, stats.f32(), f.f32(), tx.f32(), tw.f32(), tb.f32(),
+                                  mean.f32(), rstd.f32(), 1e-5f);
+    gpu().norm_forward_from_stats(op, ns, C, stats.f32(), kernels::act(h), tx.f32(), tw.f32(),
+                                  tb.f32(), mean.f32(), rstd.f32(), 1e-5f);
+    EXPECT_TRUE(identical(host_bf16(h), bf16_rounded(host(f))))
+        << "norm from stats " << static_cast<int>(op);
+  }
+  {
+    // RoPE out of place into bf16: N rows = 4 sequences of 10 positions, 3 heads of 32.
+    const kernels::RopeTable table = kernels::make_rope_table(16, 32, 10000.0);
+    Tensor f = poisoned(n), h = poisoned_bf16(n);
+    gpu().rope_forward(table, f.f32(), tx.f32(), 4, 10, 3, 32, C);
+    gpu().rope_forward(table, kernels::act(h), tx.f32(), 4, 10, 3, 32, C);
+    EXPECT_TRUE(identical(host_bf16(h), bf16_rounded(host(f)))) << "rope";
+  }
   Tensor f = poisoned(n), h = poisoned_bf16(n);
   gpu().gelu_forward(f.f32(), tx.f32(), n);
   gpu().gelu_forward(kernels::act(h), tx.f32(), n);
@@ -291,42 +302,57 @@ TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
   }
 }
 
-// Attention with a bf16 output: the forward writes the fp32 path's output (already a widened
-// bf16) exactly, and the backward reading it gives the same gradients, bitwise.
-TEST_F(Bf16ExecTest, AttentionWithBf16OutputMatchesTheFp32Output) {
+// Attention on bf16 operands: dense bf16 q and k (the QK-normalised ones a layer stores) and a
+// bf16 output. The fp32 path rounds q and k to the same bf16 values and its output is a widened
+// bf16, so both paths give the same output, maximum and gradients, bitwise.
+TEST_F(Bf16ExecTest, AttentionOnBf16OperandsMatchesTheFp32Ones) {
   const int64_t B = 2, T = 32, H = 2, D = 32, HD = H * D, BT = B * T;
   const auto qkv = random_vec(BT * 3 * HD, -1.0f, 1.0f, 27);
   const auto scale = random_vec(H, 0.1f, 0.3f, 28);
   const auto dout = random_vec(BT * HD, -1.0f, 1.0f, 29);
-  const AttentionShape s{B, T, H, D, 3 * HD, 3 * HD, 3 * HD, HD, 0};
+  // Column block `which` (0 q, 1 k, 2 v) of rows of 3 HD, as dense rows of HD.
+  auto part = [&](const std::vector<float>& v, int which) {
+    return column_block(v, BT, 3 * HD, which, HD);
+  };
+  const AttentionShape sf{B, T, H, D, 3 * HD, 3 * HD, 3 * HD, HD, 0};
+  const AttentionShape sb{B, T, H, D, HD, HD, 3 * HD, HD, 0};
   Tensor tqkv = dev(qkv), tscale = dev(scale), tdout = dev(dout);
+  Tensor qb = dev_bf16(part(qkv, 0)), kb = dev_bf16(part(qkv, 1));
   const float* q = tqkv.f32();
   Tensor of = poisoned(BT * HD), ob = poisoned_bf16(BT * HD);
-  Tensor saved_f = poisoned(gpu().attention_saved_elems(s));
-  Tensor saved_b = poisoned(gpu().attention_saved_elems(s));
+  Tensor saved_f = poisoned(gpu().attention_saved_elems(sf));
+  Tensor saved_b = poisoned(gpu().attention_saved_elems(sb));
   Tensor mf = poisoned(1), mb = poisoned(1);
-  gpu().attention_forward(s, of.f32(), saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
+  gpu().attention_forward(sf, of.f32(), saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
                           mf.f32());
-  gpu().attention_forward(s, kernels::act(ob), saved_b.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
-                          mb.f32());
+  gpu().attention_forward(sb, kernels::act(ob), saved_b.f32(), kernels::act(qb), kernels::act(kb),
+                          q + 2 * HD, tscale.f32(), mb.f32());
   EXPECT_TRUE(identical(host_bf16(ob), host(of))) << "out";
   EXPECT_TRUE(identical(host(mb), host(mf))) << "max |logit|";
-  Tensor ws = poisoned(std::max<int64_t>(1, gpu().attention_workspace_elems(s)));
-  Tensor gf = poisoned(BT * 3 * HD), gb = poisoned(BT * 3 * HD);
-  for (Tensor* g : {&gf, &gb}) {
-    float* dq = g->f32();
-    const kernels::ActIn out =
-        g == &gf ? kernels::ActIn(of.f32()) : kernels::ActIn(kernels::act(ob));
-    const float* saved = g == &gf ? saved_f.f32() : saved_b.f32();
-    gpu().attention_backward(s, dq, dq + HD, dq + 2 * HD, nullptr, tdout.f32(), out, saved, q,
-                             q + HD, q + 2 * HD, tscale.f32(), ws.f32());
-  }
-  EXPECT_TRUE(identical(host(gb), host(gf))) << "dq, dk, dv";
-  // A strided bf16 output is refused: the kernels write dense rows.
-  AttentionShape strided = s;
+  EXPECT_TRUE(identical(host(saved_b), host(saved_f))) << "log-sum-exp";
+  Tensor ws = poisoned(std::max<int64_t>(1, gpu().attention_workspace_elems(sf)));
+  Tensor gf = poisoned(BT * 3 * HD), gv = poisoned(BT * 3 * HD);
+  Tensor gq = poisoned(BT * HD), gk = poisoned(BT * HD);
+  float* dq = gf.f32();
+  gpu().attention_backward(sf, dq, dq + HD, dq + 2 * HD, nullptr, tdout.f32(), of.f32(),
+                           saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(), ws.f32());
+  gpu().attention_backward(sb, gq.f32(), gk.f32(), gv.f32() + 2 * HD, nullptr, tdout.f32(),
+                           kernels::act(ob), saved_b.f32(), kernels::act(qb), kernels::act(kb),
+                           q + 2 * HD, tscale.f32(), ws.f32());
+  const auto g = host(gf);
+  EXPECT_TRUE(identical(host(gq), part(g, 0))) << "dq";
+  EXPECT_TRUE(identical(host(gk), part(g, 1))) << "dk";
+  EXPECT_TRUE(identical(part(host(gv), 2), part(g, 2))) << "dv";
+  // Strided bf16 operands are refused: the kernels read and write dense rows.
+  AttentionShape strided = sb;
   strided.ldo = 2 * HD;
-  EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), q, q + HD,
-                                       q + 2 * HD, tscale.f32(), mb.f32()),
+  EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), kernels::act(qb),
+                                       kernels::act(kb), q + 2 * HD, tscale.f32(), mb.f32()),
+               Error);
+  strided = sb;
+  strided.ldq = 2 * HD;
+  EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), kernels::act(qb),
+                                       kernels::act(kb), q + 2 * HD, tscale.f32(), mb.f32()),
                Error);
 }
 

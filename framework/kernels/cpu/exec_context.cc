@@ -76,10 +76,11 @@ class CpuExec final : public ExecContext {
     kernels::norm_partial_stats(s, inp, stats);
   }
   void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
-                               float* out, const float* inp, const float* weight, const float* bias,
+                               ActOut out, const float* inp, const float* weight, const float* bias,
                                float* mean, float* rstd, float eps) override {
-    kernels::norm_forward_from_stats(op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
-                                     eps);
+    kernels::norm_forward_from_stats(op, s, Cg_total, stats,
+                                     act_f32(out, "norm_forward_from_stats", "out"), inp, weight,
+                                     bias, mean, rstd, eps);
   }
   void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
                               const float* weight, const float* mean, const float* rstd,
@@ -102,19 +103,19 @@ class CpuExec final : public ExecContext {
   int64_t attention_workspace_elems(const AttentionShape& s) const override {
     return kernels::attention_workspace_elems(s, s.threads > 0 ? s.threads : num_threads());
   }
-  void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
-                         const float* k, const float* v, const float* scale,
-                         float* max_abs_logit) override {
-    kernels::attention_forward<float>(s, act_f32(out, "attention_forward", "out"), saved, q, k, v,
-                                      scale, max_abs_logit);
+  void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
+                         const float* v, const float* scale, float* max_abs_logit) override {
+    kernels::attention_forward<float>(
+        s, act_f32(out, "attention_forward", "out"), saved, act_f32(q, "attention_forward", "q"),
+        act_f32(k, "attention_forward", "k"), v, scale, max_abs_logit);
   }
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, ActIn out, const float* saved, const float* q,
-                          const float* k, const float* v, const float* scale,
-                          float* workspace) override {
+                          const float* dout, ActIn out, const float* saved, ActIn q, ActIn k,
+                          const float* v, const float* scale, float* workspace) override {
     act_f32(out, "attention_backward", "out");  // the CPU's backward reads its saved probabilities
-    kernels::attention_backward<float>(s, dq, dk, dv, dscale, dout, saved, q, k, v, scale,
-                                       workspace);
+    kernels::attention_backward<float>(s, dq, dk, dv, dscale, dout, saved,
+                                       act_f32(q, "attention_backward", "q"),
+                                       act_f32(k, "attention_backward", "k"), v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override {
@@ -125,9 +126,9 @@ class CpuExec final : public ExecContext {
     kernels::scale_grad_accumulate<float>(grad, dscale, H, shared_gain);
   }
 
-  void rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+  void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                     int64_t H, int64_t D, int64_t row_stride) override {
-    kernels::rope_forward<float>(table, y, x, B, T, H, D, row_stride);
+    kernels::rope_forward<float>(table, act_f32(y, "rope_forward", "y"), x, B, T, H, D, row_stride);
   }
   void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B, int64_t T,
                      int64_t H, int64_t D, int64_t row_stride) override {

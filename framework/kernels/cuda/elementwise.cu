@@ -146,9 +146,10 @@ __global__ void add_bias_rows_kernel(T* C, const T* bias, int64_t M, int64_t N, 
 }
 
 // ---- RoPE: one thread per (row, head, pair); each pair is read before it is written ----
-template <typename T>
-__global__ void rope_kernel(const float* cos_t, const float* sin_t, int64_t half, T* out,
-                            const T* in, int64_t B, int64_t T_, int64_t H, int64_t D,
+// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
+template <typename TO, typename TI>
+__global__ void rope_kernel(const float* cos_t, const float* sin_t, int64_t half, TO* out,
+                            const TI* in, int64_t B, int64_t T_, int64_t H, int64_t D,
                             int64_t row_stride, int64_t pos_offset, float sign) {
   const int64_t total = B * T_ * H * half;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
@@ -158,15 +159,15 @@ __global__ void rope_kernel(const float* cos_t, const float* sin_t, int64_t half
     const int64_t h = rest % H, r = rest / H;
     const int64_t p = r % T_ + pos_offset;
     const float ci = cos_t[p * half + i], si = sign * sin_t[p * half + i];
-    const T* xh = in + r * row_stride + h * D;
-    T* yh = out + r * row_stride + h * D;
+    const TI* xh = in + r * row_stride + h * D;
+    TO* yh = out + r * row_stride + h * D;
     const float x1 = to_f(xh[i]), x2 = to_f(xh[i + half]);
-    yh[i] = from_f<T>(x1 * ci - x2 * si);
-    yh[i + half] = from_f<T>(x2 * ci + x1 * si);
+    yh[i] = from_f<TO>(x1 * ci - x2 * si);
+    yh[i + half] = from_f<TO>(x2 * ci + x1 * si);
   }
 }
-template <typename T>
-void rope_impl(Context& ctx, const DeviceRopeTable& table, T* out, const T* in, int64_t B,
+template <typename TO, typename TI>
+void rope_impl(Context& ctx, const DeviceRopeTable& table, TO* out, const TI* in, int64_t B,
                int64_t T_, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset, float sign,
                const char* name) {
   const int64_t half = table.half_dim();
@@ -298,6 +299,10 @@ void rope_forward(Context& ctx, const DeviceRopeTable& table, float* y, const fl
   rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
 }
 void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const Bf16* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
+  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
+}
+void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const float* x, int64_t B,
                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
   rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
 }

@@ -89,6 +89,25 @@ bool is_bf16(ActIn a, Precision p, const char* method, const char* arg) {
 
 const Bf16* bf16_of(ActIn a) { return static_cast<const Bf16*>(a.data); }
 
+// Calls f with a's memory typed by its dtype (const Bf16* or const float*; is_bf16's checks).
+template <typename F>
+void with_typed(ActIn a, Precision p, const char* method, const char* arg, F&& f) {
+  if (is_bf16(a, p, method, arg)) {
+    f(bf16_of(a));
+  } else {
+    f(static_cast<const float*>(a.data));
+  }
+}
+// The same for an output (Bf16* or float*).
+template <typename F>
+void with_typed(ActOut a, Precision p, const char* method, const char* arg, F&& f) {
+  if (is_bf16(a, p, method, arg)) {
+    f(static_cast<Bf16*>(a.data));
+  } else {
+    f(static_cast<float*>(a.data));
+  }
+}
+
 }  // namespace
 
 void CudaExec::linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias,
@@ -178,11 +197,8 @@ void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
 // ---- elementwise.h, glu.h ----
 
 void CudaExec::gelu_forward(ActOut out, const float* inp, int64_t n) {
-  if (is_bf16(out, precision_, "gelu_forward", "out")) {
-    cuda::gelu_forward(ctx_, static_cast<Bf16*>(out.data), inp, n);
-  } else {
-    cuda::gelu_forward(ctx_, static_cast<float*>(out.data), inp, n);
-  }
+  with_typed(out, precision_, "gelu_forward", "out",
+             [&](auto* o) { cuda::gelu_forward(ctx_, o, inp, n); });
 }
 
 void CudaExec::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
@@ -198,11 +214,8 @@ void CudaExec::add_inplace(float* y, const float* x, int64_t n) {
 }
 
 void CudaExec::glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) {
-  if (is_bf16(out, precision_, "glu_forward", "out")) {
-    cuda::glu_forward(ctx_, act, static_cast<Bf16*>(out.data), gate, up, n);
-  } else {
-    cuda::glu_forward(ctx_, act, static_cast<float*>(out.data), gate, up, n);
-  }
+  with_typed(out, precision_, "glu_forward", "out",
+             [&](auto* o) { cuda::glu_forward(ctx_, act, o, gate, up, n); });
 }
 
 void CudaExec::glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
@@ -219,13 +232,9 @@ void CudaExec::sum_squares(const float* x, int64_t n, double* out, bool accumula
 void CudaExec::norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) {
-  if (is_bf16(out, precision_, "norm_forward", "out")) {
-    cuda::norm_forward(ctx_, op, s, static_cast<Bf16*>(out.data), inp, weight, bias, mean, rstd,
-                       eps);
-  } else {
-    cuda::norm_forward(ctx_, op, s, static_cast<float*>(out.data), inp, weight, bias, mean, rstd,
-                       eps);
-  }
+  with_typed(out, precision_, "norm_forward", "out", [&](auto* o) {
+    cuda::norm_forward(ctx_, op, s, o, inp, weight, bias, mean, rstd, eps);
+  });
 }
 
 void CudaExec::norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
@@ -239,11 +248,13 @@ void CudaExec::norm_partial_stats(const NormShape& s, const float* inp, float* s
 }
 
 void CudaExec::norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
-                                       const float* stats, float* out, const float* inp,
+                                       const float* stats, ActOut out, const float* inp,
                                        const float* weight, const float* bias, float* mean,
                                        float* rstd, float eps) {
-  cuda::norm_forward_from_stats(ctx_, op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
-                                eps);
+  with_typed(out, precision_, "norm_forward_from_stats", "out", [&](auto* o) {
+    cuda::norm_forward_from_stats(ctx_, op, s, Cg_total, stats, o, inp, weight, bias, mean, rstd,
+                                  eps);
+  });
 }
 
 void CudaExec::norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
@@ -267,31 +278,44 @@ int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const { return 
 
 int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const { return 0; }
 
-// Note [act-dtype]: whether an attention output is bf16 memory the kernels can use as it is (dense
-// rows of H * D, as they write them).
-static bool dense_bf16_out(ActIn out, const AttentionShape& s, Precision p, const char* method) {
-  if (!is_bf16(out, p, method, "out")) return false;
-  KEEL_CHECK(s.ldo == s.H * s.D, kInternal, "CudaExec::", method,
-             ": a bf16 out must be dense (ldo ", s.ldo, " != H * D = ", s.H * s.D, ")");
+// Note [act-dtype]: whether an attention operand (q, k or out, row stride ld) is bf16 memory the
+// kernels use as it is: dense rows of H * D, as they read and write them.
+static bool dense_bf16(ActIn a, int64_t ld, const AttentionShape& s, Precision p,
+                       const char* method, const char* arg) {
+  if (!is_bf16(a, p, method, arg)) return false;
+  KEEL_CHECK(ld == s.H * s.D, kInternal, "CudaExec::", method, ": a bf16 ", arg,
+             " must be dense (row stride ", ld, " != H * D = ", s.H * s.D, ")");
   return true;
 }
 
-void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
-                                 const float* k, const float* v, const float* scale,
+// Note [cuda-exec-bf16]: the dense bf16 rows of an attention operand: a bf16 one itself, an fp32
+// one rounded into `staged`.
+static const Bf16* bf16_rows(Context& ctx, ActIn a, bool is_bf16_rows, int64_t ld, Bf16* staged,
+                             int64_t rows, int64_t HD) {
+  if (is_bf16_rows) return bf16_of(a);
+  to_bf16_rows(ctx, staged, HD, static_cast<const float*>(a.data), ld, rows, HD);
+  return staged;
+}
+
+void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
+                                 ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) {
-  const bool out_bf16 = dense_bf16_out(out, s, precision_, "attention_forward");
+  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_forward", "out");
+  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_forward", "q");
+  const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_forward", "k");
   if (precision_ == Precision::kFp32) {
-    cuda::attention_forward<float>(ctx_, s, static_cast<float*>(out.data), saved, q, k, v, scale,
-                                   max_abs_logit);
+    cuda::attention_forward<float>(ctx_, s, static_cast<float*>(out.data), saved,
+                                   static_cast<const float*>(q.data),
+                                   static_cast<const float*>(k.data), v, scale, max_abs_logit);
     return;
   }
-  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D; a bf16 out is written in place.
+  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D; bf16 q and k are read and a bf16
+  // out is written in place.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  Bf16* qb = stage((out_bf16 ? 3 : 4) * n);
-  Bf16 *kb = qb + n, *vb = qb + 2 * n;
-  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : qb + 3 * n;
-  to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
-  to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
+  Bf16* vb = stage(4 * n);
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, vb + n, BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, vb + 2 * n, BT, HD);
+  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : vb + 3 * n;
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {
@@ -329,27 +353,27 @@ bool CudaExec::use_cudnn(const AttentionShape& c) {
 
 void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
                                   float* dscale, const float* dout, ActIn out, const float* saved,
-                                  const float* q, const float* k, const float* v,
-                                  const float* scale, float* /*workspace*/) {
-  const bool out_bf16 = dense_bf16_out(out, s, precision_, "attention_backward");
+                                  ActIn q, ActIn k, const float* v, const float* scale,
+                                  float* /*workspace*/) {
+  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_backward", "out");
+  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_backward", "q");
+  const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_backward", "k");
   if (precision_ == Precision::kFp32) {
-    cuda::attention_backward<float>(ctx_, s, dq, dk, dv, dscale, dout,
-                                    static_cast<const float*>(out.data), saved, q, k, v, scale);
+    cuda::attention_backward<float>(
+        ctx_, s, dq, dk, dv, dscale, dout, static_cast<const float*>(out.data), saved,
+        static_cast<const float*>(q.data), static_cast<const float*>(k.data), v, scale);
     return;
   }
-  // Note [cuda-exec-bf16]: a bf16 out is the forward's output itself; an fp32 one rounds back to
-  // it exactly (it was widened from it), so the backward sees what the forward produced.
+  // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
+  // to the same values (an fp32 out was widened from the forward's bf16 output), so the backward
+  // sees what the forward computed.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  Bf16* qb = stage(8 * n);
-  Bf16 *kb = qb + n, *vb = qb + 2 * n, *gb = qb + 4 * n;
-  Bf16 *dqb = qb + 5 * n, *dkb = qb + 6 * n, *dvb = qb + 7 * n;
-  const Bf16* ob = out_bf16 ? bf16_of(out) : qb + 3 * n;
-  to_bf16_rows(ctx_, qb, HD, q, s.ldq, BT, HD);
-  to_bf16_rows(ctx_, kb, HD, k, s.ldk, BT, HD);
+  Bf16* vb = stage(8 * n);
+  Bf16 *gb = vb + 4 * n, *dqb = vb + 5 * n, *dkb = vb + 6 * n, *dvb = vb + 7 * n;
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, vb + n, BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, vb + 2 * n, BT, HD);
+  const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, vb + 3 * n, BT, HD);
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
-  if (!out_bf16) {
-    to_bf16_rows(ctx_, qb + 3 * n, HD, static_cast<const float*>(out.data), s.ldo, BT, HD);
-  }
   to_bf16_rows(ctx_, gb, HD, dout, s.ldo, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {
@@ -391,9 +415,11 @@ const DeviceRopeTable& CudaExec::device_rope_table(const RopeTable& table) {
   return *e.table;
 }
 
-void CudaExec::rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+void CudaExec::rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                             int64_t H, int64_t D, int64_t row_stride) {
-  cuda::rope_forward(ctx_, device_rope_table(table), y, x, B, T, H, D, row_stride);
+  with_typed(y, precision_, "rope_forward", "y", [&](auto* out) {
+    cuda::rope_forward(ctx_, device_rope_table(table), out, x, B, T, H, D, row_stride);
+  });
 }
 
 void CudaExec::rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
@@ -425,32 +451,22 @@ void CudaExec::position_backward(float* dwpe, const float* dout, int64_t B, int6
 
 void CudaExec::xent_row_max(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                             float* row_max) {
-  if (is_bf16(logits, precision_, "xent_row_max", "logits")) {
-    cuda::xent_row_max(ctx_, bf16_of(logits), N, V_local, v_valid_local, row_max);
-  } else {
-    cuda::xent_row_max(ctx_, static_cast<const float*>(logits.data), N, V_local, v_valid_local,
-                       row_max);
-  }
+  with_typed(logits, precision_, "xent_row_max", "logits",
+             [&](auto* l) { cuda::xent_row_max(ctx_, l, N, V_local, v_valid_local, row_max); });
 }
 
 void CudaExec::xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                                int64_t v_valid_local, float* sumexp) {
-  if (is_bf16(logits, precision_, "xent_row_sumexp", "logits")) {
-    cuda::xent_row_sumexp(ctx_, bf16_of(logits), row_max, N, V_local, v_valid_local, sumexp);
-  } else {
-    cuda::xent_row_sumexp(ctx_, static_cast<const float*>(logits.data), row_max, N, V_local,
-                          v_valid_local, sumexp);
-  }
+  with_typed(logits, precision_, "xent_row_sumexp", "logits", [&](auto* l) {
+    cuda::xent_row_sumexp(ctx_, l, row_max, N, V_local, v_valid_local, sumexp);
+  });
 }
 
 void CudaExec::xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                                  int64_t v_begin, float* target_logit) {
-  if (is_bf16(logits, precision_, "xent_target_logit", "logits")) {
-    cuda::xent_target_logit(ctx_, bf16_of(logits), targets, N, V_local, v_begin, target_logit);
-  } else {
-    cuda::xent_target_logit(ctx_, static_cast<const float*>(logits.data), targets, N, V_local,
-                            v_begin, target_logit);
-  }
+  with_typed(logits, precision_, "xent_target_logit", "logits", [&](auto* l) {
+    cuda::xent_target_logit(ctx_, l, targets, N, V_local, v_begin, target_logit);
+  });
 }
 
 void CudaExec::xent_finish(const float* row_max, const float* sumexp, const float* target_logit,

@@ -69,7 +69,7 @@ class CudaExec final : public kernels::ExecContext {
                      const float* mean, const float* rstd) override;
   void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override;
   void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
-                               float* out, const float* inp, const float* weight, const float* bias,
+                               ActOut out, const float* inp, const float* weight, const float* bias,
                                float* mean, float* rstd, float eps) override;
   void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
                               const float* weight, const float* mean, const float* rstd,
@@ -82,19 +82,17 @@ class CudaExec final : public kernels::ExecContext {
 
   int64_t attention_saved_elems(const AttentionShape& s) const override;
   int64_t attention_workspace_elems(const AttentionShape& s) const override;
-  void attention_forward(const AttentionShape& s, ActOut out, float* saved, const float* q,
-                         const float* k, const float* v, const float* scale,
-                         float* max_abs_logit) override;
+  void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
+                         const float* v, const float* scale, float* max_abs_logit) override;
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, ActIn out, const float* saved, const float* q,
-                          const float* k, const float* v, const float* scale,
-                          float* workspace) override;
+                          const float* dout, ActIn out, const float* saved, ActIn q, ActIn k,
+                          const float* v, const float* scale, float* workspace) override;
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override;
   void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
                              bool shared_gain) override;
 
-  void rope_forward(const RopeTable& table, float* y, const float* x, int64_t B, int64_t T,
+  void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                     int64_t H, int64_t D, int64_t row_stride) override;
   void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B, int64_t T,
                      int64_t H, int64_t D, int64_t row_stride) override;

@@ -36,8 +36,11 @@ __global__ void partial_stats_kernel(NormShape s, const float* inp, float* stats
   }
 }
 
+// TO: float, or __nv_bfloat16 for an output stored in bf16 (Note [act-dtype]): the fp32 value
+// rounded once.
+template <typename TO>
 __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_total,
-                                          const float* stats, float* out, const float* inp,
+                                          const float* stats, TO* out, const float* inp,
                                           const float* weight, const float* bias, float* mean,
                                           float* rstd, float eps) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
@@ -45,7 +48,7 @@ __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_tot
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
   const float* x = inp + n * s.ld_in + g * s.Cg;
-  float* y = out + n * s.ld_out + g * s.Cg;
+  TO* y = out + n * s.ld_out + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float* b = bias != nullptr ? bias + g * s.w_group_stride : nullptr;
   const double inv_n = 1.0 / static_cast<double>(Cg_total);
@@ -59,7 +62,7 @@ __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_tot
     float v = (x[c] - mu) * rs;
     if (w != nullptr) v *= w[c];
     if (b != nullptr) v += b[c];
-    y[c] = v;
+    y[c] = from_f<TO>(v);
   }
   if (lane == 0) {
     if (mean != nullptr) mean[r] = mu;
@@ -141,15 +144,35 @@ void norm_partial_stats(Context& ctx, const NormShape& s, const float* inp, floa
   KEEL_CUDA_LAUNCH_CHECK("norm_partial_stats", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                             const float* stats, float* out, const float* inp, const float* weight,
-                             const float* bias, float* mean, float* rstd, float eps) {
+namespace {
+
+template <typename TO>
+void norm_forward_from_stats_impl(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                  const float* stats, TO* out, const float* inp,
+                                  const float* weight, const float* bias, float* mean, float* rstd,
+                                  float eps) {
   check_shape(s, Cg_total, "norm_forward_from_stats");
   if (s.N == 0) return;
   forward_from_stats_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
       op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd, eps);
   KEEL_CUDA_LAUNCH_CHECK("norm_forward_from_stats", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
                          " Cg_total=", Cg_total);
+}
+
+}  // namespace
+
+void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                             const float* stats, float* out, const float* inp, const float* weight,
+                             const float* bias, float* mean, float* rstd, float eps) {
+  norm_forward_from_stats_impl(ctx, op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
+                               eps);
+}
+
+void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                             const float* stats, Bf16* out, const float* inp, const float* weight,
+                             const float* bias, float* mean, float* rstd, float eps) {
+  norm_forward_from_stats_impl(ctx, op, s, Cg_total, stats, dev(out), inp, weight, bias, mean, rstd,
+                               eps);
 }
 
 void norm_backward_partials(Context& ctx, const NormShape& s, const float* dout, const float* inp,

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "framework/kernels/cuda/bf16.h"
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/norm.h"
 
@@ -19,8 +20,12 @@ void norm_partial_stats(Context& ctx, const NormShape& s, const float* inp, floa
 
 // From all-reduced stats (Cg_total: the full row length across ranks): mean (nullable), rstd
 // (=), then out (=) as norm_forward.
+// The Bf16 form writes the fp32 output rounded once (Note [act-dtype]).
 void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
                              const float* stats, float* out, const float* inp, const float* weight,
+                             const float* bias, float* mean, float* rstd, float eps);
+void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                             const float* stats, Bf16* out, const float* inp, const float* weight,
                              const float* bias, float* mean, float* rstd, float eps);
 
 // part[r, 0] = sum_c dn, part[r, 1] = sum_c dn * xhat over this rank's part (=), dn = dy * w

@@ -148,6 +148,9 @@ void rope_forward(Context& ctx, const DeviceRopeTable& table, float* y, const fl
                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
 void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const Bf16* x, int64_t B,
                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
+// fp32 in, bf16 out (Note [act-dtype]): the fp32 rotation rounded once; y must not overlap x.
+void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const float* x, int64_t B,
+                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset = 0);
 void rope_backward(Context& ctx, const DeviceRopeTable& table, float* dx, const float* dy,
                    int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                    int64_t pos_offset = 0);
