@@ -139,31 +139,33 @@ void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit)
     const kernels::ActOut qk = kernels::act(qk_);
     const kernels::ActOut normed =
         rope && qk.dtype != DType::kF32 ? kernels::ActOut(ctx_.scratch->dqk.f32()) : qk;
-    ProfileScope p(prof, "qk_norm");
-    const kernels::NormShape s = qk_norm_shape(B);
-    const kernels::NormOp op = qk_op(d.qk_norm);
-    const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
-    auto w = [&](int id) { return ps_.param_or_null(id); };
-    if (d.qk_scope == config::PROJECTION) {
-      // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
-      // partial sums, never the activations.
-      Communicator& tp = ctx_.topo->tp_tensors();
-      const int64_t Cg_total = d.H * d.D;
-      ctx_.exec->norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
-      ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
-      tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
-      tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
-      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), normed, qkv_.f32(),
-                                         w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
-                                         eps);
-      ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), normed.at(BT * HD),
-                                         qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
-                                         k_rstd_.f32(), eps);
-    } else {
-      ctx_.exec->norm_forward(op, s, normed, qkv_.f32(), w(q_norm_w_), w(q_norm_b_), q_mean_.f32(),
-                              q_rstd_.f32(), eps);
-      ctx_.exec->norm_forward(op, s, normed.at(BT * HD), qkv_.f32() + HD, w(k_norm_w_),
-                              w(k_norm_b_), k_mean_.f32(), k_rstd_.f32(), eps);
+    {
+      ProfileScope p(prof, "qk_norm");
+      const kernels::NormShape s = qk_norm_shape(B);
+      const kernels::NormOp op = qk_op(d.qk_norm);
+      const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
+      auto w = [&](int id) { return ps_.param_or_null(id); };
+      if (d.qk_scope == config::PROJECTION) {
+        // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
+        // partial sums, never the activations.
+        Communicator& tp = ctx_.topo->tp_tensors();
+        const int64_t Cg_total = d.H * d.D;
+        ctx_.exec->norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
+        ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
+        tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
+        tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
+        ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), normed, qkv_.f32(),
+                                           w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
+                                           eps);
+        ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), normed.at(BT * HD),
+                                           qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
+                                           k_mean_.f32(), k_rstd_.f32(), eps);
+      } else {
+        ctx_.exec->norm_forward(op, s, normed, qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
+                                q_mean_.f32(), q_rstd_.f32(), eps);
+        ctx_.exec->norm_forward(op, s, normed.at(BT * HD), qkv_.f32() + HD, w(k_norm_w_),
+                                w(k_norm_b_), k_mean_.f32(), k_rstd_.f32(), eps);
+      }
     }
     if (rope) {
       // q and k are rotated after QK-norm (OLMo 2, Qwen3). The norm's backward reads only qkv_'s
