@@ -33,8 +33,8 @@ enum class Precision { kFp32, kBf16 };
 const char* precision_name(Precision p);  // "FP32", "BF16"
 
 // ---- Note [act-dtype]: activations stored in bf16 ----
-// Under BF16 on a device, the activations that only matrix products and the loss read are stored
-// in bf16 (act_dtype()):
+// Under BF16 on a device, the activations that only matrix products, attention and the loss read
+// are stored in bf16 (act_dtype()):
 // - the inputs of the projections and of attention: the block norms' outputs (pre-sublayer
 //   placement), the final norm's output, the QK-normalised (and rotated) q and k, attention's
 //   output (which attention's backward also reads) and the MLP's activated hidden. Their
@@ -44,8 +44,9 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 //   from fp32 accumulators, the loss phases widen each element and compute in fp32, and the loss
 //   backward writes the bf16 logit gradient in place, which the head's backward GEMMs read as it
 //   is (they rounded it to bf16 anyway).
-// For 124M at 16 x 1024 tokens that is ~34 GB less memory traffic per step (20.7 GB of staging
-// copies, 13.2 GB around the logits) and 4.4 GB less activation memory. The residual stream, the
+// For 124M at 16 x 1024 tokens that is, by a byte count (not a measurement), ~34 GB less memory
+// traffic per step (20.7 GB of staging copies, 13.2 GB around the logits), and 4.4 GB less
+// activation memory (memory_estimate_test). The residual stream, the
 // QKV projection's output, the MLP's pre-activation and all gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
