@@ -216,6 +216,45 @@ TEST_F(SdpaTest, PlansAreReusedAcrossCalls) {
   EXPECT_TRUE(identical(a, b));
 }
 
+// At a size where cuDNN's backward would otherwise leave its deterministic dP-workspace algorithm
+// (B * H * T^2 * 2 bytes above 256 MB: here 268 MB), two backward calls on the same inputs give
+// the same dq, dk, dv and dscale, bit for bit (sdpa_cudnn.cc asks for the deterministic one).
+TEST_F(SdpaTest, BackwardIsBitwiseReproducibleAtTrainingSizes) {
+  if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
+#if KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << "the emulated cuDNN is keel's own deterministic kernel, and T = 2048 takes "
+                  "hours at emulation speed; this checks the real cuDNN's algorithm choice";
+#endif
+  const SdpaCase c{4, 2048, 8, 64, false};
+  const Layout L = layout_of(c);
+  const int64_t N = c.B * c.T, HD = c.H * c.D;
+  const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, 1};
+  const auto qkv = to_bf16(random_vec(L.size, -1, 1, 611));
+  const auto dout = to_bf16(random_vec(L.out_size, -1, 1, 612));
+  std::vector<float> scale(c.H, 0.125f);
+  DeviceBuffer d_qkv = cuda::upload(ctx(), qkv), d_dout = cuda::upload(ctx(), dout);
+  DeviceBuffer d_scale = cuda::upload(ctx(), scale);
+  DeviceBuffer d_out = poisoned<Bf16>(L.out_size), d_lse = poisoned<float>(c.B * c.H * c.T);
+  const Bf16* q = d_qkv.as<Bf16>() + L.off_q;
+  const Bf16* k = d_qkv.as<Bf16>() + L.off_k;
+  const Bf16* v = d_qkv.as<Bf16>() + L.off_v;
+  cudnn::sdpa_forward(ctx(), s, d_out.as<Bf16>(), d_lse.as<float>(), q, k, v, d_scale.as<float>());
+  std::vector<std::vector<Bf16>> grads;
+  std::vector<std::vector<float>> dscales;
+  for (int rep = 0; rep < 2; ++rep) {
+    DeviceBuffer d_grad = poisoned<Bf16>(L.size);
+    DeviceBuffer d_dscale = cuda::upload(ctx(), std::vector<float>(c.H, 0.0f));
+    cudnn::sdpa_backward(ctx(), s, d_grad.as<Bf16>() + L.off_q, d_grad.as<Bf16>() + L.off_k,
+                         d_grad.as<Bf16>() + L.off_v, d_dscale.as<float>(), d_dout.as<Bf16>(),
+                         d_out.as<Bf16>(), d_lse.as<float>(), q, k, v, d_scale.as<float>());
+    grads.push_back(get<Bf16>(d_grad, L.size));
+    dscales.push_back(get<float>(d_dscale, c.H));
+  }
+  EXPECT_TRUE(identical(from_bf16(grads[1]), from_bf16(grads[0])))
+      << "dq, dk, dv (N=" << N << ", HD=" << HD << ")";
+  EXPECT_TRUE(identical(dscales[1], dscales[0])) << "dscale";
+}
+
 TEST_F(SdpaTest, RefusesShapesCudnnCannotTakeNamingTheShape) {
   // D = 12 is not a multiple of 8; ld = 36 (H * D for D = 12, H = 3) is not either.
   const kernels::AttentionShape odd_d{1, 8, 3, 12, 36, 36, 36, 36, 1};

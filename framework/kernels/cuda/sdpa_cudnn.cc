@@ -215,8 +215,14 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
                              .set_dim(stats_dim(s))
                              .set_stride(stats_stride(s))
                              .set_data_type(fe::DataType_t::FLOAT));
+  // Deterministic: on Hopper the frontend otherwise takes its dP-workspace algorithm only while
+  // that workspace (B * H * T^2 * 2 bytes, tiles rounded up) stays under 256 MB, and above it one
+  // that accumulates dq with atomics, so 124M at 16 x 1024 tokens (402 MB) would not reproduce
+  // run to run. The workspace path is the frontend's own preferred one; keel allocates what the
+  // plan asks for.
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("sdpa_backward")
+                     .set_deterministic_algorithm(true)
                      .set_attn_scale(1.0f)
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0);
