@@ -130,16 +130,22 @@ int run(int argc, char** argv) {
       KEEL_FAIL(kUsage, "--nccl: this build has no NCCL");
 #endif
     }
+    // Which attention the run took (cuDNN's fused SDPA or keel's kernel, and why), decided at
+    // the first step: the MFU means little without it.
+    const auto* cuda_exec = dynamic_cast<const kernels::cuda::CudaExec*>(&trainer.exec());
+    const std::string attention = cuda_exec != nullptr && !cuda_exec->attention_path().empty()
+                                      ? cuda_exec->attention_path()
+                                      : "fp32 (keel's fused attention)";
     const double tps = static_cast<double>(trainer.tokens_per_step()) / sec;
     const double gflops = tps * bench::flops_per_token(cfg) / 1e9;
     const double peak_gflops = 1e3 * peak_tflops;
     std::printf(
         "config %s: %lld parameters, %lld tokens/step, %.3f s/step, %.0f tokens/s, %.1f TFLOP/s, "
-        "MFU %.1f%% of the %s peak, loss %.4f (%s)\n",
+        "MFU %.1f%% of the %s peak, loss %.4f (%s; attention: %s)\n",
         named.name, static_cast<long long>(trainer.model().params().total_elems()),
         static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops / 1e3,
         100 * gflops / peak_gflops, kernels::precision_name(trainer.exec().precision()),
-        trainer.last().loss, trainer.exec().describe().c_str());
+        trainer.last().loss, trainer.exec().describe().c_str(), attention.c_str());
     std::fflush(stdout);
     char line[400];
     std::snprintf(line, sizeof(line),
