@@ -72,23 +72,29 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
     ctx_.exec->linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
                                kernels::act(g_), ps_.param(proj_w_), BT, d.Fl, d.C);
   }
-  float* da = gated_ ? ctx_.scratch->dgate.f32() : nullptr;
+  // Note [act-dtype]: the hidden gradients, which only the up (and gate) projections' backward
+  // reads, go where the activated hidden was (nothing reads g_ after the down projection's
+  // backward) and, for the gate's, where its fp32 scratch is; the projections' bias gradients are
+  // summed there in fp32.
+  const kernels::ActOut dup = kernels::act(g_);
+  const kernels::ActOut dgate =
+      gated_ ? kernels::ActOut(ctx_.scratch->dgate.raw(), g_.dtype()) : kernels::ActOut(nullptr);
   if (gated_) {
     ProfileScope p(prof, "glu");
-    // dh: d(act(a) * h) in, d(h) out (in place); da: d(a).
-    ctx_.exec->glu_backward(act_, da, dh, dh, a_.f32(), h_.f32(), BT * d.Fl);
+    ctx_.exec->glu_backward(act_, dgate, dup, ps_.grad_or_null(gate_b_), ps_.grad_or_null(fc_b_),
+                            dh, a_.f32(), h_.f32(), BT, d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    ctx_.exec->gelu_backward(dh, h_.f32(), dh, BT * d.Fl);
+    ctx_.exec->gelu_backward(dup, ps_.grad_or_null(fc_b_), h_.f32(), dh, BT, d.Fl);
   }
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    ctx_.exec->linear_backward(dx, false, ps_.grad(fc_w_), ps_.grad_or_null(fc_b_), dh, x,
-                               ps_.param(fc_w_), BT, d.C, d.Fl);
+    ctx_.exec->linear_backward(dx, false, ps_.grad(fc_w_), nullptr, dup, x, ps_.param(fc_w_), BT,
+                               d.C, d.Fl);
     if (gated_) {
       // Both projections read x: their input gradients add up before the one all-reduce.
-      ctx_.exec->linear_backward(dx, true, ps_.grad(gate_w_), ps_.grad_or_null(gate_b_), da, x,
-                                 ps_.param(gate_w_), BT, d.C, d.Fl);
+      ctx_.exec->linear_backward(dx, true, ps_.grad(gate_w_), nullptr, dgate, x, ps_.param(gate_w_),
+                                 BT, d.C, d.Fl);
     }
   }
   {

@@ -337,9 +337,10 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("gelu_forward", {out.data, inp});
     cpu().gelu_forward(out, inp, n);
   }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
-    Call c("gelu_backward", {dinp, inp, dout});
-    cpu().gelu_backward(dinp, inp, dout, n);
+  void gelu_backward(kernels::ActOut dinp, float* dbias, const float* inp, const float* dout,
+                     int64_t N, int64_t C) override {
+    Call c("gelu_backward", {dinp.data, dbias, inp, dout});
+    cpu().gelu_backward(dinp, dbias, inp, dout, N, C);
   }
   void add(float* out, const float* a, const float* b, int64_t n) override {
     Call c("add", {out, a, b});
@@ -354,10 +355,11 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("glu_forward", {out.data, gate, up});
     cpu().glu_forward(act, out, gate, up, n);
   }
-  void glu_backward(kernels::GluAct act, float* dgate, float* dup, const float* dout,
-                    const float* gate, const float* up, int64_t n) override {
-    Call c("glu_backward", {dgate, dup, dout, gate, up});
-    cpu().glu_backward(act, dgate, dup, dout, gate, up, n);
+  void glu_backward(kernels::GluAct act, kernels::ActOut dgate, kernels::ActOut dup,
+                    float* dgate_bias, float* dup_bias, const float* dout, const float* gate,
+                    const float* up, int64_t N, int64_t C) override {
+    Call c("glu_backward", {dgate.data, dup.data, dgate_bias, dup_bias, dout, gate, up});
+    cpu().glu_backward(act, dgate, dup, dgate_bias, dup_bias, dout, gate, up, N, C);
   }
   void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override {
     Call c("sum_squares", {x, out});

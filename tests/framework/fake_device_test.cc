@@ -186,13 +186,20 @@ TEST_F(FakeDeviceExecTest, LoadTokens) {
 }
 
 TEST_F(FakeDeviceExecTest, Elementwise) {
-  const int64_t n = 1003;
+  const int64_t N = 17, C = 59, n = N * C;
   Twin<float> x = rand_twin(n, -4.f, 4.f), y = rand_twin(n), dout = rand_twin(n);
-  Twin<float> out = rand_twin(n), dinp = rand_twin(n);
+  Twin<float> out = rand_twin(n), dinp = rand_twin(n), dbias = rand_twin(C);
   run_both([&](ExecContext& e, bool d) { e.gelu_forward(out.p(d), x.p(d), n); });
   expect_same(out, "gelu_forward");
-  run_both([&](ExecContext& e, bool d) { e.gelu_backward(dinp.p(d), x.p(d), dout.p(d), n); });
+  run_both([&](ExecContext& e, bool d) {
+    e.gelu_backward(dinp.p(d), nullptr, x.p(d), dout.p(d), N, C);
+  });
   expect_same(dinp, "gelu_backward");
+  run_both([&](ExecContext& e, bool d) {
+    e.gelu_backward(dinp.p(d), dbias.p(d), x.p(d), dout.p(d), N, C);
+  });
+  expect_same(dinp, "gelu_backward with dbias");
+  expect_same(dbias, "gelu_backward dbias");
   run_both([&](ExecContext& e, bool d) { e.add(out.p(d), x.p(d), y.p(d), n); });
   expect_same(out, "add");
   run_both([&](ExecContext& e, bool d) { e.add_inplace(y.p(d), x.p(d), n); });
@@ -207,21 +214,26 @@ TEST_F(FakeDeviceExecTest, Elementwise) {
 }
 
 TEST_F(FakeDeviceExecTest, Glu) {
-  const int64_t n = 517;
+  const int64_t N = 11, C = 47, n = N * C;
   for (GluAct act : {GluAct::kSilu, GluAct::kGelu}) {
     const std::string name = act == GluAct::kSilu ? "silu" : "gelu";
     Twin<float> gate = rand_twin(n, -3.f, 3.f), up = rand_twin(n), out = rand_twin(n);
     Twin<float> dout = rand_twin(n), dgate = rand_twin(n), dup = rand_twin(n);
+    Twin<float> dgate_bias = rand_twin(C), dup_bias = rand_twin(C);
     run_both([&](ExecContext& e, bool d) { e.glu_forward(act, out.p(d), gate.p(d), up.p(d), n); });
     expect_same(out, "glu_forward " + name);
     run_both([&](ExecContext& e, bool d) {
-      e.glu_backward(act, dgate.p(d), dup.p(d), dout.p(d), gate.p(d), up.p(d), n);
+      e.glu_backward(act, dgate.p(d), dup.p(d), dgate_bias.p(d), dup_bias.p(d), dout.p(d),
+                     gate.p(d), up.p(d), N, C);
     });
     expect_same(dgate, "glu_backward dgate " + name);
     expect_same(dup, "glu_backward dup " + name);
+    expect_same(dgate_bias, "glu_backward dgate_bias " + name);
+    expect_same(dup_bias, "glu_backward dup_bias " + name);
     // In place: dup = dout, and out = up.
     run_both([&](ExecContext& e, bool d) {
-      e.glu_backward(act, dgate.p(d), dout.p(d), dout.p(d), gate.p(d), up.p(d), n);
+      e.glu_backward(act, dgate.p(d), dout.p(d), nullptr, nullptr, dout.p(d), gate.p(d), up.p(d), N,
+                     C);
     });
     expect_same(dout, "glu_backward in place " + name);
     run_both([&](ExecContext& e, bool d) { e.glu_forward(act, up.p(d), gate.p(d), up.p(d), n); });

@@ -254,7 +254,8 @@ TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
 // A producer that writes bf16 (Note [act-dtype]) writes exactly the rounding of its fp32 output,
 // which is what the matrix product (or attention) that reads it staged before: storing it in bf16
 // changes no result. Norms (LayerNorm with bias, RMSNorm; also from split statistics), RoPE, GELU
-// and both GLUs, bitwise.
+// and both GLUs, and the backward of GELU and the GLUs with their bias sums (which sum the fp32
+// values: the same bias gradients either way), bitwise.
 TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
   const int64_t N = 40, C = 96, n = N * C;
   const auto x = random_vec(n, -2.0f, 2.0f, 23), up = random_vec(n, -2.0f, 2.0f, 24);
@@ -299,6 +300,27 @@ TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
     gpu().glu_forward(a, gf.f32(), tx.f32(), tup.f32(), n);
     gpu().glu_forward(a, kernels::act(gh), tx.f32(), tup.f32(), n);
     EXPECT_TRUE(identical(host_bf16(gh), bf16_rounded(host(gf)))) << "glu " << static_cast<int>(a);
+  }
+  // Backward: dout from x, the pre-activations from up (and x for the GLUs' up input).
+  const auto bias0 = random_vec(C, -1.0f, 1.0f, 30);
+  {
+    Tensor df = poisoned(n), dh = poisoned_bf16(n), bf = dev(bias0), bh = dev(bias0);
+    gpu().gelu_backward(df.f32(), bf.f32(), tup.f32(), tx.f32(), N, C);
+    gpu().gelu_backward(kernels::act(dh), bh.f32(), tup.f32(), tx.f32(), N, C);
+    EXPECT_TRUE(identical(host_bf16(dh), bf16_rounded(host(df)))) << "gelu_backward";
+    EXPECT_TRUE(identical(host(bh), host(bf))) << "gelu_backward dbias";
+  }
+  for (const kernels::GluAct a : {kernels::GluAct::kSilu, kernels::GluAct::kGelu}) {
+    Tensor dgf = poisoned(n), duf = poisoned(n), dgh = poisoned_bf16(n), duh = poisoned_bf16(n);
+    Tensor gbf = dev(bias0), ubf = dev(bias0), gbh = dev(bias0), ubh = dev(bias0);
+    gpu().glu_backward(a, dgf.f32(), duf.f32(), gbf.f32(), ubf.f32(), tx.f32(), tup.f32(), tx.f32(),
+                       N, C);
+    gpu().glu_backward(a, kernels::act(dgh), kernels::act(duh), gbh.f32(), ubh.f32(), tx.f32(),
+                       tup.f32(), tx.f32(), N, C);
+    EXPECT_TRUE(identical(host_bf16(dgh), bf16_rounded(host(dgf)))) << "glu dgate";
+    EXPECT_TRUE(identical(host_bf16(duh), bf16_rounded(host(duf)))) << "glu dup";
+    EXPECT_TRUE(identical(host(gbh), host(gbf))) << "glu dgate_bias";
+    EXPECT_TRUE(identical(host(ubh), host(ubf))) << "glu dup_bias";
   }
 }
 

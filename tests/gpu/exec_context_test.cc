@@ -146,39 +146,66 @@ TEST_F(ExecContextTest, LoadTokensCopiesTheHostBatch) {
 // ---- elementwise.h, glu.h ----
 
 TEST_F(ExecContextTest, ElementwiseAndGluMatchCpu) {
-  const int64_t n = 5003;
+  // [N, C] for the backward forms' bias sums: 5 row chunks (the last one short) and a partial
+  // 32-column strip (Note [fused-bias-grad]).
+  const int64_t N = 300, C = 37, n = N * C;
   const auto a = random_vec(n, -3, 3, 10), b = random_vec(n, -3, 3, 11);
-  const auto dout = random_vec(n, -1, 1, 12);
+  const auto dout = random_vec(n, -1, 1, 12), bias0 = random_vec(C, -1, 1, 13);
   DeviceBuffer d_a = up(a), d_b = up(b), d_dout = up(dout);
 
-  std::vector<float> y(n), dx(n), sum(n), acc = a;
+  std::vector<float> y(n), dx(n), sum(n), acc = a, dbias = bias0;
   cpu().gelu_forward(y.data(), a.data(), n);
-  cpu().gelu_backward(dx.data(), a.data(), dout.data(), n);
+  cpu().gelu_backward(dx.data(), dbias.data(), a.data(), dout.data(), N, C);
   cpu().add(sum.data(), a.data(), b.data(), n);
   cpu().add_inplace(acc.data(), b.data(), n);
   DeviceBuffer d_y = poisoned<float>(n), d_dx = poisoned<float>(n), d_sum = poisoned<float>(n);
-  DeviceBuffer d_acc = up(a);
+  DeviceBuffer d_dx2 = poisoned<float>(n), d_acc = up(a), d_dbias = up(bias0);
   gpu().gelu_forward(f(d_y), f(d_a), n);
-  gpu().gelu_backward(f(d_dx), f(d_a), f(d_dout), n);
+  gpu().gelu_backward(f(d_dx), nullptr, f(d_a), f(d_dout), N, C);
+  gpu().gelu_backward(f(d_dx2), f(d_dbias), f(d_a), f(d_dout), N, C);
   gpu().add(f(d_sum), f(d_a), f(d_b), n);
   gpu().add_inplace(f(d_acc), f(d_b), n);
   EXPECT_TRUE(matches(get<float>(d_y, n), y, f32_rtol(1))) << "gelu_forward";
   EXPECT_TRUE(matches(get<float>(d_dx, n), dx, f32_rtol(1))) << "gelu_backward";
+  // The fused column sums compute each element as the element-wise kernel does.
+  EXPECT_TRUE(identical(get<float>(d_dx2, n), get<float>(d_dx, n))) << "gelu_backward, dbias";
+  EXPECT_TRUE(matches(get<float>(d_dbias, C), dbias, f32_rtol(N))) << "gelu_backward dbias";
   EXPECT_TRUE(identical(get<float>(d_sum, n), sum)) << "add";  // one IEEE addition each
   EXPECT_TRUE(identical(get<float>(d_acc, n), acc)) << "add_inplace";
+  // In place (dinp = dout), with the bias sums: the same values.
+  DeviceBuffer d_inplace = up(dout), d_dbias2 = up(bias0);
+  gpu().gelu_backward(f(d_inplace), f(d_dbias2), f(d_a), f(d_inplace), N, C);
+  EXPECT_TRUE(identical(get<float>(d_inplace, n), get<float>(d_dx, n))) << "gelu in place";
+  EXPECT_TRUE(identical(get<float>(d_dbias2, C), get<float>(d_dbias, C))) << "gelu in place";
 
   for (const GluAct act : {GluAct::kSilu, GluAct::kGelu}) {
     const char* name = act == GluAct::kSilu ? "silu" : "gelu";
-    std::vector<float> out(n), dgate(n), dup(n);
+    std::vector<float> out(n), dgate(n), dup(n), gate_bias = bias0;
+    std::vector<float> up_bias = random_vec(C, -1, 1, 14);
+    const std::vector<float> up_bias0 = up_bias;
     cpu().glu_forward(act, out.data(), a.data(), b.data(), n);
-    cpu().glu_backward(act, dgate.data(), dup.data(), dout.data(), a.data(), b.data(), n);
+    cpu().glu_backward(act, dgate.data(), dup.data(), gate_bias.data(), up_bias.data(), dout.data(),
+                       a.data(), b.data(), N, C);
     DeviceBuffer d_out = poisoned<float>(n), d_dgate = poisoned<float>(n);
-    DeviceBuffer d_dup = poisoned<float>(n);
+    DeviceBuffer d_dup = poisoned<float>(n), d_dgate2 = poisoned<float>(n);
+    DeviceBuffer d_dup2 = poisoned<float>(n), d_gate_bias = up(bias0), d_up_bias = up(up_bias0);
     gpu().glu_forward(act, f(d_out), f(d_a), f(d_b), n);
-    gpu().glu_backward(act, f(d_dgate), f(d_dup), f(d_dout), f(d_a), f(d_b), n);
+    gpu().glu_backward(act, f(d_dgate), f(d_dup), nullptr, nullptr, f(d_dout), f(d_a), f(d_b), N,
+                       C);
+    gpu().glu_backward(act, f(d_dgate2), f(d_dup2), f(d_gate_bias), f(d_up_bias), f(d_dout), f(d_a),
+                       f(d_b), N, C);
     EXPECT_TRUE(matches(get<float>(d_out, n), out, f32_rtol(1))) << name;
     EXPECT_TRUE(matches(get<float>(d_dgate, n), dgate, f32_rtol(1))) << name;
     EXPECT_TRUE(matches(get<float>(d_dup, n), dup, f32_rtol(1))) << name;
+    EXPECT_TRUE(identical(get<float>(d_dgate2, n), get<float>(d_dgate, n))) << name << " bias";
+    EXPECT_TRUE(identical(get<float>(d_dup2, n), get<float>(d_dup, n))) << name << " bias";
+    EXPECT_TRUE(matches(get<float>(d_gate_bias, C), gate_bias, f32_rtol(N))) << name;
+    EXPECT_TRUE(matches(get<float>(d_up_bias, C), up_bias, f32_rtol(N))) << name;
+    // One bias only: the other stays untouched.
+    DeviceBuffer d_up_bias2 = up(up_bias0);
+    gpu().glu_backward(act, f(d_dgate2), f(d_dup2), nullptr, f(d_up_bias2), f(d_dout), f(d_a),
+                       f(d_b), N, C);
+    EXPECT_TRUE(identical(get<float>(d_up_bias2, C), get<float>(d_up_bias, C))) << name;
   }
 }
 

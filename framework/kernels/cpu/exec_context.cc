@@ -42,8 +42,11 @@ class CpuExec final : public ExecContext {
   void gelu_forward(ActOut out, const float* inp, int64_t n) override {
     kernels::gelu_forward(act_f32(out, "gelu_forward", "out"), inp, n);
   }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
-    kernels::gelu_backward(dinp, inp, dout, n);
+  void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout, int64_t N,
+                     int64_t C) override {
+    float* d = act_f32(dinp, "gelu_backward", "dinp");
+    kernels::gelu_backward(d, inp, dout, N * C);
+    if (dbias != nullptr) kernels::column_sum_add<float>(dbias, d, N, C, C);
   }
   void add(float* out, const float* a, const float* b, int64_t n) override {
     kernels::add(out, a, b, n);
@@ -52,9 +55,14 @@ class CpuExec final : public ExecContext {
   void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override {
     kernels::glu_forward(act, act_f32(out, "glu_forward", "out"), gate, up, n);
   }
-  void glu_backward(GluAct act, float* dgate, float* dup, const float* dout, const float* gate,
-                    const float* up, int64_t n) override {
-    kernels::glu_backward(act, dgate, dup, dout, gate, up, n);
+  void glu_backward(GluAct act, ActOut dgate, ActOut dup, float* dgate_bias, float* dup_bias,
+                    const float* dout, const float* gate, const float* up, int64_t N,
+                    int64_t C) override {
+    float* dg = act_f32(dgate, "glu_backward", "dgate");
+    float* du = act_f32(dup, "glu_backward", "dup");
+    kernels::glu_backward(act, dg, du, dout, gate, up, N * C);
+    if (dgate_bias != nullptr) kernels::column_sum_add<float>(dgate_bias, dg, N, C, C);
+    if (dup_bias != nullptr) kernels::column_sum_add<float>(dup_bias, du, N, C, C);
   }
   void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override {
     const double s = kernels::sum_squares(x, n);

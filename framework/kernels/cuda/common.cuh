@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "framework/kernels/cuda/bf16.h"
+#include "framework/kernels/cuda/internal.h"  // kColRows
 
 namespace keel::kernels::cuda {
 
@@ -61,6 +62,20 @@ __device__ inline float block_max(float v, float* shared) {
   __syncthreads();
   v = lane < warps ? shared[lane] : -INFINITY;
   return warp_max(v);
+}
+
+// Note [fused-bias-grad] (internal.h): v summed over threadIdx.y for a block of (32, kColRows)
+// threads, in a fixed order; thread (x, 0) gets column x's sum. `s` holds kColRows x 33 floats
+// and may be reused once every thread has the result (a barrier precedes its first write).
+__device__ inline float column_block_sum(float v, float (*s)[33]) {
+  __syncthreads();  // s may still be read from a previous call
+  s[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  for (int k = kColRows / 2; k > 0; k /= 2) {
+    if (threadIdx.y < k) s[threadIdx.y][threadIdx.x] += s[threadIdx.y + k][threadIdx.x];
+    __syncthreads();
+  }
+  return s[0][threadIdx.x];
 }
 
 }  // namespace keel::kernels::cuda

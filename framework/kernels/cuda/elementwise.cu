@@ -29,12 +29,32 @@ __global__ void gelu_forward_kernel(TO* out, const TI* inp, int64_t n) {
     out[i] = from_f<TO>(gelu_scalar<float>(to_f(inp[i])));
   }
 }
-template <typename T>
-__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t n) {
+template <typename TO, typename TI>
+__global__ void gelu_backward_kernel(TO* dinp, const TI* inp, const TI* dout, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    dinp[i] = from_f<T>(to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i])));
+    dinp[i] = from_f<TO>(to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i])));
   }
+}
+// Note [fused-bias-grad]: the same values, and their column sums over this block's row chunk into
+// partial[blockIdx.y, C]. dinp may alias dout (each element is read, then written, by one thread).
+template <typename TO>
+__global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float* inp,
+                                          const float* dout, int64_t N, int64_t C, int64_t rows) {
+  __shared__ float s[kColRows][33];
+  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
+  const int64_t r0 = blockIdx.y * rows, r1 = r0 + rows < N ? r0 + rows : N;
+  float acc = 0.0f;
+  if (c < C) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
+      const int64_t i = r * C + c;
+      const float d = to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i]));
+      dinp[i] = from_f<TO>(d);
+      acc += d;
+    }
+  }
+  acc = column_block_sum(acc, s);
+  if (threadIdx.y == 0 && c < C) partial[blockIdx.y * C + c] = acc;
 }
 template <typename T>
 __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
@@ -50,11 +70,28 @@ void gelu_forward_impl(Context& ctx, TO* out, const TI* inp, int64_t n) {
   gelu_forward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, inp, n);
   KEEL_CUDA_LAUNCH_CHECK("gelu_forward", "n=", n);
 }
-template <typename T>
-void gelu_backward_impl(Context& ctx, T* dinp, const T* inp, const T* dout, int64_t n) {
+template <typename TO, typename TI>
+void gelu_backward_impl(Context& ctx, TO* dinp, const TI* inp, const TI* dout, int64_t n) {
   if (n <= 0) return;
   gelu_backward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
   KEEL_CUDA_LAUNCH_CHECK("gelu_backward", "n=", n);
+}
+template <typename TO>
+void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* inp,
+                             const float* dout, int64_t N, int64_t C) {
+  KEEL_CHECK(N >= 0 && C >= 0, kUsage, "cuda gelu_backward: bad shape N=", N, " C=", C);
+  if (dbias == nullptr) {
+    gelu_backward_impl(ctx, dinp, inp, dout, N * C);
+    return;
+  }
+  if (N == 0 || C == 0) return;
+  const RowChunks k = row_chunks(N);
+  auto* partial = static_cast<float*>(ctx.scratch(sizeof(float) * k.count * C));
+  const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
+  gelu_backward_bias_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(dinp, partial, inp, dout,
+                                                                           N, C, k.rows);
+  KEEL_CUDA_LAUNCH_CHECK("gelu_backward (bias)", "N=", N, " C=", C);
+  column_sum_add(ctx, dbias, partial, k.count, C, C);
 }
 template <typename T>
 void add_impl(Context& ctx, T* out, const T* a, const T* b, int64_t n, const char* name) {
@@ -216,6 +253,14 @@ void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dou
 }
 void gelu_backward(Context& ctx, Bf16* dinp, const Bf16* inp, const Bf16* dout, int64_t n) {
   gelu_backward_impl(ctx, dev(dinp), dev(inp), dev(dout), n);
+}
+void gelu_backward(Context& ctx, float* dinp, float* dbias, const float* inp, const float* dout,
+                   int64_t N, int64_t C) {
+  gelu_backward_bias_impl(ctx, dinp, dbias, inp, dout, N, C);
+}
+void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const float* inp, const float* dout,
+                   int64_t N, int64_t C) {
+  gelu_backward_bias_impl(ctx, dev(dinp), dbias, inp, dout, N, C);
 }
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n) {
   add_impl(ctx, out, a, b, n, "add");

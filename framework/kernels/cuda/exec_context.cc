@@ -201,8 +201,10 @@ void CudaExec::gelu_forward(ActOut out, const float* inp, int64_t n) {
              [&](auto* o) { cuda::gelu_forward(ctx_, o, inp, n); });
 }
 
-void CudaExec::gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
-  cuda::gelu_backward(ctx_, dinp, inp, dout, n);
+void CudaExec::gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout,
+                             int64_t N, int64_t C) {
+  with_typed(dinp, precision_, "gelu_backward", "dinp",
+             [&](auto* d) { cuda::gelu_backward(ctx_, d, dbias, inp, dout, N, C); });
 }
 
 void CudaExec::add(float* out, const float* a, const float* b, int64_t n) {
@@ -218,9 +220,19 @@ void CudaExec::glu_forward(GluAct act, ActOut out, const float* gate, const floa
              [&](auto* o) { cuda::glu_forward(ctx_, act, o, gate, up, n); });
 }
 
-void CudaExec::glu_backward(GluAct act, float* dgate, float* dup, const float* dout,
-                            const float* gate, const float* up, int64_t n) {
-  cuda::glu_backward(ctx_, act, dgate, dup, dout, gate, up, n);
+void CudaExec::glu_backward(GluAct act, ActOut dgate, ActOut dup, float* dgate_bias,
+                            float* dup_bias, const float* dout, const float* gate, const float* up,
+                            int64_t N, int64_t C) {
+  const bool bf16 = is_bf16(dgate, precision_, "glu_backward", "dgate");
+  KEEL_CHECK(is_bf16(dup, precision_, "glu_backward", "dup") == bf16, kInternal,
+             "glu_backward: dgate and dup have different dtypes");
+  if (bf16) {
+    cuda::glu_backward(ctx_, act, static_cast<Bf16*>(dgate.data), static_cast<Bf16*>(dup.data),
+                       dgate_bias, dup_bias, dout, gate, up, N, C);
+  } else {
+    cuda::glu_backward(ctx_, act, static_cast<float*>(dgate.data), static_cast<float*>(dup.data),
+                       dgate_bias, dup_bias, dout, gate, up, N, C);
+  }
 }
 
 void CudaExec::sum_squares(const float* x, int64_t n, double* out, bool accumulate) {

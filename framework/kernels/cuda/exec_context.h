@@ -53,12 +53,14 @@ class CudaExec final : public kernels::ExecContext {
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override;
 
   void gelu_forward(ActOut out, const float* inp, int64_t n) override;
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override;
+  void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout, int64_t N,
+                     int64_t C) override;
   void add(float* out, const float* a, const float* b, int64_t n) override;
   void add_inplace(float* y, const float* x, int64_t n) override;
   void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override;
-  void glu_backward(GluAct act, float* dgate, float* dup, const float* dout, const float* gate,
-                    const float* up, int64_t n) override;
+  void glu_backward(GluAct act, ActOut dgate, ActOut dup, float* dgate_bias, float* dup_bias,
+                    const float* dout, const float* gate, const float* up, int64_t N,
+                    int64_t C) override;
   void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override;
 
   void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,

@@ -23,6 +23,13 @@ void gelu_forward(Context& ctx, Bf16* out, const Bf16* inp, int64_t n);
 void gelu_forward(Context& ctx, Bf16* out, const float* inp, int64_t n);
 void gelu_backward(Context& ctx, float* dinp, const float* inp, const float* dout, int64_t n);
 void gelu_backward(Context& ctx, Bf16* dinp, const Bf16* inp, const Bf16* dout, int64_t n);
+// dinp[N, C] = dout * gelu'(inp) in fp32, stored as float or bf16 (Note [act-dtype]); dbias
+// (may be null) += the fp32 values' column sums (Note [fused-bias-grad], cuda/internal.h). dinp may
+// alias dout only as float.
+void gelu_backward(Context& ctx, float* dinp, float* dbias, const float* inp, const float* dout,
+                   int64_t N, int64_t C);
+void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const float* inp, const float* dout,
+                   int64_t N, int64_t C);
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  // (=)
 void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n);
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n);  // y += x
@@ -42,6 +49,15 @@ void glu_backward(Context& ctx, GluAct act, float* dgate, float* dup, const floa
                   const float* gate, const float* up, int64_t n);
 void glu_backward(Context& ctx, GluAct act, Bf16* dgate, Bf16* dup, const Bf16* dout,
                   const Bf16* gate, const Bf16* up, int64_t n);
+// The same over [N, C] from fp32 inputs, dgate and dup stored as float or bf16 (Note
+// [act-dtype]); dgate_bias and dup_bias (may be null) += the fp32 values' column sums (Note
+// [fused-bias-grad]). dup may alias dout only as float.
+void glu_backward(Context& ctx, GluAct act, float* dgate, float* dup, float* dgate_bias,
+                  float* dup_bias, const float* dout, const float* gate, const float* up, int64_t N,
+                  int64_t C);
+void glu_backward(Context& ctx, GluAct act, Bf16* dgate, Bf16* dup, float* dgate_bias,
+                  float* dup_bias, const float* dout, const float* gate, const float* up, int64_t N,
+                  int64_t C);
 
 // Sum of squares of x[n] in double, into the device double *out (= or += per accumulate), with a
 // fixed partition of x: bitwise reproducible run to run. Summing several tensors into one *out
