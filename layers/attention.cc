@@ -212,8 +212,9 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
   Profiler* prof = ctx_.profiler;
   {
     ProfileScope p(prof, "matmul.attn_proj");
-    ctx_.exec->linear_backward(sc.datt.f32(), false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_),
-                               dy, kernels::act(att_), ps_.param(proj_w_), BT, HD, d.C);
+    ctx_.exec->linear_backward(kernels::act(sc.datt), false, ps_.grad(proj_w_),
+                               ps_.grad_or_null(proj_b_), dy, kernels::act(att_),
+                               ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
   float* dqkv = sc.dqkv.f32();
@@ -234,7 +235,7 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, sc.datt.f32(),
+    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, kernels::act(sc.datt),
                                   kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
                                   scales_.f32(), sc.attn_ws.f32());
     if (dscale) {

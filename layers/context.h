@@ -42,7 +42,7 @@ struct ModelDims {
 // Backward temporaries shared by all blocks (one block runs backward at a time).
 struct Scratch {
   Tensor dn;    // [BT, C]     gradient w.r.t. a norm output
-  Tensor datt;  // [BT, Hl D]  gradient w.r.t. the attention output
+  Tensor datt;  // [BT, Hl D]  gradient w.r.t. the attention output (Note [act-dtype])
   Tensor dqkv;  // [BT, 3 Hl D]
   // [2, BT, Hl D] gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s layout); in a
   // forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation

@@ -172,7 +172,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   tl_ = ctx_.zeros({BT});
   dres_ = ctx_.zeros({BT, C});
   scratch_.dn = ctx_.zeros({BT, C});
-  scratch_.datt = ctx_.zeros({BT, HD});
+  scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());  // Note [act-dtype]
   scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({2, BT, HD});
   scratch_.dh = ctx_.zeros({BT, d.Fl});

@@ -80,7 +80,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const bool gpu = device != Device::kCpu;
   // Note [act-dtype]: under BF16 on a GPU the activations only matrix products read are bf16,
   // half a float each: the logits, the final and (pre-sublayer) block norms' outputs, the
-  // QK-normalised q and k, attention's output and the MLP's activated hidden.
+  // QK-normalised q and k, attention's output and its gradient, and the MLP's activated hidden.
   const bool bf16 = gpu && kernels::resolve_precision(cfg.train().precision(), device) ==
                                kernels::Precision::kBf16;
   const double act = bf16 ? 0.5 : 1.0;
@@ -97,9 +97,10 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   double model = 2 * BT + (2 + act) * BT * C + act * BT * Vl + 3 * BT;
   model += 2 * BT;           // ln_f mean and rstd
   if (rope) model += T * D;  // the cos/sin table: [T, D / 2] each
-  // Backward scratch shared by all blocks: dn, datt, dqkv, dqk, dh, dgate (gated), dsub
-  // (post-norm), the per-thread T x T attention workspace and dscale.
-  model += BT * C + BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;
+  // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated),
+  // dsub (post-norm), the per-thread T x T attention workspace and dscale.
+  model +=
+      BT * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;
   if (post_norm) model += BT * C;
   model += (gpu ? 0 : std::max(1, threads) * 2 * T * T) + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch

@@ -320,10 +320,10 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("linear_forward", {out.data, inp.data, weight, bias});
     cpu().linear_forward(out, inp, weight, bias, N, IC, OC);
   }
-  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+  void linear_backward(kernels::ActOut dinp, bool accumulate_dinp, float* dweight, float* dbias,
                        kernels::ActIn dout, kernels::ActIn inp, const float* weight, int64_t N,
                        int64_t IC, int64_t OC) override {
-    Call c("linear_backward", {dinp, dweight, dbias, dout.data, inp.data, weight});
+    Call c("linear_backward", {dinp.data, dweight, dbias, dout.data, inp.data, weight});
     cpu().linear_backward(dinp, accumulate_dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override {
@@ -419,11 +419,11 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().attention_forward(s, out, saved, q, k, v, scale, max_abs_logit);
   }
   void attention_backward(const kernels::AttentionShape& s, float* dq, float* dk, float* dv,
-                          float* dscale, const float* dout, kernels::ActIn out, const float* saved,
-                          kernels::ActIn q, kernels::ActIn k, const float* v, const float* scale,
-                          float* workspace) override {
+                          float* dscale, kernels::ActIn dout, kernels::ActIn out,
+                          const float* saved, kernels::ActIn q, kernels::ActIn k, const float* v,
+                          const float* scale, float* workspace) override {
     Call c("attention_backward",
-           {dq, dk, dv, dscale, dout, out.data, saved, q.data, k.data, v, scale, workspace});
+           {dq, dk, dv, dscale, dout.data, out.data, saved, q.data, k.data, v, scale, workspace});
     cpu().attention_backward(s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,

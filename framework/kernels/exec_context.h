@@ -49,13 +49,16 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 //   their column sums to the projections' bias gradients in fp32 (so the bias gradients do not see
 //   the rounding), and write the bf16 the GEMMs staged before. They go where the activated hidden
 //   was (and the gate's where its fp32 gradient scratch was), which nothing reads after the down
-//   projection's backward: no memory is added.
-// For 124M at 16 x 1024 tokens that is, by a byte count (not a measurement), ~41 GB less memory
+//   projection's backward: no memory is added;
+// - the gradient of attention's output, which only attention's backward reads: the output
+//   projection's backward GEMM writes it in bf16 from fp32 accumulators, the rounding attention's
+//   backward staged before.
+// For 124M at 16 x 1024 tokens that is, by a byte count (not a measurement), ~42 GB less memory
 // traffic per step (20.7 GB of staging copies, 13.2 GB around the logits, 7.2 GB in the MLP's
 // backward: per layer the hidden gradient's fp32 write, its two fp32 re-reads (staging, bias sum)
-// and the staging's bf16 write, 704 MB, become one bf16 write of 101 MB), and 4.4 GB less
-// activation memory (memory_estimate_test). The residual stream, the QKV projection's output, the
-// MLP's pre-activation and the other gradients stay fp32.
+// and the staging's bf16 write, 704 MB, become one bf16 write of 101 MB; 1.2 GB for attention's
+// output gradient), and 4.4 GB less activation memory (memory_estimate_test). The residual stream,
+// the QKV projection's output, the MLP's pre-activation and the other gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -104,10 +107,11 @@ class ExecContext {
   virtual void synchronize() = 0;
 
   // ---- gemm.h ----
-  // out and inp, dout and inp: Note [act-dtype].
+  // out and inp, dinp, dout and inp: Note [act-dtype] (a bf16 dinp only with accumulate_dinp
+  // false).
   virtual void linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias,
                               int64_t N, int64_t IC, int64_t OC) = 0;
-  virtual void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+  virtual void linear_backward(ActOut dinp, bool accumulate_dinp, float* dweight, float* dbias,
                                ActIn dout, ActIn inp, const float* weight, int64_t N, int64_t IC,
                                int64_t OC) = 0;
   // dst[n] (=) = host_src[n]; returns once host_src may be reused.
@@ -167,16 +171,16 @@ class ExecContext {
   virtual int64_t attention_saved_elems(const AttentionShape& s) const = 0;
   virtual int64_t attention_workspace_elems(const AttentionShape& s) const = 0;
   // out (=); saved (=); *max_abs_logit (=, device float) the largest |scale q.k| unmasked.
-  // q, k and out (and the backward's q, k and out): Note [act-dtype]; bf16 only dense (a row
-  // stride of s.H * s.D).
+  // q, k and out (and the backward's q, k, out and dout): Note [act-dtype]; bf16 only dense (a
+  // row stride of s.H * s.D; dout has out's).
   virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
                                  ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) = 0;
   // dq, dk, dv (=); dscale (+=, nullable). out and saved as the forward left them; dq, dk, dv
   // must not alias q, k, v, out or dout.
   virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
-                                  float* dscale, const float* dout, ActIn out, const float* saved,
-                                  ActIn q, ActIn k, const float* v, const float* scale,
+                                  float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
+                                  ActIn k, const float* v, const float* scale,
                                   float* workspace) = 0;
   virtual void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                                 float default_scale) = 0;

@@ -208,6 +208,29 @@ TEST_F(Bf16ExecTest, LinearForwardWritesBf16Activations) {
   }
 }
 
+// A bf16 input gradient (attention's output gradient) is the bf16 rounding of the fp32 one: the
+// GEMM rounds its fp32 accumulators once, as the staging of an fp32 dinp did. The weight and bias
+// gradients are the fp32 path's, bitwise. Accumulating into bf16 is refused.
+TEST_F(Bf16ExecTest, LinearBackwardWritesABf16InputGradient) {
+  const int64_t N = 96, IC = 160, OC = 200;
+  const auto x = random_vec(N * IC, -1.0f, 1.0f, 31), w = random_vec(OC * IC, -0.5f, 0.5f, 32);
+  const auto dy = random_vec(N * OC, -1.0f, 1.0f, 33), g0 = random_vec(OC * IC, -0.1f, 0.1f, 34);
+  const auto b0 = random_vec(OC, -0.1f, 0.1f, 35);
+  Tensor tx = dev_bf16(x), tw = dev(w), tdy = dev(dy);
+  Tensor dxf = poisoned(N * IC), dxb = poisoned_bf16(N * IC);
+  Tensor gwf = dev(g0), gwb = dev(g0), gbf = dev(b0), gbb = dev(b0);
+  gpu().linear_backward(dxf.f32(), false, gwf.f32(), gbf.f32(), tdy.f32(), kernels::act(tx),
+                        tw.f32(), N, IC, OC);
+  gpu().linear_backward(kernels::act(dxb), false, gwb.f32(), gbb.f32(), tdy.f32(), kernels::act(tx),
+                        tw.f32(), N, IC, OC);
+  EXPECT_TRUE(identical(host_bf16(dxb), bf16_rounded(host(dxf)))) << "dinp";
+  EXPECT_TRUE(identical(host(gwb), host(gwf))) << "dweight";
+  EXPECT_TRUE(identical(host(gbb), host(gbf))) << "dbias";
+  EXPECT_THROW(gpu().linear_backward(kernels::act(dxb), true, nullptr, nullptr, tdy.f32(),
+                                     kernels::act(tx), tw.f32(), N, IC, OC),
+               Error);
+}
+
 // The loss phases on bf16 logits compute in fp32: the CPU's statistics of the rounded logits to
 // fp32 accuracy; the gradient, written in place as the GPT does, one bf16 rounding of the CPU's.
 TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
@@ -365,6 +388,15 @@ TEST_F(Bf16ExecTest, AttentionOnBf16OperandsMatchesTheFp32Ones) {
   EXPECT_TRUE(identical(host(gq), part(g, 0))) << "dq";
   EXPECT_TRUE(identical(host(gk), part(g, 1))) << "dk";
   EXPECT_TRUE(identical(part(host(gv), 2), part(g, 2))) << "dv";
+  // A bf16 dout (the output projection's backward writes it so) is what the staging rounded.
+  Tensor doutb = dev_bf16(dout), hq = poisoned(BT * HD), hk = poisoned(BT * HD);
+  Tensor hv = poisoned(BT * 3 * HD);
+  gpu().attention_backward(sb, hq.f32(), hk.f32(), hv.f32() + 2 * HD, nullptr, kernels::act(doutb),
+                           kernels::act(ob), saved_b.f32(), kernels::act(qb), kernels::act(kb),
+                           q + 2 * HD, tscale.f32(), ws.f32());
+  EXPECT_TRUE(identical(host(hq), part(g, 0))) << "dq, bf16 dout";
+  EXPECT_TRUE(identical(host(hk), part(g, 1))) << "dk, bf16 dout";
+  EXPECT_TRUE(identical(part(host(hv), 2), part(g, 2))) << "dv, bf16 dout";
   // Strided bf16 operands are refused: the kernels read and write dense rows.
   AttentionShape strided = sb;
   strided.ldo = 2 * HD;
@@ -404,6 +436,11 @@ TEST_F(Bf16ExecTest, Bf16ActivationsOnlyUnderBf16) {
     EXPECT_NE(std::string(e.what()).find("linear_forward: out is bf16"), std::string::npos)
         << e.what();
   }
+  // The GLU backward's two outputs share one dtype.
+  Tensor d32 = poisoned(16 * 8);
+  EXPECT_THROW(gpu().glu_backward(kernels::GluAct::kSilu, kernels::act(out), d32.f32(), nullptr,
+                                  nullptr, d32.f32(), d32.f32(), d32.f32(), 16, 8),
+               Error);
 }
 
 // One training step of a small GPT: the GPU in BF16 against the CPU in FP32, same seed and batch.

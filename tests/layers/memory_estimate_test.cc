@@ -167,10 +167,10 @@ TEST(MemoryEstimate, GpuAttentionKeepsOnlyTheLogSumExp) {
   const double C = cfg.model().d_model(), HD = C / 2, Fl = 4 * C / 2;
   EXPECT_EQ(cpu.activations - gpu_fp32.activations,
             4.0 * (L * B * Hl * (T * T - T) + threads * 2 * T * T));
-  // Half of the logits, xf, and per block n1, n2, the normalised q and k, attention's output and
-  // the MLP's hidden output.
+  // Half of the logits, xf, attention's output gradient (shared scratch), and per block n1, n2,
+  // the normalised q and k, attention's output and the MLP's hidden output.
   EXPECT_EQ(gpu_fp32.activations - gpu.activations,
-            2.0 * B * T * (Vl + C + L * (2 * C + 2 * HD + HD + Fl)));
+            2.0 * B * T * (Vl + C + HD + L * (2 * C + 2 * HD + HD + Fl)));
   EXPECT_EQ(gpu.parameters, cpu.parameters);
   EXPECT_EQ(gpu.optimizer, cpu.optimizer);
 }

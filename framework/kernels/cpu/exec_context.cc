@@ -29,10 +29,10 @@ class CpuExec final : public ExecContext {
     kernels::linear_forward<float>(act_f32(out, "linear_forward", "out"),
                                    act_f32(inp, "linear_forward", "inp"), weight, bias, N, IC, OC);
   }
-  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
+  void linear_backward(ActOut dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
                        ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override {
-    kernels::linear_backward<float>(dinp, accumulate_dinp, dweight, dbias,
-                                    act_f32(dout, "linear_backward", "dout"),
+    kernels::linear_backward<float>(act_f32(dinp, "linear_backward", "dinp"), accumulate_dinp,
+                                    dweight, dbias, act_f32(dout, "linear_backward", "dout"),
                                     act_f32(inp, "linear_backward", "inp"), weight, N, IC, OC);
   }
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override {
@@ -118,10 +118,11 @@ class CpuExec final : public ExecContext {
         act_f32(k, "attention_forward", "k"), v, scale, max_abs_logit);
   }
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, ActIn out, const float* saved, ActIn q, ActIn k,
+                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
                           const float* v, const float* scale, float* workspace) override {
     act_f32(out, "attention_backward", "out");  // the CPU's backward reads its saved probabilities
-    kernels::attention_backward<float>(s, dq, dk, dv, dscale, dout, saved,
+    kernels::attention_backward<float>(s, dq, dk, dv, dscale,
+                                       act_f32(dout, "attention_backward", "dout"), saved,
                                        act_f32(q, "attention_backward", "q"),
                                        act_f32(k, "attention_backward", "k"), v, scale, workspace);
   }

@@ -143,32 +143,36 @@ void CudaExec::linear_forward(ActOut out, ActIn inp, const float* weight, const 
   }
 }
 
-void CudaExec::linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias,
+void CudaExec::linear_backward(ActOut dinp, bool accumulate_dinp, float* dweight, float* dbias,
                                ActIn dout, ActIn inp, const float* weight, int64_t N, int64_t IC,
                                int64_t OC) {
+  const bool dinp_bf16 = is_bf16(dinp, precision_, "linear_backward", "dinp");
   const bool dout_bf16 = is_bf16(dout, precision_, "linear_backward", "dout");
   const bool inp_bf16 = is_bf16(inp, precision_, "linear_backward", "inp");
+  KEEL_CHECK(!(dinp_bf16 && accumulate_dinp), kInternal,
+             "CudaExec::linear_backward: a bf16 dinp cannot accumulate");
   if (precision_ == Precision::kFp32) {
-    cuda::linear_backward(ctx_, dinp, accumulate_dinp, dweight, dbias,
+    cuda::linear_backward(ctx_, static_cast<float*>(dinp.data), accumulate_dinp, dweight, dbias,
                           static_cast<const float*>(dout.data), static_cast<const float*>(inp.data),
                           weight, N, IC, OC);
     return;
   }
-  // Note [cuda-exec-bf16]: bf16 operands, fp32 dinp and dweight (beta 1 accumulates in fp32).
-  // Operands already in bf16 (Note [act-dtype]) are read where they are.
+  // Note [cuda-exec-bf16]: bf16 operands, fp32 dweight (beta 1 accumulates in fp32) and dinp (or
+  // a bf16 dinp rounded from the fp32 accumulators: Note [act-dtype]). Operands already in bf16
+  // are read where they are.
   const bool stage_d = !dout_bf16, stage_x = dweight != nullptr && !inp_bf16;
-  Bf16* next = stage((stage_d ? align64(N * OC) : 0) + (dinp != nullptr ? align64(OC * IC) : 0) +
-                     (stage_x ? N * IC : 0));
+  Bf16* next = stage((stage_d ? align64(N * OC) : 0) +
+                     (dinp.data != nullptr ? align64(OC * IC) : 0) + (stage_x ? N * IC : 0));
   const Bf16* d = bf16_of(dout);
   if (stage_d) {
     to_bf16_rows(ctx_, next, OC, static_cast<const float*>(dout.data), OC, N, OC);
     d = next;
     next += align64(N * OC);
   }
-  if (dinp != nullptr) {
+  if (dinp.data != nullptr) {
     to_bf16_rows(ctx_, next, IC, weight, IC, OC, IC);
-    gemm(ctx_, false, false, N, IC, OC, 1.0f, d, OC, next, IC, accumulate_dinp ? 1.0f : 0.0f, dinp,
-         IC, DType::kBF16, DType::kF32);
+    gemm(ctx_, false, false, N, IC, OC, 1.0f, d, OC, next, IC, accumulate_dinp ? 1.0f : 0.0f,
+         dinp.data, IC, DType::kBF16, dinp_bf16 ? DType::kBF16 : DType::kF32);
     next += align64(OC * IC);
   }
   if (dweight != nullptr) {
@@ -364,16 +368,18 @@ bool CudaExec::use_cudnn(const AttentionShape& c) {
 }
 
 void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
-                                  float* dscale, const float* dout, ActIn out, const float* saved,
-                                  ActIn q, ActIn k, const float* v, const float* scale,
+                                  float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
+                                  ActIn k, const float* v, const float* scale,
                                   float* /*workspace*/) {
+  const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, "attention_backward", "dout");
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_backward", "out");
   const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_backward", "q");
   const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_backward", "k");
   if (precision_ == Precision::kFp32) {
     cuda::attention_backward<float>(
-        ctx_, s, dq, dk, dv, dscale, dout, static_cast<const float*>(out.data), saved,
-        static_cast<const float*>(q.data), static_cast<const float*>(k.data), v, scale);
+        ctx_, s, dq, dk, dv, dscale, static_cast<const float*>(dout.data),
+        static_cast<const float*>(out.data), saved, static_cast<const float*>(q.data),
+        static_cast<const float*>(k.data), v, scale);
     return;
   }
   // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
@@ -381,12 +387,12 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
   // sees what the forward computed.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
   Bf16* vb = stage(8 * n);
-  Bf16 *gb = vb + 4 * n, *dqb = vb + 5 * n, *dkb = vb + 6 * n, *dvb = vb + 7 * n;
+  Bf16 *dqb = vb + 5 * n, *dkb = vb + 6 * n, *dvb = vb + 7 * n;
   const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, vb + n, BT, HD);
   const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, vb + 2 * n, BT, HD);
   const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, vb + 3 * n, BT, HD);
+  const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, vb + 4 * n, BT, HD);
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
-  to_bf16_rows(ctx_, gb, HD, dout, s.ldo, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {
     cudnn::sdpa_backward(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb, scale);

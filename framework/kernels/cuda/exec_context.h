@@ -48,7 +48,7 @@ class CudaExec final : public kernels::ExecContext {
 
   void linear_forward(ActOut out, ActIn inp, const float* weight, const float* bias, int64_t N,
                       int64_t IC, int64_t OC) override;
-  void linear_backward(float* dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
+  void linear_backward(ActOut dinp, bool accumulate_dinp, float* dweight, float* dbias, ActIn dout,
                        ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override;
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override;
 
@@ -87,7 +87,7 @@ class CudaExec final : public kernels::ExecContext {
   void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
                          const float* v, const float* scale, float* max_abs_logit) override;
   void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
-                          const float* dout, ActIn out, const float* saved, ActIn q, ActIn k,
+                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
                           const float* v, const float* scale, float* workspace) override;
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override;
