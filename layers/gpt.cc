@@ -245,10 +245,15 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
-  ctx_.exec->xent_row_max(kernels::act(logits_), BT, d.Vl, d.v_valid, mx);
-  tp.all_reduce(mx, BT, ReduceOp::kMax);
-  ctx_.exec->xent_row_sumexp(kernels::act(logits_), mx, BT, d.Vl, d.v_valid, lse);
-  tp.all_reduce(lse, BT, ReduceOp::kSum);
+  if (tp.size() == 1) {
+    // The whole vocabulary on this rank: both row passes in one call (one read on a GPU).
+    ctx_.exec->xent_row_max_sumexp(kernels::act(logits_), BT, d.Vl, d.v_valid, mx, lse);
+  } else {
+    ctx_.exec->xent_row_max(kernels::act(logits_), BT, d.Vl, d.v_valid, mx);
+    tp.all_reduce(mx, BT, ReduceOp::kMax);
+    ctx_.exec->xent_row_sumexp(kernels::act(logits_), mx, BT, d.Vl, d.v_valid, lse);
+    tp.all_reduce(lse, BT, ReduceOp::kSum);
+  }
   ctx_.exec->xent_target_logit(kernels::act(logits_), targets_.i32(), BT, d.Vl, d.v_begin, tl);
   tp.all_reduce(tl, BT, ReduceOp::kSum);
   // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.

@@ -477,6 +477,11 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("xent_row_sumexp", {logits.data, row_max, sumexp});
     cpu().xent_row_sumexp(logits, row_max, N, V_local, v_valid_local, sumexp);
   }
+  void xent_row_max_sumexp(kernels::ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                           float* row_max, float* sumexp) override {
+    Call c("xent_row_max_sumexp", {logits.data, row_max, sumexp});
+    cpu().xent_row_max_sumexp(logits, N, V_local, v_valid_local, row_max, sumexp);
+  }
   void xent_target_logit(kernels::ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
     Call c("xent_target_logit", {logits.data, targets, target_logit});

@@ -208,6 +208,13 @@ class ExecContext {
                             float* row_max) = 0;
   virtual void xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                                int64_t v_valid_local, float* sumexp) = 0;
+  // xent_row_max then xent_row_sumexp on its row_max, with the same results; for logits that are
+  // not vocab-parallel (the sum-exp needs the max of all ranks' shards first). On a GPU one block
+  // takes both passes over a row, so the second is meant to find the row in L2 (a 124M row is 100
+  // KB; the blocks in flight hold ~26 MB of an H200's 60 MB): one read of the logits from memory
+  // instead of two.
+  virtual void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                                   float* row_max, float* sumexp) = 0;
   virtual void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                                  int64_t v_begin, float* target_logit) = 0;
   // sums[3] (=): device doubles, as the free function's host ones.

@@ -419,6 +419,14 @@ TEST_F(FakeDeviceExecTest, CrossEntropy) {
     e.xent_row_sumexp(logits.p(d), row_max.p(d), N, V_local, v_valid, sumexp.p(d));
   });
   expect_same(sumexp, "xent_row_sumexp");
+  Twin<float> row_max2 = rand_twin(N), sumexp2 = rand_twin(N);
+  run_both([&](ExecContext& e, bool d) {
+    e.xent_row_max_sumexp(logits.p(d), N, V_local, v_valid, row_max2.p(d), sumexp2.p(d));
+  });
+  expect_same(row_max2, "xent_row_max_sumexp max");
+  expect_same(sumexp2, "xent_row_max_sumexp sum-exp");
+  EXPECT_EQ(device_values<float>(row_max2.dev), device_values<float>(row_max.dev));
+  EXPECT_EQ(device_values<float>(sumexp2.dev), device_values<float>(sumexp.dev));
   run_both([&](ExecContext& e, bool d) {
     e.xent_target_logit(logits.p(d), targets.p(d), N, V_local, v_begin, target.p(d));
   });

@@ -267,6 +267,10 @@ TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
   EXPECT_TRUE(matches(host(t_mx), mx, f32_rtol(V_local))) << "row max";
   EXPECT_TRUE(matches(host(t_se), se, f32_rtol(V_local))) << "sum-exp";
   EXPECT_TRUE(matches(host(t_tl), tl, 0.0)) << "target logit (a widened bf16: exact)";
+  Tensor t_mx2 = poisoned(N), t_se2 = poisoned(N);
+  gpu().xent_row_max_sumexp(l, N, V_local, v_valid, t_mx2.f32(), t_se2.f32());
+  EXPECT_TRUE(identical(host(t_mx2), host(t_mx))) << "fused row max";
+  EXPECT_TRUE(identical(host(t_se2), host(t_se))) << "fused sum-exp";
   gpu().xent_finish(t_mx.f32(), t_se.f32(), t_tl.f32(), N, t_se.f32(), t_sums.f64());
   gpu().xent_backward(l, l, t_se.f32(), t_targets.i32(), N, V_local, v_valid, v_begin, grad_scale,
                       z_coef);

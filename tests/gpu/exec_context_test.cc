@@ -756,6 +756,13 @@ TEST_F(ExecContextTest, CrossEntropyPhasesMatchCpuWithPaddingColumns) {
   DeviceBuffer d_cpu_mx = up(mx);
   gpu().xent_row_sumexp(f(d_logits), f(d_cpu_mx), N, V_local, v_valid, f(d_se));
   EXPECT_TRUE(matches(get<float>(d_se, N), se, f32_rtol(v_valid))) << "row_sumexp";
+  // The fused form is the two calls, bitwise (the GPU's own max feeds its sum-exp in both).
+  DeviceBuffer d_se2 = poisoned<float>(N);
+  gpu().xent_row_sumexp(f(d_logits), f(d_mx), N, V_local, v_valid, f(d_se2));
+  DeviceBuffer d_mx3 = poisoned<float>(N), d_se3 = poisoned<float>(N);
+  gpu().xent_row_max_sumexp(f(d_logits), N, V_local, v_valid, f(d_mx3), f(d_se3));
+  EXPECT_TRUE(identical(get<float>(d_mx3, N), mx)) << "row_max_sumexp max";
+  EXPECT_TRUE(identical(get<float>(d_se3, N), get<float>(d_se2, N))) << "row_max_sumexp sum-exp";
 
   // The finish from the CPU's statistics: the same per-row double formula, sums in another
   // order (double rounding only). sums are device doubles.

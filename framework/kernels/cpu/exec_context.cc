@@ -169,6 +169,12 @@ class CpuExec final : public ExecContext {
     kernels::xent_row_sumexp(act_f32(logits, "xent_row_sumexp", "logits"), row_max, N, V_local,
                              v_valid_local, sumexp);
   }
+  void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                           float* row_max, float* sumexp) override {
+    const float* l = act_f32(logits, "xent_row_max_sumexp", "logits");
+    kernels::xent_row_max(l, N, V_local, v_valid_local, row_max);
+    kernels::xent_row_sumexp(l, row_max, N, V_local, v_valid_local, sumexp);
+  }
   void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
     kernels::xent_target_logit(act_f32(logits, "xent_target_logit", "logits"), targets, N, V_local,

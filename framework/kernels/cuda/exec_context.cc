@@ -480,6 +480,13 @@ void CudaExec::xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, in
   });
 }
 
+void CudaExec::xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                                   float* row_max, float* sumexp) {
+  with_typed(logits, precision_, "xent_row_max_sumexp", "logits", [&](auto* l) {
+    cuda::xent_row_max_sumexp(ctx_, l, N, V_local, v_valid_local, row_max, sumexp);
+  });
+}
+
 void CudaExec::xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                                  int64_t v_begin, float* target_logit) {
   with_typed(logits, precision_, "xent_target_logit", "logits", [&](auto* l) {

@@ -110,6 +110,8 @@ class CudaExec final : public kernels::ExecContext {
                     float* row_max) override;
   void xent_row_sumexp(ActIn logits, const float* row_max, int64_t N, int64_t V_local,
                        int64_t v_valid_local, float* sumexp) override;
+  void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
+                           float* row_max, float* sumexp) override;
   void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override;
   void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,

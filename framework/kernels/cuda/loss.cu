@@ -21,13 +21,25 @@ constexpr int kRowThreads = 512;
 
 // T: float, or __nv_bfloat16 for logits stored in bf16 (Note [act-dtype]): every element is
 // widened to fp32 as it is read and the arithmetic is the fp32 one.
+// A row's maximum and sum-exp (against a given maximum) over one block; the fused kernel runs the
+// same two functions, so its results are bitwise the separate kernels'.
+template <typename T>
+__device__ float block_row_max(const T* row, int64_t v_valid, float* shared) {
+  float mx = -INFINITY;
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) mx = fmaxf(mx, to_f(row[v]));
+  return block_max(mx, shared);
+}
+template <typename T>
+__device__ float block_row_sumexp(const T* row, float mx, int64_t v_valid, float* shared) {
+  float acc = 0.0f;
+  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) acc += exp_t(to_f(row[v]) - mx);
+  return block_sum(acc, shared);
+}
+
 template <typename T>
 __global__ void row_max_kernel(const T* logits, int64_t V_local, int64_t v_valid, float* row_max) {
   __shared__ float shared[32];
-  const T* row = logits + blockIdx.x * V_local;
-  float mx = -INFINITY;
-  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) mx = fmaxf(mx, to_f(row[v]));
-  mx = block_max(mx, shared);
+  const float mx = block_row_max(logits + blockIdx.x * V_local, v_valid, shared);
   if (threadIdx.x == 0) row_max[blockIdx.x] = mx;
 }
 
@@ -35,12 +47,23 @@ template <typename T>
 __global__ void row_sumexp_kernel(const T* logits, const float* row_max, int64_t V_local,
                                   int64_t v_valid, float* sumexp) {
   __shared__ float shared[32];
-  const T* row = logits + blockIdx.x * V_local;
-  const float mx = row_max[blockIdx.x];
-  float acc = 0.0f;
-  for (int64_t v = threadIdx.x; v < v_valid; v += blockDim.x) acc += exp_t(to_f(row[v]) - mx);
-  acc = block_sum(acc, shared);
+  const float acc =
+      block_row_sumexp(logits + blockIdx.x * V_local, row_max[blockIdx.x], v_valid, shared);
   if (threadIdx.x == 0) sumexp[blockIdx.x] = acc;
+}
+
+// block_max and block_sum give every thread the result and barrier before reusing `shared`.
+template <typename T>
+__global__ void row_max_sumexp_kernel(const T* logits, int64_t V_local, int64_t v_valid,
+                                      float* row_max, float* sumexp) {
+  __shared__ float shared[32];
+  const T* row = logits + blockIdx.x * V_local;
+  const float mx = block_row_max(row, v_valid, shared);
+  const float acc = block_row_sumexp(row, mx, v_valid, shared);
+  if (threadIdx.x == 0) {
+    row_max[blockIdx.x] = mx;
+    sumexp[blockIdx.x] = acc;
+  }
 }
 
 template <typename T>
@@ -125,6 +148,16 @@ void xent_row_sumexp(Context& ctx, const T* logits, const float* row_max, int64_
 }
 
 template <typename T>
+void xent_row_max_sumexp(Context& ctx, const T* logits, int64_t N, int64_t V_local,
+                         int64_t v_valid_local, float* row_max, float* sumexp) {
+  check_rows(N, V_local, v_valid_local, "xent_row_max_sumexp");
+  if (N == 0) return;
+  row_max_sumexp_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, ctx.stream()>>>(
+      dev(logits), V_local, v_valid_local, row_max, sumexp);
+  KEEL_CUDA_LAUNCH_CHECK("xent_row_max_sumexp", "N=", N, " V_local=", V_local);
+}
+
+template <typename T>
 void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit) {
   check_rows(N, V_local, V_local, "xent_target_logit");
@@ -162,6 +195,8 @@ void xent_backward(Context& ctx, T* dlogits, const T* logits, const float* lse,
   template void xent_row_max<T>(Context&, const T*, int64_t, int64_t, int64_t, float*);         \
   template void xent_row_sumexp<T>(Context&, const T*, const float*, int64_t, int64_t, int64_t, \
                                    float*);                                                     \
+  template void xent_row_max_sumexp<T>(Context&, const T*, int64_t, int64_t, int64_t, float*,   \
+                                       float*);                                                 \
   template void xent_target_logit<T>(Context&, const T*, const int32_t*, int64_t, int64_t,      \
                                      int64_t, float*);                                          \
   template void xent_backward<T>(Context&, T*, const T*, const float*, const int32_t*, int64_t, \

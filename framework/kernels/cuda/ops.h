@@ -97,6 +97,11 @@ void xent_row_max(Context& ctx, const T* logits, int64_t N, int64_t V_local, int
 template <typename T>
 void xent_row_sumexp(Context& ctx, const T* logits, const float* row_max, int64_t N,
                      int64_t V_local, int64_t v_valid_local, float* sumexp);
+// Both of the above in one kernel, bitwise the same results: a block takes a row's maximum, then
+// its sum-exp while the row is likely still in L2 (ExecContext::xent_row_max_sumexp).
+template <typename T>
+void xent_row_max_sumexp(Context& ctx, const T* logits, int64_t N, int64_t V_local,
+                         int64_t v_valid_local, float* row_max, float* sumexp);
 template <typename T>
 void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit);
