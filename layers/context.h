@@ -47,8 +47,9 @@ struct Scratch {
   // [2, BT, Hl D] gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s layout); in a
   // forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation
   Tensor dqk;
-  Tensor dh;       // [BT, Fl]    gradient w.r.t. the MLP hidden (GELU input; gated: up output)
-  Tensor dgate;    // [BT, Fl]    gated MLPs: gradient w.r.t. the gate projection's output
+  Tensor dh;  // [BT, Fl]    gradient w.r.t. the MLP's activated hidden (the down input)
+  // [BT, Fl] gated MLPs: gradient w.r.t. the gate projection's output (Note [act-dtype])
+  Tensor dgate;
   Tensor dsub;     // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
   Tensor attn_ws;  // attention backward workspace, sized for attn_threads (CPU: OpenMP threads)
   int attn_threads = 1;

@@ -176,7 +176,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({2, BT, HD});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
-  if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl});
+  if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
   if (d.post_norm) scratch_.dsub = ctx_.zeros({BT, C});
   scratch_.attn_threads = exec.threads();
   const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0, scratch_.attn_threads};

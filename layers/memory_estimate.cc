@@ -97,10 +97,10 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   double model = 2 * BT + (2 + act) * BT * C + act * BT * Vl + 3 * BT;
   model += 2 * BT;           // ln_f mean and rstd
   if (rope) model += T * D;  // the cos/sin table: [T, D / 2] each
-  // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated),
-  // dsub (post-norm), the per-thread T x T attention workspace and dscale.
-  model +=
-      BT * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + (gated ? 2 : 1) * BT * Fl;
+  // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated; bf16
+  // too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
+  model += BT * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
+  if (gated) model += act * BT * Fl;
   if (post_norm) model += BT * C;
   model += (gpu ? 0 : std::max(1, threads) * 2 * T * T) + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch

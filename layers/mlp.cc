@@ -74,11 +74,10 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   }
   // Note [act-dtype]: the hidden gradients, which only the up (and gate) projections' backward
   // reads, go where the activated hidden was (nothing reads g_ after the down projection's
-  // backward) and, for the gate's, where its fp32 scratch is; the projections' bias gradients are
-  // summed there in fp32.
+  // backward) and into the gate's scratch; the projections' bias gradients are summed in fp32.
   const kernels::ActOut dup = kernels::act(g_);
   const kernels::ActOut dgate =
-      gated_ ? kernels::ActOut(ctx_.scratch->dgate.raw(), g_.dtype()) : kernels::ActOut(nullptr);
+      gated_ ? kernels::act(ctx_.scratch->dgate) : kernels::ActOut(nullptr);
   if (gated_) {
     ProfileScope p(prof, "glu");
     ctx_.exec->glu_backward(act_, dgate, dup, ps_.grad_or_null(gate_b_), ps_.grad_or_null(fc_b_),

@@ -30,7 +30,9 @@ class Mlp {
   int fc_w_, fc_b_ = -1, gate_w_ = -1, gate_b_ = -1, proj_w_, proj_b_ = -1;
   Tensor h_;  // [BT, Fl] GELU: pre-activation; gated: up projection output
   Tensor a_;  // [BT, Fl] gated: gate projection output (pre-activation)
-  Tensor g_;  // [BT, Fl] GELU output / act(a) * h: the down projection's input
+  // [BT, Fl] GELU output / act(a) * h: the down projection's input; in backward, after the down
+  // projection's, the gradient w.r.t. h (Note [act-dtype])
+  Tensor g_;
 };
 
 }  // namespace keel

@@ -47,9 +47,9 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // - the MLP's hidden gradients (d of the up and gate projections' outputs), which only those
 //   projections' backward GEMMs read: gelu_backward and glu_backward compute them in fp32, add
 //   their column sums to the projections' bias gradients in fp32 (so the bias gradients do not see
-//   the rounding), and write the bf16 the GEMMs staged before. They go where the activated hidden
-//   was (and the gate's where its fp32 gradient scratch was), which nothing reads after the down
-//   projection's backward: no memory is added;
+//   the rounding), and write the bf16 the GEMMs staged before. The up projection's goes where the
+//   activated hidden was, which nothing reads after the down projection's backward (the gate's
+//   scratch is bf16 too): no memory is added;
 // - the gradient of attention's output, which only attention's backward reads: the output
 //   projection's backward GEMM writes it in bf16 from fp32 accumulators, the rounding attention's
 //   backward staged before.
@@ -211,8 +211,8 @@ class ExecContext {
   // xent_row_max then xent_row_sumexp on its row_max, with the same results; for logits that are
   // not vocab-parallel (the sum-exp needs the max of all ranks' shards first). On a GPU one block
   // takes both passes over a row, so the second is meant to find the row in L2 (a 124M row is 100
-  // KB; the blocks in flight hold ~26 MB of an H200's 60 MB): one read of the logits from memory
-  // instead of two.
+  // KB; the rows in flight hold ~26 MB of an H200's 60 MB, cuda/loss.cu): one read of the logits
+  // from memory instead of two (not yet measured on a GPU).
   virtual void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                                    float* row_max, float* sumexp) = 0;
   virtual void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
