@@ -667,7 +667,7 @@ StepResult Trainer::compute_gradients() {
   double stats[3] = {0.0, 0.0, 0.0};  // ce, z, log Z summed over micro-batches
   for (int64_t m = 0; m < accum_; ++m) {
     sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
-    const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_);
+    const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_, loss_weight);
     const bool last = m + 1 == accum_;
     if (last && grad_sync_) {
       grad_sync_->begin();

@@ -2,6 +2,7 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "framework/error.h"
@@ -204,11 +205,13 @@ std::vector<float> GPT::logits_row(int64_t row) const {
 float* GPT::head_weight() { return ps_.param(lm_head_ >= 0 ? lm_head_ : wte_); }
 float* GPT::head_grad() { return ps_.grad(lm_head_ >= 0 ? lm_head_ : wte_); }
 
-LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B) {
+LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
+                       std::optional<float> loss_weight) {
   const ModelDims& d = ctx_.dims;
   KEEL_ASSERT(B >= 1 && B <= d.B);
   const int64_t BT = B * d.T, C = d.C;
   last_B_ = B;
+  fused_weight_.reset();
   // From here on only the model's own buffers are read (device memory on a GPU backend).
   ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
   if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
@@ -245,17 +248,25 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B)
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
-  if (tp.size() == 1) {
+  const kernels::ActOut logits = kernels::act(logits_);
+  ctx_.exec->xent_target_logit(logits, targets_.i32(), BT, d.Vl, d.v_begin, tl);
+  tp.all_reduce(tl, BT, ReduceOp::kSum);
+  if (tp.size() == 1 && loss_weight.has_value()) {
+    // The whole vocabulary on this rank and the weight known: the gradient in the same pass,
+    // written over the logits (after their target logits were read).
+    ctx_.exec->xent_fused(logits, logits, targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,
+                          *loss_weight / static_cast<float>(BT), static_cast<float>(z_coef_), mx,
+                          lse);
+    fused_weight_ = loss_weight;
+  } else if (tp.size() == 1) {
     // The whole vocabulary on this rank: both row passes in one call (one read on a GPU).
-    ctx_.exec->xent_row_max_sumexp(kernels::act(logits_), BT, d.Vl, d.v_valid, mx, lse);
+    ctx_.exec->xent_row_max_sumexp(logits, BT, d.Vl, d.v_valid, mx, lse);
   } else {
-    ctx_.exec->xent_row_max(kernels::act(logits_), BT, d.Vl, d.v_valid, mx);
+    ctx_.exec->xent_row_max(logits, BT, d.Vl, d.v_valid, mx);
     tp.all_reduce(mx, BT, ReduceOp::kMax);
-    ctx_.exec->xent_row_sumexp(kernels::act(logits_), mx, BT, d.Vl, d.v_valid, lse);
+    ctx_.exec->xent_row_sumexp(logits, mx, BT, d.Vl, d.v_valid, lse);
     tp.all_reduce(lse, BT, ReduceOp::kSum);
   }
-  ctx_.exec->xent_target_logit(kernels::act(logits_), targets_.i32(), BT, d.Vl, d.v_begin, tl);
-  tp.all_reduce(tl, BT, ReduceOp::kSum);
   // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
   double sums[3];  // sum of (lse - target logit), of lse^2, of lse
   ctx_.exec->xent_finish(mx, lse, tl, BT, lse, sums_.f64());
@@ -270,7 +281,14 @@ void GPT::backward(float loss_weight) {
   const ModelDims& d = ctx_.dims;
   const int64_t B = last_B_, BT = B * d.T, C = d.C;
   float* dxf = scratch_.dn.f32();
-  {
+  if (fused_weight_.has_value()) {
+    // The forward computed the loss gradient (xent_fused); the same weight, bit for bit (NaN too:
+    // debug.inject_nan_at_step).
+    KEEL_CHECK(std::memcmp(&*fused_weight_, &loss_weight, sizeof(float)) == 0, kInternal,
+               "GPT::backward: loss_weight ", loss_weight, " differs from the forward's ",
+               *fused_weight_);
+    fused_weight_.reset();
+  } else {
     ProfileScope p(&profiler_, "loss");
     ctx_.exec->xent_backward(kernels::act(logits_), kernels::act(logits_), lse_.f32(),
                              targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "framework/config/keel.pb.h"
@@ -63,10 +64,16 @@ class GPT {
   Profiler& profiler() { return profiler_; }
 
   // tokens, targets: [B, T]. targets may be null (inference: logits only, no loss).
-  LossStats forward(const int32_t* tokens, const int32_t* targets, int64_t B);
+  // loss_weight: the weight the backward of this forward will take, when the caller knows it (a
+  // training step). Then, unless the vocabulary is sharded over TP, the loss's gradient is computed
+  // in the loss's own pass over the logits (ExecContext::xent_fused: one read of them instead of
+  // three on a GPU), replacing the logits; backward must then be given the same weight.
+  LossStats forward(const int32_t* tokens, const int32_t* targets, int64_t B,
+                    std::optional<float> loss_weight = std::nullopt);
   // Gradient of (loss_weight * (ce + z_loss)) of the last forward, accumulated into params().grads.
   void backward(float loss_weight);
-  // [B T, V_local] logits of the last forward (valid until backward overwrites them), on the
+  // [B T, V_local] logits of the last forward (valid until backward, or a forward given a
+  // loss_weight, overwrites them with their gradient), on the
   // execution context's device, in its act_dtype() (bf16 under BF16 on a GPU: Note [act-dtype]):
   // read them on the host with Tensor::copy_to_host, or a row as floats with logits_row.
   const Tensor& logits() const { return logits_; }
@@ -97,6 +104,7 @@ class GPT {
   Tensor max_logits_;          // [L] each block's max |attention logit| of the last forward
   Tensor sums_;                // [3] f64: the loss finish's sums (kernels::xent_finish)
   int64_t last_B_ = 0;
+  std::optional<float> fused_weight_;  // set: logits_ holds the loss gradient for this weight
   std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block
   std::pair<int, int> head_params_;                // ln_f (+ lm_head when untied)
   std::function<void(int)> ready_hook_;

@@ -482,6 +482,13 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("xent_row_max_sumexp", {logits.data, row_max, sumexp});
     cpu().xent_row_max_sumexp(logits, N, V_local, v_valid_local, row_max, sumexp);
   }
+  void xent_fused(kernels::ActOut dlogits, kernels::ActIn logits, const int32_t* targets, int64_t N,
+                  int64_t V_local, int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                  float z_coef, float* row_max, float* sumexp) override {
+    Call c("xent_fused", {dlogits.data, logits.data, targets, row_max, sumexp});
+    cpu().xent_fused(dlogits, logits, targets, N, V_local, v_valid_local, v_begin, grad_scale,
+                     z_coef, row_max, sumexp);
+  }
   void xent_target_logit(kernels::ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
     Call c("xent_target_logit", {logits.data, targets, target_logit});

@@ -6,9 +6,16 @@
 // v_valid_local are padding and never predicted (excluded from max/sum-exp, zero gradient).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
+#include "framework/philox.h"  // KEEL_HD
+
 namespace keel::kernels {
+
+// A row's log-sum-exp from its complete statistics, in double: xent_finish's l, which every form
+// (CPU, CUDA, the fused ones) computes through this one function.
+KEEL_HD inline double xent_row_lse(double row_max, double sumexp) { return row_max + log(sumexp); }
 
 template <typename T>
 void xent_row_max(const T* logits, int64_t N, int64_t V_local, int64_t v_valid_local, T* row_max);

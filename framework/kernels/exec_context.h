@@ -215,6 +215,15 @@ class ExecContext {
   // from memory instead of two (not yet measured on a GPU).
   virtual void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                                    float* row_max, float* sumexp) = 0;
+  // The loss and its gradient in one pass, for logits that are not vocab-parallel and a loss
+  // weight known at the forward: xent_row_max_sumexp, then xent_backward with the log-sum-exp
+  // xent_finish will give each row (xent_row_lse of these statistics), with the same results as
+  // those calls. dlogits has logits' dtype and may alias it (then read target logits first). On a
+  // GPU the gradient pass, like the sum-exp, is meant to find the row in L2: the logits are read
+  // from memory once instead of three times.
+  virtual void xent_fused(ActOut dlogits, ActIn logits, const int32_t* targets, int64_t N,
+                          int64_t V_local, int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                          float z_coef, float* row_max, float* sumexp) = 0;
   virtual void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                                  int64_t v_begin, float* target_logit) = 0;
   // sums[3] (=): device doubles, as the free function's host ones.

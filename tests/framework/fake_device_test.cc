@@ -427,6 +427,15 @@ TEST_F(FakeDeviceExecTest, CrossEntropy) {
   expect_same(sumexp2, "xent_row_max_sumexp sum-exp");
   EXPECT_EQ(device_values<float>(row_max2.dev), device_values<float>(row_max.dev));
   EXPECT_EQ(device_values<float>(sumexp2.dev), device_values<float>(sumexp.dev));
+  Twin<float> fused = twin_of(device_values<float>(logits.dev)), row_max3 = rand_twin(N);
+  Twin<float> sumexp3 = rand_twin(N);
+  run_both([&](ExecContext& e, bool d) {
+    e.xent_fused(fused.p(d), fused.p(d), targets.p(d), N, V_local, v_valid, v_begin, 0.25f, 1e-3f,
+                 row_max3.p(d), sumexp3.p(d));
+  });
+  expect_same(fused, "xent_fused dlogits");
+  expect_same(row_max3, "xent_fused max");
+  expect_same(sumexp3, "xent_fused sum-exp");
   run_both([&](ExecContext& e, bool d) {
     e.xent_target_logit(logits.p(d), targets.p(d), N, V_local, v_begin, target.p(d));
   });

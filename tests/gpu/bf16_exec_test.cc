@@ -271,11 +271,19 @@ TEST_F(Bf16ExecTest, CrossEntropyOnBf16Logits) {
   gpu().xent_row_max_sumexp(l, N, V_local, v_valid, t_mx2.f32(), t_se2.f32());
   EXPECT_TRUE(identical(host(t_mx2), host(t_mx))) << "fused row max";
   EXPECT_TRUE(identical(host(t_se2), host(t_se))) << "fused sum-exp";
+  // The loss gradient in the same pass, in place on a copy of the bf16 logits.
+  Tensor t_fused = dev_bf16(logits), t_mx3 = poisoned(N), t_se3 = poisoned(N);
+  const kernels::ActOut lf = kernels::act(t_fused);
+  gpu().xent_fused(lf, lf, t_targets.i32(), N, V_local, v_valid, v_begin, grad_scale, z_coef,
+                   t_mx3.f32(), t_se3.f32());
+  EXPECT_TRUE(identical(host(t_mx3), host(t_mx))) << "xent_fused row max";
+  EXPECT_TRUE(identical(host(t_se3), host(t_se))) << "xent_fused sum-exp";
   gpu().xent_finish(t_mx.f32(), t_se.f32(), t_tl.f32(), N, t_se.f32(), t_sums.f64());
   gpu().xent_backward(l, l, t_se.f32(), t_targets.i32(), N, V_local, v_valid, v_begin, grad_scale,
                       z_coef);
   EXPECT_TRUE(matches(host(t_se), lse, f32_rtol(V_local))) << "log-sum-exp";
   EXPECT_TRUE(matches(host_bf16(tl_logits), dlogits, kBf16Rtol)) << "dlogits";
+  EXPECT_TRUE(identical(host_bf16(t_fused), host_bf16(tl_logits))) << "xent_fused dlogits";
 }
 
 // A producer that writes bf16 (Note [act-dtype]) writes exactly the rounding of its fp32 output,

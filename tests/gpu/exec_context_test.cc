@@ -780,6 +780,23 @@ TEST_F(ExecContextTest, CrossEntropyPhasesMatchCpuWithPaddingColumns) {
                       v_valid, v_begin, grad_scale, z_coef);
   const auto g_dlogits = get<float>(d_dlogits, dlogits.size());
   EXPECT_TRUE(matches(g_dlogits, dlogits, f32_rtol(v_valid))) << "backward";
+
+  // The fused pass, in place as the GPT runs it: the separate calls' statistics and gradient,
+  // bitwise (the separate backward from the GPU's own statistics and finish).
+  DeviceBuffer d_sep_mx = poisoned<float>(N), d_sep_se = poisoned<float>(N);
+  DeviceBuffer d_sep_lse = poisoned<float>(N), d_sep_d = poisoned<float>(N * V_local);
+  DeviceBuffer d_sums2 = poisoned<double>(3);
+  gpu().xent_row_max_sumexp(f(d_logits), N, V_local, v_valid, f(d_sep_mx), f(d_sep_se));
+  gpu().xent_finish(f(d_sep_mx), f(d_sep_se), f(d_cpu_tl), N, f(d_sep_lse), d_sums2.as<double>());
+  gpu().xent_backward(f(d_sep_d), f(d_logits), f(d_sep_lse), d_targets.as<int32_t>(), N, V_local,
+                      v_valid, v_begin, grad_scale, z_coef);
+  DeviceBuffer d_inplace = up(logits), d_f_mx = poisoned<float>(N), d_f_se = poisoned<float>(N);
+  gpu().xent_fused(f(d_inplace), f(d_inplace), d_targets.as<int32_t>(), N, V_local, v_valid,
+                   v_begin, grad_scale, z_coef, f(d_f_mx), f(d_f_se));
+  EXPECT_TRUE(identical(get<float>(d_f_mx, N), get<float>(d_sep_mx, N))) << "fused row max";
+  EXPECT_TRUE(identical(get<float>(d_f_se, N), get<float>(d_sep_se, N))) << "fused sum-exp";
+  EXPECT_TRUE(identical(get<float>(d_inplace, N * V_local), get<float>(d_sep_d, N * V_local)))
+      << "fused gradient";
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t c = v_valid; c < V_local; ++c) {
       ASSERT_EQ(g_dlogits[n * V_local + c], 0.0f) << "padding column " << c << " of row " << n;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "framework/config/keel.pb.h"
+#include "framework/error.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/optim/optimizer.h"
 #include "framework/tensor.h"
@@ -235,6 +236,40 @@ TEST_P(DeviceNeutral, FakeDeviceMatchesTheCpuBitwise) {
   EXPECT_GT(after.exec_calls, before.exec_calls) << "the fake's ExecContext ran no kernel";
   EXPECT_GT(after.backend_calls, before.backend_calls) << "no backend copy reached the fake";
   EXPECT_FALSE(fake.memory().unlocked()) << "the fake device was left unlocked";
+}
+
+// A forward told the loss weight computes the loss gradient in the loss's own pass
+// (ExecContext::xent_fused): the same statistics and, after backward, the same gradients bit for
+// bit as the separate forward and backward. backward must get the forward's weight.
+TEST_P(DeviceNeutral, FusedLossGradientIsTheSeparateOnesBitwise) {
+  const config::KeelConfig cfg = tiny_config(GetParam());
+  Side separate(cfg, kernels::cpu_exec()), fused(cfg, kernels::cpu_exec());
+  ParamStore &ps = separate.model.params(), &pf = fused.model.params();
+  const ModelDims& d = separate.model.dims();
+  ps.zero_grads();
+  pf.zero_grads();
+  const float weight = 1.0f / kMicroBatches;
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    const std::string where = "micro-batch " + std::to_string(mb);
+    const std::vector<int32_t> tokens = random_tokens(kB * d.T, d.V, 300 + mb);
+    const std::vector<int32_t> targets = random_tokens(kB * d.T, d.V, 350 + mb);
+    const LossStats a = separate.model.forward(tokens.data(), targets.data(), kB);
+    const LossStats b = fused.model.forward(tokens.data(), targets.data(), kB, weight);
+    expect_same_stats(a, b, where);
+    separate.model.backward(weight);
+    fused.model.backward(weight);
+    expect_same_floats(ps.grads(), pf.grads(), where + " gradients");
+  }
+  const std::vector<int32_t> tokens = random_tokens(kB * d.T, d.V, 400);
+  fused.model.forward(tokens.data(), tokens.data(), kB, weight);
+  try {
+    fused.model.backward(2.0f * weight);
+    ADD_FAILURE() << "backward took another weight than the fused forward's";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_NE(std::string(e.what()).find("differs from the forward's"), std::string::npos)
+        << e.what();
+  }
 }
 
 std::string variant_name(const ::testing::TestParamInfo<Variant>& info) { return info.param.name; }

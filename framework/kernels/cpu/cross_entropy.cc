@@ -53,7 +53,7 @@ void xent_finish(const T* row_max, const T* sumexp, const T* target_logit, int64
   // count, and N log calls are negligible next to the sum-exp over the vocabulary.
   double ce = 0.0, z = 0.0, lz = 0.0;
   for (int64_t n = 0; n < N; ++n) {
-    const double l = static_cast<double>(row_max[n]) + std::log(static_cast<double>(sumexp[n]));
+    const double l = xent_row_lse(row_max[n], sumexp[n]);
     lse[n] = static_cast<T>(l);  // after sumexp[n] is read: lse may alias sumexp
     ce += l - static_cast<double>(target_logit[n]);
     z += l * l;

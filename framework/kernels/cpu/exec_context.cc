@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <mutex>
+#include <vector>
 
 #include "framework/error.h"
 #include "framework/kernels/cross_entropy.h"
@@ -175,6 +176,19 @@ class CpuExec final : public ExecContext {
     kernels::xent_row_max(l, N, V_local, v_valid_local, row_max);
     kernels::xent_row_sumexp(l, row_max, N, V_local, v_valid_local, sumexp);
   }
+  void xent_fused(ActOut dlogits, ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
+                  int64_t v_valid_local, int64_t v_begin, float grad_scale, float z_coef,
+                  float* row_max, float* sumexp) override {
+    const float* l = act_f32(logits, "xent_fused", "logits");
+    kernels::xent_row_max(l, N, V_local, v_valid_local, row_max);
+    kernels::xent_row_sumexp(l, row_max, N, V_local, v_valid_local, sumexp);
+    if (static_cast<int64_t>(lse_.size()) < N) lse_.resize(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) {
+      lse_[n] = static_cast<float>(kernels::xent_row_lse(row_max[n], sumexp[n]));
+    }
+    kernels::xent_backward(act_f32(dlogits, "xent_fused", "dlogits"), l, lse_.data(), targets, N,
+                           V_local, v_valid_local, v_begin, grad_scale, z_coef);
+  }
   void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override {
     kernels::xent_target_logit(act_f32(logits, "xent_target_logit", "logits"), targets, N, V_local,
@@ -196,6 +210,9 @@ class CpuExec final : public ExecContext {
                     const AdamWStep& step) override {
     kernels::adamw_update(param, grad, m, v, n, step);
   }
+
+ private:
+  std::vector<float> lse_;  // xent_fused's per-row log-sum-exp; grows to the largest N
 };
 
 struct Factories {

@@ -487,6 +487,22 @@ void CudaExec::xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int
   });
 }
 
+void CudaExec::xent_fused(ActOut dlogits, ActIn logits, const int32_t* targets, int64_t N,
+                          int64_t V_local, int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                          float z_coef, float* row_max, float* sumexp) {
+  const bool bf16 = is_bf16(logits, precision_, "xent_fused", "logits");
+  KEEL_CHECK(is_bf16(dlogits, precision_, "xent_fused", "dlogits") == bf16, kInternal,
+             "CudaExec::xent_fused: dlogits and logits differ in dtype");
+  if (bf16) {
+    cuda::xent_fused(ctx_, static_cast<Bf16*>(dlogits.data), bf16_of(logits), targets, N, V_local,
+                     v_valid_local, v_begin, grad_scale, z_coef, row_max, sumexp);
+  } else {
+    cuda::xent_fused(ctx_, static_cast<float*>(dlogits.data),
+                     static_cast<const float*>(logits.data), targets, N, V_local, v_valid_local,
+                     v_begin, grad_scale, z_coef, row_max, sumexp);
+  }
+}
+
 void CudaExec::xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                                  int64_t v_begin, float* target_logit) {
   with_typed(logits, precision_, "xent_target_logit", "logits", [&](auto* l) {

@@ -112,6 +112,9 @@ class CudaExec final : public kernels::ExecContext {
                        int64_t v_valid_local, float* sumexp) override;
   void xent_row_max_sumexp(ActIn logits, int64_t N, int64_t V_local, int64_t v_valid_local,
                            float* row_max, float* sumexp) override;
+  void xent_fused(ActOut dlogits, ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
+                  int64_t v_valid_local, int64_t v_begin, float grad_scale, float z_coef,
+                  float* row_max, float* sumexp) override;
   void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
                          int64_t v_begin, float* target_logit) override;
   void xent_finish(const float* row_max, const float* sumexp, const float* target_logit, int64_t N,

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "framework/error.h"
+#include "framework/kernels/cross_entropy.h"
 #include "framework/kernels/cuda/check.h"
 #include "framework/kernels/cuda/common.cuh"
 #include "framework/kernels/cuda/internal.h"
@@ -90,7 +91,7 @@ __global__ void finish_kernel(const float* row_max, const float* sumexp, const f
   __shared__ double shared[32];
   double ce = 0.0, z = 0.0, lz = 0.0;
   for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
-    const double l = static_cast<double>(row_max[n]) + log(static_cast<double>(sumexp[n]));
+    const double l = xent_row_lse(row_max[n], sumexp[n]);
     const double t = target[n];  // read before lse[n] is written: lse may alias sumexp
     lse[n] = static_cast<float>(l);
     ce += l - t;
@@ -107,23 +108,51 @@ __global__ void finish_kernel(const float* row_max, const float* sumexp, const f
   }
 }
 
-// dlogits in T as well: the bf16 gradient is what the LM head's backward GEMMs read.
+// dlogits in T as well: the bf16 gradient is what the LM head's backward GEMMs read. Each element
+// is read and written by one thread, so drow may alias row; the result of an element does not
+// depend on the block's size.
 template <typename T>
-__global__ void xent_backward_kernel(T* dlogits, const T* logits, const float* lse,
-                                     const int32_t* targets, int64_t V_local, int64_t v_valid,
-                                     int64_t v_begin, float grad_scale, float z_coef) {
-  const int64_t n = blockIdx.x;
-  const T* row = logits + n * V_local;
-  T* drow = dlogits + n * V_local;
-  const float l = lse[n];
+__device__ void block_row_xent_backward(T* drow, const T* row, float l, int32_t target,
+                                        int64_t V_local, int64_t v_valid, int64_t v_begin,
+                                        float grad_scale, float z_coef) {
   const float coef = grad_scale * (1.0f + 2.0f * z_coef * l);
-  const int64_t col = static_cast<int64_t>(targets[n]) - v_begin;
-  // Each element is read and written by one thread, so dlogits may alias logits.
+  const int64_t col = static_cast<int64_t>(target) - v_begin;
   for (int64_t v = threadIdx.x; v < V_local; v += blockDim.x) {
     float d = v < v_valid ? coef * exp_t(to_f(row[v]) - l) : 0.0f;
     if (v == col) d -= grad_scale;
     drow[v] = from_f<T>(d);
   }
+}
+
+template <typename T>
+__global__ void xent_backward_kernel(T* dlogits, const T* logits, const float* lse,
+                                     const int32_t* targets, int64_t V_local, int64_t v_valid,
+                                     int64_t v_begin, float grad_scale, float z_coef) {
+  const int64_t n = blockIdx.x;
+  block_row_xent_backward(dlogits + n * V_local, logits + n * V_local, lse[n], targets[n], V_local,
+                          v_valid, v_begin, grad_scale, z_coef);
+}
+
+// xent_row_max_sumexp, then xent_backward with the log-sum-exp xent_finish will write for the row
+// (the same function of the same statistics), over one row per block. block_sum's barriers come
+// after every thread's last read of the row for the sum-exp, so the in-place writes come after.
+template <typename T>
+__global__ void __launch_bounds__(kRowStatThreads, 2)
+    xent_fused_kernel(T* dlogits, const T* logits, const int32_t* targets, int64_t V_local,
+                      int64_t v_valid, int64_t v_begin, float grad_scale, float z_coef,
+                      float* row_max, float* sumexp) {
+  __shared__ float shared[32];
+  const int64_t n = blockIdx.x;
+  const T* row = logits + n * V_local;
+  const float mx = block_row_max(row, v_valid, shared);
+  const float se = block_row_sumexp(row, mx, v_valid, shared);
+  if (threadIdx.x == 0) {
+    row_max[n] = mx;
+    sumexp[n] = se;
+  }
+  const float l = static_cast<float>(xent_row_lse(mx, se));
+  block_row_xent_backward(dlogits + n * V_local, row, l, targets[n], V_local, v_valid, v_begin,
+                          grad_scale, z_coef);
 }
 
 void check_rows(int64_t N, int64_t V_local, int64_t v_valid, const char* name) {
@@ -165,6 +194,19 @@ void xent_row_max_sumexp(Context& ctx, const T* logits, int64_t N, int64_t V_loc
 }
 
 template <typename T>
+void xent_fused(Context& ctx, T* dlogits, const T* logits, const int32_t* targets, int64_t N,
+                int64_t V_local, int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                float z_coef, float* row_max, float* sumexp) {
+  check_rows(N, V_local, v_valid_local, "xent_fused");
+  if (N == 0) return;
+  xent_fused_kernel<<<static_cast<unsigned>(N), kRowStatThreads, 0, ctx.stream()>>>(
+      dev(dlogits), dev(logits), targets, V_local, v_valid_local, v_begin, grad_scale, z_coef,
+      row_max, sumexp);
+  KEEL_CUDA_LAUNCH_CHECK("xent_fused", "N=", N, " V_local=", V_local,
+                         " v_valid_local=", v_valid_local);
+}
+
+template <typename T>
 void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit) {
   check_rows(N, V_local, V_local, "xent_target_logit");
@@ -198,15 +240,17 @@ void xent_backward(Context& ctx, T* dlogits, const T* logits, const float* lse,
                          " v_valid_local=", v_valid_local);
 }
 
-#define KEEL_XENT_INSTANTIATE(T)                                                                \
-  template void xent_row_max<T>(Context&, const T*, int64_t, int64_t, int64_t, float*);         \
-  template void xent_row_sumexp<T>(Context&, const T*, const float*, int64_t, int64_t, int64_t, \
-                                   float*);                                                     \
-  template void xent_row_max_sumexp<T>(Context&, const T*, int64_t, int64_t, int64_t, float*,   \
-                                       float*);                                                 \
-  template void xent_target_logit<T>(Context&, const T*, const int32_t*, int64_t, int64_t,      \
-                                     int64_t, float*);                                          \
-  template void xent_backward<T>(Context&, T*, const T*, const float*, const int32_t*, int64_t, \
+#define KEEL_XENT_INSTANTIATE(T)                                                                 \
+  template void xent_row_max<T>(Context&, const T*, int64_t, int64_t, int64_t, float*);          \
+  template void xent_row_sumexp<T>(Context&, const T*, const float*, int64_t, int64_t, int64_t,  \
+                                   float*);                                                      \
+  template void xent_row_max_sumexp<T>(Context&, const T*, int64_t, int64_t, int64_t, float*,    \
+                                       float*);                                                  \
+  template void xent_fused<T>(Context&, T*, const T*, const int32_t*, int64_t, int64_t, int64_t, \
+                              int64_t, float, float, float*, float*);                            \
+  template void xent_target_logit<T>(Context&, const T*, const int32_t*, int64_t, int64_t,       \
+                                     int64_t, float*);                                           \
+  template void xent_backward<T>(Context&, T*, const T*, const float*, const int32_t*, int64_t,  \
                                  int64_t, int64_t, int64_t, float, float);
 KEEL_XENT_INSTANTIATE(float)
 KEEL_XENT_INSTANTIATE(Bf16)

@@ -102,6 +102,13 @@ void xent_row_sumexp(Context& ctx, const T* logits, const float* row_max, int64_
 template <typename T>
 void xent_row_max_sumexp(Context& ctx, const T* logits, int64_t N, int64_t V_local,
                          int64_t v_valid_local, float* row_max, float* sumexp);
+// xent_row_max_sumexp and then xent_backward with each row's log-sum-exp from xent_row_lse (what
+// xent_finish will write), one block per row: bitwise the separate calls' row_max, sumexp and
+// dlogits (dlogits may alias logits). ExecContext::xent_fused.
+template <typename T>
+void xent_fused(Context& ctx, T* dlogits, const T* logits, const int32_t* targets, int64_t N,
+                int64_t V_local, int64_t v_valid_local, int64_t v_begin, float grad_scale,
+                float z_coef, float* row_max, float* sumexp);
 template <typename T>
 void xent_target_logit(Context& ctx, const T* logits, const int32_t* targets, int64_t N,
                        int64_t V_local, int64_t v_begin, float* target_logit);
