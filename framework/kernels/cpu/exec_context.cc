@@ -182,11 +182,13 @@ class CpuExec final : public ExecContext {
     const float* l = act_f32(logits, "xent_fused", "logits");
     kernels::xent_row_max(l, N, V_local, v_valid_local, row_max);
     kernels::xent_row_sumexp(l, row_max, N, V_local, v_valid_local, sumexp);
-    if (static_cast<int64_t>(lse_.size()) < N) lse_.resize(static_cast<size_t>(N));
+    // The process shares one CPU context: a buffer per calling thread, grown to the largest N.
+    thread_local std::vector<float> lse;
+    if (static_cast<int64_t>(lse.size()) < N) lse.resize(static_cast<size_t>(N));
     for (int64_t n = 0; n < N; ++n) {
-      lse_[n] = static_cast<float>(kernels::xent_row_lse(row_max[n], sumexp[n]));
+      lse[n] = static_cast<float>(kernels::xent_row_lse(row_max[n], sumexp[n]));
     }
-    kernels::xent_backward(act_f32(dlogits, "xent_fused", "dlogits"), l, lse_.data(), targets, N,
+    kernels::xent_backward(act_f32(dlogits, "xent_fused", "dlogits"), l, lse.data(), targets, N,
                            V_local, v_valid_local, v_begin, grad_scale, z_coef);
   }
   void xent_target_logit(ActIn logits, const int32_t* targets, int64_t N, int64_t V_local,
@@ -210,9 +212,6 @@ class CpuExec final : public ExecContext {
                     const AdamWStep& step) override {
     kernels::adamw_update(param, grad, m, v, n, step);
   }
-
- private:
-  std::vector<float> lse_;  // xent_fused's per-row log-sum-exp; grows to the largest N
 };
 
 struct Factories {

@@ -304,6 +304,27 @@ static bool dense_bf16(ActIn a, int64_t ld, const AttentionShape& s, Precision p
   return true;
 }
 
+namespace {
+
+// Consecutive slots of n bf16 elements in a staging buffer, handed out as needed.
+class StageSlots {
+ public:
+  StageSlots(Bf16* base, int64_t n) : next_(base), n_(n) {}
+  // The next slot, or null (and no slot used) when not needed.
+  Bf16* take(bool needed = true) {
+    if (!needed) return nullptr;
+    Bf16* p = next_;
+    next_ += n_;
+    return p;
+  }
+
+ private:
+  Bf16* next_;
+  int64_t n_;
+};
+
+}  // namespace
+
 // Note [cuda-exec-bf16]: the dense bf16 rows of an attention operand: a bf16 one itself, an fp32
 // one rounded into `staged`.
 static const Bf16* bf16_rows(Context& ctx, ActIn a, bool is_bf16_rows, int64_t ld, Bf16* staged,
@@ -326,12 +347,13 @@ void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* sav
     return;
   }
   // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D; bf16 q and k are read and a bf16
-  // out is written in place.
+  // out is written in place. Staging holds v and whichever of q, k, out are fp32.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  Bf16* vb = stage(4 * n);
-  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, vb + n, BT, HD);
-  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, vb + 2 * n, BT, HD);
-  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : vb + 3 * n;
+  StageSlots slots(stage(n * (1 + !q_bf16 + !k_bf16 + !out_bf16)), n);
+  Bf16* vb = slots.take();
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(!q_bf16), BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(!k_bf16), BT, HD);
+  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : slots.take();
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {
@@ -385,13 +407,14 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
   // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
   // to the same values (an fp32 out was widened from the forward's bf16 output), so the backward
   // sees what the forward computed.
+  // Staging holds v, dq, dk, dv and whichever of q, k, out, dout are fp32.
   const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  Bf16* vb = stage(8 * n);
-  Bf16 *dqb = vb + 5 * n, *dkb = vb + 6 * n, *dvb = vb + 7 * n;
-  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, vb + n, BT, HD);
-  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, vb + 2 * n, BT, HD);
-  const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, vb + 3 * n, BT, HD);
-  const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, vb + 4 * n, BT, HD);
+  StageSlots slots(stage(n * (4 + !q_bf16 + !k_bf16 + !out_bf16 + !dout_bf16)), n);
+  Bf16 *vb = slots.take(), *dqb = slots.take(), *dkb = slots.take(), *dvb = slots.take();
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(!q_bf16), BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(!k_bf16), BT, HD);
+  const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, slots.take(!out_bf16), BT, HD);
+  const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, slots.take(!dout_bf16), BT, HD);
   to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
   const AttentionShape c = dense_shape(s);
   if (use_cudnn(c)) {
