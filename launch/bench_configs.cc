@@ -2,6 +2,7 @@
 #include "launch/bench_configs.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <vector>
 
 #include "framework/config/config.h"
@@ -84,6 +85,21 @@ config::KeelConfig bench_job(const Named& named, int steps, int warmup) {
   cfg.mutable_model()->set_d_ff(0);
   cfg.mutable_model()->set_max_positions(0);
   return cfg;
+}
+
+void print_profile(const Profiler& prof, int steps, double step_seconds) {
+  double sum = 0.0;
+  for (const auto& e : prof.entries()) sum += e.second;
+  std::printf("  %-18s %10s %7s\n", "op", "ms/step", "share");
+  auto entries = prof.entries();
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
+  for (const auto& e : entries) {
+    std::printf("  %-18s %10.1f %6.1f%%\n", e.first.c_str(), 1e3 * e.second / steps,
+                100 * e.second / sum);
+  }
+  std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
+              1e3 * sum / steps, 1e3 * step_seconds);
 }
 
 }  // namespace keel::bench

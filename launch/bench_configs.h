@@ -9,6 +9,7 @@
 #pragma once
 
 #include "framework/config/keel.pb.h"
+#include "framework/profiler.h"
 
 namespace keel::bench {
 
@@ -35,5 +36,9 @@ config::KeelConfig bench_job(const Named& named, int steps, int warmup);
 // median of 5 timed samples after a warm-up (as keel-gpu-gemm-bench), on GPU 0 with a Context of
 // its own. In TFLOP/s. Throws keel::Error (kUsage) in a build without CUDA.
 double measure_cuda_peak_tflops(bool bf16, int64_t n = 8192);
+
+// Prints prof's per-op breakdown over `steps` steps, largest first (ms per step and share of the
+// profiled total), then the profiled total against `step_seconds`, the step it was taken in.
+void print_profile(const Profiler& prof, int steps, double step_seconds);
 
 }  // namespace keel::bench

@@ -38,6 +38,7 @@ using keel::config::KeelConfig;
 using keel::bench::flops_per_token;
 using keel::bench::kConfigs;
 using keel::bench::Named;
+using keel::bench::print_profile;
 
 // Best of several 2048^3 sgemms on the current thread count.
 double measure_sgemm_peak() {
@@ -185,10 +186,6 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
              " benchmark config (", gpu ? "124M, 350M" : "S, M", " or all)");
   KEEL_CHECK(!gpu || (mpi.world_size() == 1 && tp == 1 && mode == BenchMode::kSteps), kUsage,
              "--device CUDA times one GPU: no mpirun, --tp or --checkpoint");
-  // The profiler times host scopes; on a GPU they would time kernel launches, not kernels.
-  KEEL_CHECK(
-      !gpu || !profile, kUsage,
-      "--profile times host work; on a GPU use Nsight Systems (nsys profile keel-bench ...)");
   // Every config runs on --device (before the --set overrides, which may change the precision).
   sets.insert(sets.begin(), std::string("train.device=") + keel::device_name(device));
   if (checkpoint) {
@@ -270,7 +267,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     for (int i = 0; i < warmup; ++i) trainer.step();
     keel::Profiler& prof = trainer.model().profiler();
     prof.reset();
-    prof.set_enabled(profile);
+    prof.set_enabled(profile && !gpu);
     topo.tp_comm->reset_counters();
     topo.dp_comm->reset_counters();
     double total = 0.0, exposed = 0.0, window = 0.0, backward = 0.0;
@@ -319,19 +316,21 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
             1e3 * backward / steps);
       }
     }
-    if (profile) {
-      double sum = 0.0;
-      for (const auto& e : prof.entries()) sum += e.second;
-      std::printf("  %-18s %10s %7s\n", "op", "ms/step", "share");
-      auto entries = prof.entries();
-      std::sort(entries.begin(), entries.end(),
-                [](const auto& a, const auto& b) { return a.second > b.second; });
-      for (const auto& e : entries) {
-        std::printf("  %-18s %10.1f %6.1f%%\n", e.first.c_str(), 1e3 * e.second / steps,
-                    100 * e.second / sum);
-      }
-      std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
-                  1e3 * sum / steps, 1e3 * sec);
+    if (profile && gpu) {
+      // On a device the profile is taken over `steps` more steps, the device synchronised at
+      // each scope (framework/profiler.h): the timed steps above ran without it.
+      prof.set_sync([&trainer] { trainer.exec().synchronize(); });
+      prof.reset();
+      prof.set_enabled(true);
+      double profiled = 0.0;
+      for (int i = 0; i < steps; ++i) profiled += trainer.step().seconds;
+      prof.set_enabled(false);
+      prof.set_sync({});
+      std::printf("  per-op device time, synchronised at every op, over %d more step%s:\n", steps,
+                  steps == 1 ? "" : "s");
+      print_profile(prof, steps, profiled / steps);
+    } else if (profile) {
+      print_profile(prof, steps, sec);
     }
     char line[400];
     std::snprintf(line, sizeof(line),

@@ -9,8 +9,11 @@
 // communicators (the multi-GPU path on one GPU), interleaved with the plain run over 3 rounds,
 // and prints the overhead (issue: at most 2%).
 //
+// With --profile it then runs `steps` more steps with the device synchronised at every profiled
+// op and prints the per-op device time (framework/profiler.h), where the step's time goes.
+//
 // Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] [--nccl]
-//                             [--peak-n N] [--set path=value]...
+//                             [--profile] [--peak-n N] [--set path=value]...
 // --peak-n: the peak GEMM's size (default 8192); with --set shrinking the model, a smoke run of
 // the whole bench (the CUDA emulator's cuda_emu.train_bench_smoke test).
 // Exit codes: 0 done, 77 no CUDA device (skipped), 2 bad arguments, 1 error.
@@ -39,18 +42,18 @@ int run(int argc, char** argv) {
   std::string which = "all";
   int steps = 5, warmup = 2, peak_n = 8192;
   std::vector<std::string> sets;
-  bool nccl = false;
+  bool nccl = false, profile = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--nccl") {
-      nccl = true;
+    if (a == "--nccl" || a == "--profile") {
+      (a == "--nccl" ? nccl : profile) = true;
       continue;
     }
     KEEL_CHECK(
         a == "--config" || a == "--steps" || a == "--warmup" || a == "--peak-n" || a == "--set",
         kUsage, "unknown option ", a,
         " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
-        "[--nccl] [--peak-n N] [--set path=value]...)");
+        "[--nccl] [--profile] [--peak-n N] [--set path=value]...)");
     KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--config") {
@@ -146,6 +149,19 @@ int run(int argc, char** argv) {
         static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops / 1e3,
         100 * gflops / peak_gflops, kernels::precision_name(trainer.exec().precision()),
         trainer.last().loss, trainer.exec().describe().c_str(), attention.c_str());
+    if (profile) {
+      Profiler& prof = trainer.model().profiler();
+      prof.set_sync([&trainer] { trainer.exec().synchronize(); });
+      prof.reset();
+      prof.set_enabled(true);
+      double profiled = 0.0;
+      for (int i = 0; i < steps; ++i) profiled += trainer.step().seconds;
+      prof.set_enabled(false);
+      prof.set_sync({});
+      std::printf("config %s: per-op device time, synchronised at every op, over %d more step%s:\n",
+                  named.name, steps, steps == 1 ? "" : "s");
+      bench::print_profile(prof, steps, profiled / steps);
+    }
     std::fflush(stdout);
     char line[400];
     std::snprintf(line, sizeof(line),
