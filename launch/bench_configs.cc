@@ -12,6 +12,7 @@
 #include "framework/kernels/cuda/gemm.h"
 #include "framework/kernels/cuda/ops.h"
 #endif
+#include "launch/trainer.h"
 
 namespace keel::bench {
 
@@ -100,6 +101,20 @@ void print_profile(const Profiler& prof, int steps, double step_seconds) {
   }
   std::printf("  %-18s %10.1f (step %.1f; the rest is data and bookkeeping)\n", "profiled",
               1e3 * sum / steps, 1e3 * step_seconds);
+}
+
+void profile_device_steps(Trainer& trainer, int steps, const std::string& prefix) {
+  Profiler& prof = trainer.model().profiler();
+  prof.set_sync([&trainer] { trainer.exec().synchronize(); });
+  prof.reset();
+  prof.set_enabled(true);
+  double profiled = 0.0;
+  for (int i = 0; i < steps; ++i) profiled += trainer.step().seconds;
+  prof.set_enabled(false);
+  prof.set_sync({});
+  std::printf("%sper-op device time, synchronised at every op, over %d more step%s:\n",
+              prefix.c_str(), steps, steps == 1 ? "" : "s");
+  print_profile(prof, steps, profiled / steps);
 }
 
 }  // namespace keel::bench

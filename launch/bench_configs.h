@@ -8,8 +8,14 @@
 // comparable one).
 #pragma once
 
+#include <string>
+
 #include "framework/config/keel.pb.h"
 #include "framework/profiler.h"
+
+namespace keel {
+class Trainer;
+}
 
 namespace keel::bench {
 
@@ -40,5 +46,10 @@ double measure_cuda_peak_tflops(bool bf16, int64_t n = 8192);
 // Prints prof's per-op breakdown over `steps` steps, largest first (ms per step and share of the
 // profiled total), then the profiled total against `step_seconds`, the step it was taken in.
 void print_profile(const Profiler& prof, int steps, double step_seconds);
+
+// The device breakdown: `steps` more steps of trainer with its profiler enabled and synchronised
+// with the device at every scope (framework/profiler.h), then "<prefix>per-op device time, ..."
+// and print_profile against those steps' mean (the timed steps run unsynchronised before).
+void profile_device_steps(Trainer& trainer, int steps, const std::string& prefix);
 
 }  // namespace keel::bench

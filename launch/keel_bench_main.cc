@@ -317,18 +317,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
       }
     }
     if (profile && gpu) {
-      // On a device the profile is taken over `steps` more steps, the device synchronised at
-      // each scope (framework/profiler.h): the timed steps above ran without it.
-      prof.set_sync([&trainer] { trainer.exec().synchronize(); });
-      prof.reset();
-      prof.set_enabled(true);
-      double profiled = 0.0;
-      for (int i = 0; i < steps; ++i) profiled += trainer.step().seconds;
-      prof.set_enabled(false);
-      prof.set_sync({});
-      std::printf("  per-op device time, synchronised at every op, over %d more step%s:\n", steps,
-                  steps == 1 ? "" : "s");
-      print_profile(prof, steps, profiled / steps);
+      keel::bench::profile_device_steps(trainer, steps, "  ");
     } else if (profile) {
       print_profile(prof, steps, sec);
     }

@@ -149,19 +149,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(trainer.tokens_per_step()), sec, tps, gflops / 1e3,
         100 * gflops / peak_gflops, kernels::precision_name(trainer.exec().precision()),
         trainer.last().loss, trainer.exec().describe().c_str(), attention.c_str());
-    if (profile) {
-      Profiler& prof = trainer.model().profiler();
-      prof.set_sync([&trainer] { trainer.exec().synchronize(); });
-      prof.reset();
-      prof.set_enabled(true);
-      double profiled = 0.0;
-      for (int i = 0; i < steps; ++i) profiled += trainer.step().seconds;
-      prof.set_enabled(false);
-      prof.set_sync({});
-      std::printf("config %s: per-op device time, synchronised at every op, over %d more step%s:\n",
-                  named.name, steps, steps == 1 ? "" : "s");
-      bench::print_profile(prof, steps, profiled / steps);
-    }
+    if (profile)
+      bench::profile_device_steps(trainer, steps, std::string("config ") + named.name + ": ");
     std::fflush(stdout);
     char line[400];
     std::snprintf(line, sizeof(line),
