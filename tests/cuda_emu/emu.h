@@ -81,6 +81,7 @@ int device_count();
 
 struct LaunchConfig {
   const char* name;
+  const char* source;  // the kernel's .cu (its ptxas resources are looked up by source and name)
   const void* kernel;
   dim3 grid, block;
   size_t shared_bytes;
@@ -111,11 +112,11 @@ void run_each_thread(const LaunchConfig& cfg, const Call& call, const Tuple& arg
 template <typename... Params>
 class Launcher {
  public:
-  Launcher(void (*kernel)(Params...), const char* name, dim3 grid, dim3 block, size_t shared_bytes,
-           cudaStream_t stream)
-      : kernel_(kernel), cfg_{name,         reinterpret_cast<const void*>(kernel),
-                              grid,         block,
-                              shared_bytes, stream} {}
+  Launcher(void (*kernel)(Params...), const char* name, const char* source, dim3 grid, dim3 block,
+           size_t shared_bytes, cudaStream_t stream)
+      : kernel_(kernel), cfg_{name,  source, reinterpret_cast<const void*>(kernel),
+                              grid,  block,  shared_bytes,
+                              stream} {}
 
   // The arguments convert to the kernel's parameter types once, at the launch, as CUDA's do; each
   // thread gets its own copy of them.
@@ -132,9 +133,10 @@ class Launcher {
 };
 
 template <typename... Params>
-Launcher<Params...> launch(void (*kernel)(Params...), const char* name, dim3 grid, dim3 block,
-                           size_t shared_bytes = 0, cudaStream_t stream = nullptr) {
-  return Launcher<Params...>(kernel, name, grid, block, shared_bytes, stream);
+Launcher<Params...> launch(void (*kernel)(Params...), const char* name, const char* source,
+                           dim3 grid, dim3 block, size_t shared_bytes = 0,
+                           cudaStream_t stream = nullptr) {
+  return Launcher<Params...>(kernel, name, source, grid, block, shared_bytes, stream);
 }
 
 // A launch of a kernel named without its template arguments (the call deduces them): `call` is a
@@ -142,9 +144,9 @@ Launcher<Params...> launch(void (*kernel)(Params...), const char* name, dim3 gri
 // use more than the default 48 KiB of dynamic shared memory (run_grid says so).
 class DeducedLauncher {
  public:
-  DeducedLauncher(const char* name, dim3 grid, dim3 block, size_t shared_bytes = 0,
-                  cudaStream_t stream = nullptr)
-      : cfg_{name, nullptr, grid, block, shared_bytes, stream} {}
+  DeducedLauncher(const char* name, const char* source, dim3 grid, dim3 block,
+                  size_t shared_bytes = 0, cudaStream_t stream = nullptr)
+      : cfg_{name, source, nullptr, grid, block, shared_bytes, stream} {}
 
   template <typename Call, typename... Args>
   void operator()(Call call, Args&&... args) const {
@@ -155,10 +157,19 @@ class DeducedLauncher {
   LaunchConfig cfg_;
 };
 
-inline DeducedLauncher launch_deduced(const char* name, dim3 grid, dim3 block,
+inline DeducedLauncher launch_deduced(const char* name, const char* source, dim3 grid, dim3 block,
                                       size_t shared_bytes = 0, cudaStream_t stream = nullptr) {
-  return DeducedLauncher(name, grid, block, shared_bytes, stream);
+  return DeducedLauncher(name, source, grid, block, shared_bytes, stream);
 }
+
+// Note [cuda-emu-resources]: a GPU refuses a launch whose block needs more registers than an SM
+// has, or more threads than the kernel's __launch_bounds__ ("too many resources requested for
+// launch"), from what ptxas compiled. The emulator holds every launch of a kernel of
+// framework/kernels/cuda/ to the real sm_90 build's figures, the tables cmake/nvcc_resources.py
+// writes while keel_cuda compiles (KEEL_EMU_RESOURCES_DIR): the most registers and the smallest
+// bound over the kernel's instances. A kernel of that folder missing from them is a launch error.
+// Entries set here (tests) stand for the kernel `name` of the .cu whose stem is `source`.
+void set_kernel_resources(const char* source, const char* name, int registers, int max_threads);
 
 // The running block's static shared variable tagged `tag` (a static local of the declaring
 // function, so each declaration and template instantiation has its own): every thread of the

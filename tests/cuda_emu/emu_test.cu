@@ -90,6 +90,11 @@ __global__ void big_shared_kernel(T* out) {
 
 __global__ void read_kernel(const float* in, float* out, int i) { out[0] = in[i]; }
 
+// Stand-ins for kernels ptxas compiled with many registers or with launch bounds (the test gives
+// them resources through keel_emu::set_kernel_resources).
+__global__ void register_heavy_kernel(float* out) { out[threadIdx.x] = 1.0f; }
+__global__ void bounded_kernel(float* out) { out[threadIdx.x] = 2.0f; }
+
 __global__ void shared_poison_kernel(float* out) {
   extern __shared__ float s[];
   out[threadIdx.x] = s[threadIdx.x];
@@ -330,6 +335,46 @@ TEST(CudaEmulator, BadLaunchConfigurationsFailAtTheLaunch) {
   r = launch_and_capture([&] { big_shared_kernel<float><<<1, 32, 0, gone>>>(out); });
   EXPECT_EQ(r.error, cudaErrorInvalidConfiguration);
   EXPECT_NE(r.message.find("does not exist"), std::string::npos) << r.message;
+  cudaFree(out);
+}
+
+// Note [cuda-emu-resources]: a block needing more registers than an SM has, or more threads than
+// the kernel's __launch_bounds__, is refused as a GPU refuses it; a kernel of the backend missing
+// from ptxas's tables is a launch error rather than an unchecked launch.
+TEST(CudaEmulator, LaunchesAreHeldToPtxasRegistersAndLaunchBounds) {
+  float* out = device_alloc<float>(1024);
+  keel_emu::set_kernel_resources("emu_test", "register_heavy_kernel", 128, 0);
+  register_heavy_kernel<<<1, 512>>>(out);  // 16 warps x 4096 registers: the whole SM
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(to_host(out, 512)[511], 1.0f);
+  LaunchResult r = launch_and_capture([&] { register_heavy_kernel<<<1, 544>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorLaunchOutOfResources);
+  EXPECT_NE(r.message.find("544 threads per block at 128 registers each (ptxas, sm_90) need 69632 "
+                           "registers, above the 65536 of an SM"),
+            std::string::npos)
+      << r.message;
+
+  keel_emu::set_kernel_resources("emu_test", "bounded_kernel", 32, 256);
+  bounded_kernel<<<2, 256>>>(out);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  r = launch_and_capture([&] { bounded_kernel<<<1, 288>>>(out); });
+  EXPECT_EQ(r.error, cudaErrorLaunchOutOfResources);
+  EXPECT_NE(r.message.find("288 threads per block, above the kernel's __launch_bounds__ of 256"),
+            std::string::npos)
+      << r.message;
+
+  // A kernel of framework/kernels/cuda/ that ptxas's tables do not have.
+  const keel_emu::LaunchConfig cfg{
+      "missing_kernel", "/src/framework/kernels/cuda/missing.cu", nullptr, dim3(1), dim3(32), 0,
+      nullptr};
+  r = launch_and_capture([&] {
+    keel_emu::run_grid(
+        cfg, [](const void*) {}, nullptr);
+  });
+  EXPECT_EQ(r.error, cudaErrorLaunchOutOfResources);
+  EXPECT_NE(r.message.find("no ptxas resources for missing_kernel of missing.cu"),
+            std::string::npos)
+      << r.message;
   cudaFree(out);
 }
 

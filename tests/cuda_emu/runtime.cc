@@ -18,6 +18,7 @@
 // at barriers and warp exchanges.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <dirent.h>
 #include <omp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -448,6 +449,111 @@ std::map<const void*, int>& max_shared_attr() {
   static std::map<const void*, int> m;
   return m;
 }
+
+// ---- ptxas's resources per kernel (Note [cuda-emu-resources] in emu.h) ----
+
+namespace {
+
+#ifndef KEEL_EMU_RESOURCES_DIR
+#define KEEL_EMU_RESOURCES_DIR ""
+#endif
+
+struct KernelResources {
+  int registers = 0;    // the most over the kernel's instances
+  int max_threads = 0;  // the smallest __launch_bounds__ over them (0: none)
+};
+struct ResourceTables {
+  bool loaded = false;
+  int files = 0;
+  std::map<std::string, KernelResources> kernels;  // "stem/name"
+};
+
+std::string source_stem(const char* path) {
+  std::string s = path == nullptr ? "" : path;
+  const size_t slash = s.find_last_of('/');
+  if (slash != std::string::npos) s = s.substr(slash + 1);
+  const size_t dot = s.find('.');
+  return dot == std::string::npos ? s : s.substr(0, dot);
+}
+
+void add_resources(ResourceTables& t, const std::string& key, int registers, int max_threads) {
+  KernelResources& k = t.kernels[key];
+  k.registers = std::max(k.registers, registers);
+  if (max_threads > 0) {
+    k.max_threads = k.max_threads == 0 ? max_threads : std::min(k.max_threads, max_threads);
+  }
+}
+
+// The tables cmake/nvcc_resources.py writes: kernel, source, arch, registers, stack, spill stores,
+// spill loads, static shared bytes, max threads, mangled name; tab-separated. Under g_mu.
+ResourceTables& resource_tables() {
+  static ResourceTables t;
+  if (t.loaded) return t;
+  t.loaded = true;
+  const std::string dir = KEEL_EMU_RESOURCES_DIR;
+  DIR* d = dir.empty() ? nullptr : opendir(dir.c_str());
+  if (d == nullptr) return t;
+  while (const dirent* e = readdir(d)) {
+    const std::string f = e->d_name;
+    if (f.size() < 5 || f.compare(f.size() - 4, 4, ".tsv") != 0) continue;
+    FILE* fp = std::fopen((dir + "/" + f).c_str(), "r");
+    if (fp == nullptr) continue;
+    ++t.files;
+    char line[4096];
+    while (std::fgets(line, sizeof(line), fp) != nullptr) {
+      std::vector<std::string> cols;
+      std::istringstream is(line);
+      std::string c;
+      while (std::getline(is, c, '\t')) cols.push_back(c);
+      if (cols.size() < 9) continue;
+      add_resources(t, cols[1] + "/" + cols[0], std::atoi(cols[3].c_str()),
+                    std::atoi(cols[8].c_str()));
+    }
+    std::fclose(fp);
+  }
+  closedir(d);
+  return t;
+}
+
+// Why the GPU would refuse cfg for lack of registers or over the kernel's launch bounds; empty if
+// it would not. Under g_mu.
+std::string resource_refusal(const LaunchConfig& cfg, uint64_t threads) {
+  constexpr uint64_t kRegistersPerSm = 65536, kAllocationUnit = 256;  // sm_90, per warp
+  ResourceTables& t = resource_tables();
+  std::string name = cfg.name;
+  if (name.rfind("::") != std::string::npos) name = name.substr(name.rfind("::") + 2);
+  const auto it = t.kernels.find(source_stem(cfg.source) + "/" + name);
+  std::ostringstream why;
+  if (it == t.kernels.end()) {
+    const bool ours = cfg.source != nullptr && std::strstr(cfg.source, "framework/kernels/cuda/");
+    if (!ours) return "";  // the emulator's own test kernels have no ptxas build
+    why << "no ptxas resources for " << name << " of " << source_stem(cfg.source) << ".cu in "
+        << (t.files == 0 ? "" : "the ") << t.files << " table(s) of '" << KEEL_EMU_RESOURCES_DIR
+        << "' (built with keel_cuda through cmake/nvcc_resources.py: rebuild keel_cuda)";
+    return why.str();
+  }
+  const KernelResources& k = it->second;
+  const uint64_t warps = (threads + 31) / 32;
+  const uint64_t per_warp =
+      (uint64_t(k.registers) * 32 + kAllocationUnit - 1) / kAllocationUnit * kAllocationUnit;
+  if (k.max_threads > 0 && threads > uint64_t(k.max_threads)) {
+    why << threads << " threads per block, above the kernel's __launch_bounds__ of "
+        << k.max_threads;
+  } else if (warps * per_warp > kRegistersPerSm) {
+    why << threads << " threads per block at " << k.registers << " registers each (ptxas, sm_90) "
+        << "need " << warps * per_warp << " registers, above the " << kRegistersPerSm
+        << " of an SM";
+  }
+  return why.str();
+}
+
+}  // namespace
+
+void set_kernel_resources(const char* source, const char* name, int registers, int max_threads) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  add_resources(resource_tables(), std::string(source) + "/" + name, registers, max_threads);
+}
+
 namespace {
 
 struct Stream {
@@ -654,6 +760,11 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
       fail(cudaErrorInvalidConfiguration, std::string("launch of ") + cfg.name + ": " + why.str());
       return;
     }
+    const std::string refused = resource_refusal(cfg, threads);
+    if (!refused.empty()) {
+      fail(cudaErrorLaunchOutOfResources, std::string("launch of ") + cfg.name + ": " + refused);
+      return;
+    }
   }
   wait_stream(cfg.stream);  // stream order: after what the stream still has in flight
   std::lock_guard<std::mutex> launch_lock(g_launch_mu);
@@ -834,6 +945,8 @@ const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorInvalidDevice";
     case cudaErrorLaunchFailure:
       return "cudaErrorLaunchFailure";
+    case cudaErrorLaunchOutOfResources:
+      return "cudaErrorLaunchOutOfResources";
     case cudaErrorInvalidResourceHandle:
       return "cudaErrorInvalidResourceHandle";
     default:

@@ -4,9 +4,11 @@
 Only the three constructs a host compiler cannot parse change; every other line stays as written
 (a #line directive keeps compiler messages pointing at the .cu file):
   kernel<...><<<grid, block, smem, stream>>>(args)  ->  ::keel_emu::launch(kernel<...>, "kernel",
-                                                          grid, block, smem, stream)(args)
-  kernel<<<grid, block, smem, stream>>>(args)       ->  ::keel_emu::launch_deduced("kernel", grid,
-                                    block, smem, stream)([](auto... a) { kernel(a...); }, args)
+                                                __FILE__, grid, block, smem, stream)(args)
+  kernel<<<grid, block, smem, stream>>>(args)       ->  ::keel_emu::launch_deduced("kernel",
+                      __FILE__, grid, block, smem, stream)([](auto... a) { kernel(a...); }, args)
+(__FILE__ is the .cu, through the #line directive: the emulator finds the kernel's ptxas
+resources by its source and name.)
   extern __shared__ T name[];                        ->  T* name = ::keel_emu::dynamic_shared_as<T>();
   __shared__ T a[32], b[4][4];                       ->  the block's static shared memory (emu.h)
   #include <cub/...>                                 ->  (dropped: tests/cuda_emu/emu.h has the sort)
@@ -35,10 +37,11 @@ def translate(text, path):
             raise ValueError("nested <<< in a launch of " + name)
         # Keep the line count: newlines inside the configuration stay where they were.
         if targs:  # a kernel with its template arguments named: its address is known
-            return "::keel_emu::launch(%s%s, \"%s\", %s)(%s" % (name, targs, name, cfg, newlines)
+            return "::keel_emu::launch(%s%s, \"%s\", __FILE__, %s)(%s" % (
+                name, targs, name, cfg, newlines)
         # A plain name may be a template whose arguments the call deduces: call it from a generic
         # lambda, with the arguments as given.
-        return "::keel_emu::launch_deduced(\"%s\", %s)([](auto... a) { %s(a...); }, %s" % (
+        return "::keel_emu::launch_deduced(\"%s\", __FILE__, %s)([](auto... a) { %s(a...); }, %s" % (
             name, cfg, name, newlines)
 
     out, n = LAUNCH.subn(launch, text)

@@ -247,8 +247,11 @@ __global__ void __launch_bounds__(kThreads)
     wmma::fragment<wmma::matrix_a, kTcRows, kTcRows, kTcRows, __nv_bfloat16, wmma::row_major>
         a[kAttentionMaxHeadDim / kTcRows];
     const __nv_bfloat16* qrow = q + (b * s.T + q0) * s.ldq + h * s.D;
-    for (int i = 0; i < kd; ++i) {
-      wmma::load_matrix_sync(a[i], qrow + i * kTcRows, static_cast<unsigned>(s.ldq));
+    // Loops over a[] unrolled to its full size with the bound as a guard: constant indices keep
+    // the fragments in registers (a run-time index would put a[] in local memory).
+#pragma unroll
+    for (int i = 0; i < kAttentionMaxHeadDim / kTcRows; ++i) {
+      if (i < kd) wmma::load_matrix_sync(a[i], qrow + i * kTcRows, static_cast<unsigned>(s.ldq));
     }
     float* tile = tiles[warp];
     for (int64_t k0 = 0; k0 <= q0; k0 += kTcRows) {
@@ -256,7 +259,9 @@ __global__ void __launch_bounds__(kThreads)
       wmma::fill_fragment(acc, 0.0f);
       // B = K^T: element (d, key) at k[key * ldk + d], i.e. column-major with ldm = ldk.
       const __nv_bfloat16* kcol = k + (b * s.T + k0) * s.ldk + h * s.D;
-      for (int i = 0; i < kd; ++i) {
+#pragma unroll
+      for (int i = 0; i < kAttentionMaxHeadDim / kTcRows; ++i) {
+        if (i >= kd) break;
         wmma::fragment<wmma::matrix_b, kTcRows, kTcRows, kTcRows, __nv_bfloat16, wmma::col_major>
             bk;
         wmma::load_matrix_sync(bk, kcol + i * kTcRows, static_cast<unsigned>(s.ldk));
@@ -366,6 +371,9 @@ __global__ void __launch_bounds__(kThreads)
       dscale_acc = fmaf(ds[r], qk[r], dscale_acc);
     }
     // dV[key][d] += sum_j P[j][key] dO[j][d]; dK[key][d] += sum_j dS[j][key] Q[j][d].
+    // Unrolled by 8: ptxas otherwise spills 20 bytes per thread here at its 168-register
+    // allocation (tests/gpu/kernel_resources.py).
+#pragma unroll 8
     for (int j = 0; j < kTile; ++j) {
       float qj[kCols], doj[kCols];
 #pragma unroll
