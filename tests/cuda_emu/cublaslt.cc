@@ -3,14 +3,20 @@
 // backend's own row-major mapping, transposes, leading dimensions, bias epilogue and dtypes are
 // what the emulated GEMM tests check. The product accumulates in fp32 (fused multiply-adds in
 // increasing k), as the tensor cores do in another order, so the tests' bounds meet rounding of
-// the GPU's size; TF32 compute rounds the inputs to TF32 first, as the tensor cores do. Arguments
-// cuBLASLt rejects (a leading dimension shorter than a column, operand shapes that do not chain,
-// mixed input types, an unknown attribute) are rejected here too, with a message on stderr.
+// the GPU's size; TF32 compute rounds the inputs to TF32 first (to nearest; the tensor cores'
+// conversion is not documented and may truncate: the tests' TF32 bounds allow for either).
+// Arguments cuBLASLt rejects (a leading dimension shorter than a column, operand shapes that do
+// not chain, mixed input types, an unknown attribute) are rejected here too, with a message on
+// stderr. An algorithm from the heuristic carries the heuristic's assumptions (AlgoInfo): a matmul
+// whose operands or bias are less aligned than it was chosen for, or that passes less workspace
+// than it asked for, is rejected, where a GPU would fault or compute garbage.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -31,9 +37,35 @@ struct Layout {
   uint64_t rows, cols;
   int64_t ld;
 };
+// Unset alignments are cuBLASLt's default assumption, 256 bytes.
 struct Pref {
   size_t max_workspace = 0;
+  uint32_t min_align[4] = {256, 256, 256, 256};  // A, B, C, D
+  uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_MASK;
 };
+
+// What an emulated algorithm was chosen for, kept in cublasLtMatmulAlgo_t's opaque words: a real
+// algorithm assumes its operands (and the bias, by the BIAS_POINTER the heuristic saw: "routines
+// that don't dereference this pointer, like cublasLtMatmulAlgoGetHeuristic(), depend on its value
+// to determine expected pointer alignment", cublasLt.h) are at least that aligned.
+struct AlgoInfo {
+  uint32_t align[5];  // A, B, C, D, bias (0: no bias epilogue)
+  uint32_t reduction_mask;
+  uint64_t workspace;
+};
+static_assert(sizeof(AlgoInfo) <= sizeof(cublasLtMatmulAlgo_t), "fits the opaque algorithm");
+
+// The largest power of two (<= 256) dividing the address; a null pointer counts as 256.
+uint32_t alignment_of(const void* p) {
+  const auto u = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && u % a != 0) a /= 2;
+  return a;
+}
+
+// The workspace an emulated algorithm asks for (within the preference's limit), so that callers'
+// workspace plumbing is exercised as a real split-K algorithm's would be.
+constexpr size_t kEmulatedWorkspace = size_t{1} << 20;
 
 Desc* desc(cublasLtMatmulDesc_t d) { return reinterpret_cast<Desc*>(d); }
 Layout* layout(cublasLtMatrixLayout_t l) { return reinterpret_cast<Layout*>(l); }
@@ -48,7 +80,7 @@ float load(const void* p, cudaDataType_t t, int64_t i) {
   return keel::from_bf16(static_cast<const keel::Bf16*>(p)[i]);
 }
 
-// TF32: 10 explicit mantissa bits, round to nearest (ties away, as the tensor cores' conversion).
+// TF32: 10 explicit mantissa bits, rounded to nearest (ties away).
 float to_tf32(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
@@ -182,8 +214,18 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES:
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: {
       if (size != sizeof(uint32_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "alignment size");
+      const int i = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES   ? 0
+                    : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
+                    : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2
+                                                                         : 3;
+      std::memcpy(&reinterpret_cast<Pref*>(p)->min_align[i], buf, sizeof(uint32_t));
+      return CUBLAS_STATUS_SUCCESS;
+    }
+    case CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK:
+      if (size != sizeof(uint32_t)) return reject(CUBLAS_STATUS_INVALID_VALUE, "mask size");
+      std::memcpy(&reinterpret_cast<Pref*>(p)->reduction_mask, buf, sizeof(uint32_t));
       return CUBLAS_STATUS_SUCCESS;
     default:
       return reject(CUBLAS_STATUS_NOT_SUPPORTED,
@@ -225,15 +267,30 @@ extern "C" {
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t d,
                                               cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                                               cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dd,
-                                              cublasLtMatmulPreference_t /*pref*/, int requested,
+                                              cublasLtMatmulPreference_t p, int requested,
                                               cublasLtMatmulHeuristicResult_t results[],
                                               int* found) {
   *found = 0;
   if (requested < 1) return reject(CUBLAS_STATUS_INVALID_VALUE, "requested < 1");
   const cublasStatus_t s = check_shapes(*desc(d), *layout(a), *layout(b), *layout(c), *layout(dd));
   if (s != CUBLAS_STATUS_SUCCESS) return s;
+  const Desc& x = *desc(d);
+  // KEEL_CUDA_EMU_CUBLASLT_NO_BIAS=1: no algorithm has the bias epilogue, as for some shapes on
+  // a GPU, so the caller's fallback runs (tests/gpu/gemm_test.cc).
+  const char* no_bias = std::getenv("KEEL_CUDA_EMU_CUBLASLT_NO_BIAS");
+  if (x.epilogue == CUBLASLT_EPILOGUE_BIAS && no_bias != nullptr &&
+      std::strcmp(no_bias, "1") == 0) {
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const Pref& pref = p != nullptr ? *reinterpret_cast<const Pref*>(p) : Pref{};
+  AlgoInfo info{};
+  for (int i = 0; i < 4; ++i) info.align[i] = pref.min_align[i];
+  info.align[4] = x.epilogue == CUBLASLT_EPILOGUE_BIAS ? alignment_of(x.bias) : 0;
+  info.reduction_mask = pref.reduction_mask;
+  info.workspace = std::min(pref.max_workspace, kEmulatedWorkspace);
   results[0] = cublasLtMatmulHeuristicResult_t{};
-  results[0].workspaceSize = 0;
+  std::memcpy(&results[0].algo, &info, sizeof(info));
+  results[0].workspaceSize = info.workspace;
   results[0].state = CUBLAS_STATUS_SUCCESS;
   *found = 1;
   return CUBLAS_STATUS_SUCCESS;
@@ -243,9 +300,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
                               const void* alpha, const void* A, cublasLtMatrixLayout_t al,
                               const void* B, cublasLtMatrixLayout_t bl, const void* beta,
                               const void* C, cublasLtMatrixLayout_t cl, void* D,
-                              cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* /*algo*/,
-                              void* /*workspace*/, size_t /*workspace_bytes*/,
-                              cudaStream_t stream) {
+                              cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* algo,
+                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   keel_emu::wait_stream(stream);  // stream order, as for a kernel
   const Desc& d = *desc(dsc);
   const Layout &a = *layout(al), &b = *layout(bl), &c = *layout(cl), &dd = *layout(dl);
@@ -253,6 +309,32 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
   if (s != CUBLAS_STATUS_SUCCESS) return s;
   if (d.epilogue == CUBLASLT_EPILOGUE_BIAS && d.bias == nullptr) {
     return reject(CUBLAS_STATUS_INVALID_VALUE, "BIAS epilogue without a bias pointer");
+  }
+  // The algorithm's assumptions (AlgoInfo): operands at least as aligned as it was chosen for, the
+  // epilogue it was chosen with, and the workspace it asked for.
+  if (algo != nullptr) {
+    AlgoInfo info;
+    std::memcpy(&info, algo, sizeof(info));
+    const void* ptrs[5] = {A, B, C, D, d.bias};
+    const char* names[5] = {"A", "B", "C", "D", "the bias"};
+    if ((info.align[4] != 0) != (d.epilogue == CUBLASLT_EPILOGUE_BIAS)) {
+      return reject(CUBLAS_STATUS_INVALID_VALUE,
+                    "the algorithm was chosen for another epilogue than the descriptor's");
+    }
+    for (int i = 0; i < 5; ++i) {
+      if (i == 4 && info.align[4] == 0) continue;
+      if (alignment_of(ptrs[i]) < info.align[i]) {
+        return reject(CUBLAS_STATUS_INVALID_VALUE,
+                      std::string(names[i]) + " is " + std::to_string(alignment_of(ptrs[i])) +
+                          "-byte aligned, below the " + std::to_string(info.align[i]) +
+                          " bytes the algorithm was chosen for (a GPU faults: misaligned address)");
+      }
+    }
+    if (info.workspace > 0 && (workspace == nullptr || workspace_bytes < info.workspace)) {
+      return reject(CUBLAS_STATUS_INVALID_VALUE,
+                    "workspace of " + std::to_string(workspace_bytes) + " bytes, below the " +
+                        std::to_string(info.workspace) + " the algorithm needs");
+    }
   }
   const bool ta = d.trans_a == CUBLAS_OP_T, tb = d.trans_b == CUBLAS_OP_T;
   const bool tf32 = d.compute == CUBLAS_COMPUTE_32F_FAST_TF32;

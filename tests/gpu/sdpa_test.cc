@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <utility>
@@ -216,9 +218,9 @@ TEST_F(SdpaTest, PlansAreReusedAcrossCalls) {
   EXPECT_TRUE(identical(a, b));
 }
 
-// At a size where cuDNN's backward would otherwise leave its deterministic dP-workspace algorithm
-// (B * H * T^2 * 2 bytes above 256 MB: here 268 MB), two backward calls on the same inputs give
-// the same dq, dk, dv and dscale, bit for bit (sdpa_cudnn.cc asks for the deterministic one).
+// At a training size (the dP workspace B * H * T^2 * 2 bytes is 268 MB here), two backward calls
+// on the same inputs give the same dq, dk, dv and dscale, bit for bit: cuDNN 9's default backward
+// accumulates dq with atomics, sdpa_cudnn.cc asks for the deterministic one.
 TEST_F(SdpaTest, BackwardIsBitwiseReproducibleAtTrainingSizes) {
   if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
 #if KEEL_CUDA_EMULATOR
@@ -253,6 +255,32 @@ TEST_F(SdpaTest, BackwardIsBitwiseReproducibleAtTrainingSizes) {
   EXPECT_TRUE(identical(from_bf16(grads[1]), from_bf16(grads[0])))
       << "dq, dk, dv (N=" << N << ", HD=" << HD << ")";
   EXPECT_TRUE(identical(dscales[1], dscales[0])) << "dscale";
+}
+
+// A plan whose workspace is above the limit is refused with the reason (and the shape then takes
+// keel's own kernel) rather than failing its allocation mid-step. Run in a child process: the
+// limit is read once per Context's cuDNN state, from KEEL_CUDNN_WORKSPACE_LIMIT_MB.
+void refuse_above_workspace_limit(int device) {
+  setenv("KEEL_CUDNN_WORKSPACE_LIMIT_MB", "1", 1);
+  cuda::Context fresh(device);
+  // dP workspace 2 * 4 * 512^2 * 2 bytes = 4 MiB, above 1 MiB.
+  const kernels::AttentionShape s{2, 512, 4, 64, 768, 768, 768, 256, 1};
+  std::string why;
+  const bool ok = cudnn::sdpa_available(fresh, s, &why);
+  std::fprintf(stderr, "%s\n", why.c_str());
+  std::exit(!ok && why.find("MiB of workspace, above the 1 MiB limit") != std::string::npos ? 0
+                                                                                            : 1);
+}
+
+TEST_F(SdpaTest, RefusesAPlanWhoseWorkspaceIsAboveTheLimit) {
+  if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
+#if KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << "the emulated cuDNN (tests/cuda_emu/sdpa.cc) has no workspace; this checks the "
+                  "real cuDNN's deterministic backward against the limit";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(refuse_above_workspace_limit(ctx().device()), ::testing::ExitedWithCode(0),
+              "deterministic backward needs");
 }
 
 TEST_F(SdpaTest, RefusesShapesCudnnCannotTakeNamingTheShape) {

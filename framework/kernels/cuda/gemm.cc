@@ -34,7 +34,7 @@ uint32_t alignment(const void* p) {
 
 std::unique_ptr<GemmPlan> make_plan(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N,
                                     int64_t K, int64_t lda, int64_t ldb, int64_t ldc, DType ab,
-                                    DType c, cublasComputeType_t compute, bool bias,
+                                    DType c, cublasComputeType_t compute, const void* bias,
                                     const uint32_t align[4], const std::string& shape) {
   auto plan = std::make_unique<GemmPlan>();
   KEEL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F), shape);
@@ -61,15 +61,29 @@ std::unique_ptr<GemmPlan> make_plan(Context& ctx, bool trans_a, bool trans_b, in
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  for (int attempt = bias ? 0 : 1; attempt < 2 && found == 0; ++attempt) {
+  // A split-K algorithm's in-place reduction would sum partial products in D's type: for a bf16 D,
+  // only reductions in the compute type (fp32, in the workspace) keep "accumulate in fp32" true.
+  const uint32_t reductions =
+      c == DType::kBF16 ? CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE : CUBLASLT_REDUCTION_SCHEME_MASK;
+  for (int attempt = bias != nullptr ? 0 : 1; attempt < 2 && found == 0; ++attempt) {
     const bool with_bias = attempt == 0;
     const cublasLtEpilogue_t epi = with_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     const size_t ws = ctx.cublas_workspace_bytes();
     // First-operand alignment is B's, second is A's (the swap above).
     const uint32_t a_first = align[1], a_second = align[0], a_c = align[2];
+    // The heuristic reads the bias pointer's alignment from the descriptor (cublasLt.h: routines
+    // that do not dereference it "depend on its value to determine expected pointer alignment"):
+    // the real one, or it picks an algorithm for a 256-byte-aligned bias. The plan is cached per
+    // alignment (gemm's key), so later calls' biases are as aligned as this one.
     const bool ok =
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                        sizeof(epi)) == CUBLAS_STATUS_SUCCESS &&
+        (!with_bias ||
+         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                        sizeof(bias)) == CUBLAS_STATUS_SUCCESS) &&
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                             &reductions,
+                                             sizeof(reductions)) == CUBLAS_STATUS_SUCCESS &&
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                              sizeof(ws)) == CUBLAS_STATUS_SUCCESS &&
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -126,8 +140,8 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
   // view into a larger buffer) takes the separate pass instead.
   const bool fuse_bias = bias != nullptr && align[3] >= 16;
   GemmPlan& plan = ctx.gemm_plan(key, [&] {
-    return make_plan(ctx, trans_a, trans_b, M, N, K, lda, ldb, ldc, ab, c, compute, fuse_bias,
-                     align, shape);
+    return make_plan(ctx, trans_a, trans_b, M, N, K, lda, ldb, ldc, ab, c, compute,
+                     fuse_bias ? bias : nullptr, align, shape);
   });
   if (plan.bias_epilogue) {
     KEEL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,

@@ -18,8 +18,10 @@
 #include <nvrtc.h>
 // The frontend (1.20 and later) compiles in an RMSNorm+SiLU engine that builds its kernel with
 // NVRTC, called directly; only graphs of that pattern reach it, never the SDPA graphs here. Weak
-// references keep libnvrtc off the link line (the binaries neither need nor load it; an unresolved
-// weak symbol is null), so the GPU machine needs no NVRTC to start them.
+// references keep libnvrtc off the link line (an unresolved weak symbol is null), so the binaries
+// start without NVRTC. cuDNN itself may still load libnvrtc at run time for its runtime-compiled
+// engines; where it cannot, plan building fails, sdpa_available says why, and keel's own kernel
+// runs (the attention path the trainer and keel-gpu-train-bench print names it).
 #pragma weak nvrtcCreateProgram
 #pragma weak nvrtcCompileProgram
 #pragma weak nvrtcGetProgramLogSize
@@ -30,6 +32,7 @@
 #include <cudnn_frontend.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -129,13 +132,32 @@ struct Plan {
 struct State {
   cudnnHandle_t handle = nullptr;
   std::map<std::string, Plan> plans;  // "fwd <shape>" / "bwd <shape>"
+  int64_t workspace_limit = 0;        // bytes a plan's workspace may take (workspace_limit())
 };
 
+// The most workspace one attention call may take: an eighth of the device's memory, or
+// KEEL_CUDNN_WORKSPACE_LIMIT_MB. The deterministic backward's workspace grows as B * H * T^2 * 2
+// bytes (402 MB for 124M at 16 x 1024 tokens, 34 GB at B 8, H 32, T 8192); a shape above the
+// limit takes keel's own kernel, with the reason, rather than failing its allocation mid-step.
+int64_t workspace_limit(int device) {
+  if (const char* env = std::getenv("KEEL_CUDNN_WORKSPACE_LIMIT_MB")) {
+    char* end = nullptr;
+    const long long mb = std::strtoll(env, &end, 10);
+    KEEL_CHECK(end != env && *end == '\0' && mb >= 0, kUsage, "KEEL_CUDNN_WORKSPACE_LIMIT_MB=", env,
+               ": not a number of MiB");
+    return static_cast<int64_t>(mb) << 20;
+  }
+  size_t free_bytes = 0, total_bytes = 0;
+  KEEL_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes),
+                  keel::detail::concat("device ", device));
+  return static_cast<int64_t>(total_bytes / 8);
+}
+
 // States by (Context address, device). Context (device.h) has no slot for backend extensions, so
-// the handle lives here; it is never destroyed: a cuDNN handle holds no stream (the stream is
-// set before every call) and no memory of the Context, so a later Context at the same address
-// reuses it safely, and destroying handles at exit would race the CUDA runtime's teardown. The
-// map itself is leaked for the same reason.
+// the handle lives here; it is never destroyed: it holds no memory of the Context, and the stream
+// it was last bound to is replaced on every use (state_locked), so a later Context at the same
+// address reuses it safely; destroying handles at exit would race the CUDA runtime's teardown.
+// The map itself is leaked for the same reason.
 std::mutex states_mu;
 std::map<std::pair<const Context*, int>, std::unique_ptr<State> >& states() {
   static auto* map = new std::map<std::pair<const Context*, int>, std::unique_ptr<State> >();
@@ -149,8 +171,13 @@ State& state_locked(Context& ctx) {
     const std::string where = keel::detail::concat("device ", ctx.device());
     KEEL_CUDA_CHECK(cudaSetDevice(ctx.device()), where);
     KEEL_CUDNN_CHECK(cudnnCreate(&st->handle), where);
+    st->workspace_limit = workspace_limit(ctx.device());
     slot = std::move(st);
   }
+  // Bound to this Context's stream before anything (plan building included) uses the handle: a
+  // destroyed Context's stream may still be set in it.
+  KEEL_CUDNN_CHECK(cudnnSetStream(slot->handle, ctx.stream()),
+                   keel::detail::concat("device ", ctx.device()));
   return *slot;
 }
 
@@ -215,11 +242,10 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
                              .set_dim(stats_dim(s))
                              .set_stride(stats_stride(s))
                              .set_data_type(fe::DataType_t::FLOAT));
-  // Deterministic: on Hopper the frontend otherwise takes its dP-workspace algorithm only while
-  // that workspace (B * H * T^2 * 2 bytes, tiles rounded up) stays under 256 MB, and above it one
-  // that accumulates dq with atomics, so 124M at 16 x 1024 tokens (402 MB) would not reproduce
-  // run to run. The workspace path is the frontend's own preferred one; keel allocates what the
-  // plan asks for.
+  // Deterministic: with cuDNN 9 the frontend otherwise accumulates dq with atomics at every size,
+  // so gradients would not reproduce run to run. Asked for determinism on Hopper it takes its
+  // dP-workspace algorithm (B * H * T^2 * 2 bytes of workspace, tiles rounded up); keel allocates
+  // what the plan asks for, up to workspace_limit().
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("sdpa_backward")
                      .set_deterministic_algorithm(true)
@@ -265,6 +291,14 @@ Plan& plan_locked(State& st, const AttentionShape& s, bool backward) {
     fe_check(g->build_plans(st.handle), "build_plans", where);
     int64_t ws = 0;
     fe_check(g->get_workspace_size(ws), "get_workspace_size", where);
+    if (ws > st.workspace_limit) {
+      plan.error = keel::detail::concat(
+          "the ", backward ? "deterministic backward" : "forward", " needs ", ws >> 20,
+          " MiB of workspace, above the ", st.workspace_limit >> 20,
+          " MiB limit (an eighth of the device's memory, or KEEL_CUDNN_WORKSPACE_LIMIT_MB) [",
+          where, "]");
+      return plan;
+    }
     plan.graph = std::move(g);
     plan.workspace_bytes = ws;
   } catch (const std::exception& e) {  // keel::Error from fe_check, or a frontend exception

@@ -25,8 +25,9 @@ namespace keel::kernels::cuda::cudnn {
 
 // True when cuDNN runs this shape on ctx's device; false with the reason in *why (nullable)
 // otherwise: "built without the cuDNN frontend", a shape cuDNN does not take (D not a multiple of
-// 8 or above 256, row strides not multiples of 8), or the frontend's own refusal when it builds
-// the forward and backward plans (which are then cached for the calls that follow).
+// 8 or above 256, row strides not multiples of 8), the frontend's own refusal when it builds
+// the forward and backward plans (which are then cached for the calls that follow), or a plan's
+// workspace above the limit (an eighth of the device's memory, or KEEL_CUDNN_WORKSPACE_LIMIT_MB).
 bool sdpa_available(Context& ctx, const AttentionShape& s, std::string* why);
 
 // out (=, stride ldo) = softmax(causal(scale[h] q.k)) v; lse[(b * H + h) * T + t] (=) is the
