@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <thread>
 
+#include "framework/error.h"
+
 namespace keel {
 
 namespace {
@@ -28,6 +30,10 @@ void FaultInjector::at(FaultPoint point, int64_t step) const {
   if (cfg_.kill_at_step() <= 0 || cfg_.kill_at_step() != step || cfg_.kill_rank() != world_rank_ ||
       cfg_.fault_point() != config_point(point)) {
     return;
+  }
+  if (cfg_.fault() == config::THROW) {
+    KEEL_FAIL(kInternal, "debug.kill_rank=", world_rank_, ": injected error at step ", step, " (",
+              config::FaultPoint_Name(cfg_.fault_point()), ")");
   }
   const bool stall = cfg_.fault() == config::STALL;
   std::fprintf(stderr, "keel-train: debug.kill_rank=%d: %s this rank at step %lld (%s)\n",

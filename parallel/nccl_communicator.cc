@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <thread>
 
 #include "framework/error.h"
@@ -36,12 +37,15 @@ class Guard {
   Watchdog* w_;
 };
 
-// Polling: spin (yielding) for the first 50 us, the latency of a small all-reduce on NVLink,
-// then sleep 20 us between polls so a long collective does not hold a core.
+// Polling: spin (yielding) for the first 2 ms, then sleep 20 us between polls so a long wait does
+// not hold a core. A blocking collective's wait covers the compute queued before it as well
+// (often milliseconds), and the GPU is idle from the collective's end until the host sees it and
+// launches the next kernel: a sleeping poll would add its wake-up latency (20 us plus Linux's 50
+// us timer slack) to every TP collective, a spinning one about a microsecond.
 class Backoff {
  public:
   void pause() {
-    if (std::chrono::steady_clock::now() - start_ < std::chrono::microseconds(50)) {
+    if (std::chrono::steady_clock::now() - start_ < std::chrono::milliseconds(2)) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -170,10 +174,13 @@ NcclCommunicator::~NcclCommunicator() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
-      // After a failed call, peers may never finish what they started with this rank: destroying
-      // would wait for them, aborting does not. Otherwise every call and request waited for its
-      // work.
-      if (failed_) {
+      // ncclCommDestroy waits for the node's other ranks (an intra-node barrier before NCCL stops
+      // its proxy threads); ncclCommAbort does not. Destroying is right only when every rank is
+      // shutting down cleanly: not after a failed call (peers may never finish what they started
+      // with this rank), not while an exception unwinds the trainer (an error on this rank alone:
+      // the peers are still training and would never arrive, and the error's message would wait
+      // behind them), and not after any other communicator of this process failed.
+      if (failed_ || any_failed_.load() || std::uncaught_exceptions() > 0) {
         ncclCommAbort(comm_);
       } else {
         ncclCommDestroy(comm_);
@@ -196,6 +203,7 @@ void NcclCommunicator::abort() noexcept {
 
 void NcclCommunicator::fail(int status, const char* call, int64_t n, const std::string& detail) {
   failed_ = true;
+  any_failed_ = true;
   const long long step = watchdog_ ? watchdog_->step() : 0;
   throw Error(ErrorKind::kComm, error_message(status, call, name_, rank_, size_, n, step, detail),
               __FILE__, __LINE__);
@@ -265,6 +273,9 @@ void NcclCommunicator::enqueue(Enqueue enqueue, const char* call, const char* op
   int status = ncclSuccess;
   std::string last;  // NCCL's words, copied while the communicator is alive
   {
+    // Under the watchdog too: a blocking communicator's first collective of an algorithm sets up
+    // its connections inside the call (NCCL_RUNTIME_CONNECT), waiting for every peer.
+    Guard g(watchdog_, call, name_);
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
       status = enqueue(comm_);

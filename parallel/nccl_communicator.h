@@ -23,9 +23,11 @@
 // (ncclCommAbort: NCCL's kernels stop, the stream drains) and throws the same kind of line naming
 // the collective waited for ("all_reduce over the ... failed: <NCCL's reason> (asynchronous NCCL
 // error; communicator aborted: <NCCL's last error>)"). A communicator that saw an error is
-// aborted, not destroyed, when it goes (destroying would wait for peers that may be gone). The
-// wait runs under the Watchdog (begin/end, as MPI collectives do), so a stalled peer ends the job
-// within parallel.timeout_s.
+// aborted, not destroyed, when it goes (destroying would wait for peers that may be gone), as is
+// every communicator of a process where one failed, and every one destroyed while an exception
+// unwinds (an error on this rank alone: its peers are still training). The enqueue and the wait
+// run under the Watchdog (begin/end, as MPI collectives do), so a stalled peer ends the job within
+// parallel.timeout_s.
 //
 // Abort path: abort() may be called from any thread, once or more (e.g. by the watchdog's thread
 // when a collective outlives the timeout, before it ends the process): it calls ncclCommAbort,
@@ -64,7 +66,8 @@ class NcclCommunicator final : public Communicator {
   // ctx must outlive the communicator. `name` labels messages ("tensor-parallel").
   NcclCommunicator(const UniqueId& id, int rank, int size, std::string name,
                    kernels::cuda::Context& ctx, Watchdog* watchdog);
-  // ncclCommDestroy, or nothing after abort().
+  // ncclCommDestroy; ncclCommAbort after a failure here or in another communicator of the
+  // process, or during exception unwinding; nothing after abort().
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -126,7 +129,8 @@ class NcclCommunicator final : public Communicator {
   std::mutex mu_;  // guards comm_ between the poll loop and abort()
   std::atomic<bool> aborted_{false};
   bool failed_ = false;  // a call failed: the destructor aborts instead of destroying
-  kernels::cuda::DeviceBuffer barrier_word_;  // one device float for barrier()
+  static inline std::atomic<bool> any_failed_{false};  // some communicator of the process failed
+  kernels::cuda::DeviceBuffer barrier_word_;           // one device float for barrier()
   // Note [nccl comm stream]: iall_reduce runs here, after an event on ctx's stream, so the DP
   // buckets reduce while backward's later kernels run on ctx's stream.
   CUstream_st* comm_stream_ = nullptr;

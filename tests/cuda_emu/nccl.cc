@@ -295,9 +295,15 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
   return ncclSuccess;
 }
 
+// As NCCL's (commDestroySync): waits for the other ranks before it frees anything (NCCL's is an
+// intra-node barrier before its proxy threads stop), so destroying while a peer still trains
+// blocks here as it would there; ncclCommAbort does not wait.
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (comm == nullptr) return ncclSuccess;
-  if (comm->mpi != MPI_COMM_NULL && !comm->aborted->load()) MPI_Comm_free(&comm->mpi);
+  if (comm->mpi != MPI_COMM_NULL && !comm->aborted->load()) {
+    MPI_Barrier(comm->mpi);
+    MPI_Comm_free(&comm->mpi);
+  }
   delete comm;
   return ncclSuccess;
 }
@@ -365,6 +371,13 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   wait_for_buffers(stream, {send, all}, {recv, bytes});
   std::vector<char> copy;
   if (overlaps(send, all, recv, bytes)) {
+    // NCCL defines one overlap only, in place: recv is this rank's block of send.
+    if (static_cast<const char*>(recv) !=
+        static_cast<const char*>(send) + bytes * static_cast<size_t>(comm->rank)) {
+      return error(comm, ncclInvalidArgument,
+                   "ncclReduceScatter: send and recv overlap other than in place (recv = send + "
+                   "rank * recvcount)");
+    }
     copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + all);
   }
   const bool copied = !copy.empty();
@@ -390,17 +403,17 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   // In place when send is this rank's block of recv (NCCL's in-place form).
   const bool in_place = static_cast<const char*>(send) ==
                         static_cast<const char*>(recv) + bytes * static_cast<size_t>(comm->rank);
-  std::vector<char> copy;
+  // NCCL defines one overlap only, in place; any other is undefined there, an error here.
   if (!in_place && overlaps(send, bytes, recv, all)) {
-    copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+    return error(comm, ncclInvalidArgument,
+                 "ncclAllGather: send and recv overlap other than in place (send = recv + rank * "
+                 "sendcount)");
   }
-  const bool copied = !copy.empty();
-  return enqueue(comm, stream, std::move(copy), {send, bytes}, {recv, all}, "ncclAllGather",
-                 [&](const void* scratch, MPI_Request* req) {
-                   return MPI_Iallgather(in_place ? MPI_IN_PLACE : (copied ? scratch : send),
-                                         static_cast<int>(sendcount), mpi_type(type), recv,
-                                         static_cast<int>(sendcount), mpi_type(type), comm->mpi,
-                                         req);
+  return enqueue(comm, stream, {}, {send, bytes}, {recv, all}, "ncclAllGather",
+                 [&](const void* /*scratch*/, MPI_Request* req) {
+                   return MPI_Iallgather(
+                       in_place ? MPI_IN_PLACE : send, static_cast<int>(sendcount), mpi_type(type),
+                       recv, static_cast<int>(sendcount), mpi_type(type), comm->mpi, req);
                  });
 }
 

@@ -10,7 +10,9 @@
 #     complete, within parallel.timeout_s + 60 s (a bound on a hang, generous for a loaded
 #     machine and the launcher, not a speed);
 #   - a rank that stalls at step 3 ends the job through the watchdog (which aborts the NCCL
-#     communicators first) within the same bound.
+#     communicators first) within the same bound;
+#   - a rank that throws at step 3 (an error on it alone) ends the job with its own message,
+#     within the same bound.
 # --device CPU runs the same checks on the CPU over MPI: tests/launch/multi_gpu_script_test keeps
 # the script itself tested on machines without GPUs.
 #
@@ -149,6 +151,16 @@ grep -q "did not complete within parallel.timeout_s=$timeout_s" "$work/stalled.l
 named=$?
 verdict stalled "rc != 0 && named == 0 && secs <= timeout_s + 60" \
   "a rank stalled at step 3 ends the job through the watchdog (exit $rc, ${secs}s)"
+
+# One rank fails alone (an internal error at step 3 while its peer is inside a TP collective): its
+# communicators are aborted, not destroyed (NCCL's destroy waits for the node's other ranks), so
+# it prints its own error and ends the job, rather than waiting behind the peer's watchdog.
+run 2 failing --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
+  --set debug.kill_at_step=3 --set debug.fault=THROW --set parallel.timeout_s=$timeout_s
+grep -q "rank 1: internal error: debug.kill_rank=1: injected error at step 3" "$work/failing.log"
+named=$?
+verdict failing "rc != 0 && named == 0 && secs <= timeout_s + 60" \
+  "a rank failing alone at step 3 ends the job with its own error (exit $rc, ${secs}s)"
 
 echo "multi_gpu.sh: $( ((status == 0)) && echo PASS || echo FAIL) on $DEVICE"
 exit $status

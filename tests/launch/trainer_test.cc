@@ -121,16 +121,32 @@ TEST(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
                 ra.loss, std::abs(ra.loss - rw.loss) / rw.loss,
                 std::abs(ra.grad_norm - rw.grad_norm) / rw.grad_norm);
   }
+  // The parameters' updates over the 3 steps agree to float32 rounding in norm. Element by
+  // element AdamW amplifies rounding where a gradient is within rounding of zero (its update is
+  // about lr * sign(m)), so a few elements may differ by up to the learning rate: measured on 2
+  // cores, update difference 2.3e-5 in norm, 8 of 34240 elements apart by more than 1e-6 (at
+  // most 2.2e-5).
   const std::vector<float> pw = whole.params(), pa = accum.params();
-  ASSERT_EQ(pw.size(), pa.size());
-  double max_diff = 0.0;
-  for (size_t i = 0; i < pw.size(); ++i) {
-    max_diff = std::max(max_diff, static_cast<double>(std::abs(pw[i] - pa[i])));
-  }
-  std::printf("max |parameter difference| after 3 steps: %.3g\n", max_diff);
-  EXPECT_LT(max_diff, 1e-5) << "parameters after 3 steps, micro_batch 8 vs 2 x 4";
   TrainerRun fresh(tiny_config({"train.micro_batch=8"}));
-  EXPECT_FALSE(same_bits(pw, fresh.params())) << "the steps did not move the parameters";
+  const std::vector<float> p0 = fresh.params();
+  ASSERT_EQ(pw.size(), pa.size());
+  ASSERT_EQ(pw.size(), p0.size());
+  double diff2 = 0.0, update2 = 0.0;
+  int64_t apart = 0;
+  for (size_t i = 0; i < pw.size(); ++i) {
+    const double uw = double{pw[i]} - p0[i], ua = double{pa[i]} - p0[i];
+    diff2 += (uw - ua) * (uw - ua);
+    update2 += uw * uw;
+    apart += std::abs(uw - ua) > 1e-6;
+  }
+  const double rel = std::sqrt(diff2 / update2);
+  std::printf(
+      "updates after 3 steps: relative difference %.3g in norm, %lld of %zu elements apart "
+      "by more than 1e-6\n",
+      rel, static_cast<long long>(apart), pw.size());
+  EXPECT_LT(rel, 1e-4) << "parameter updates after 3 steps, micro_batch 8 vs 2 x 4";
+  EXPECT_LT(apart, static_cast<int64_t>(pw.size() / 1000)) << "elements apart by more than 1e-6";
+  EXPECT_GT(update2, 0.0) << "the steps did not move the parameters";
 }
 
 TEST(TrainerTest, MicroBatchMustDivideTheBatch) {

@@ -155,7 +155,11 @@ TEST_P(ParityTest, MatchesPyTorch) {
       }
       EXPECT_LT(mx, 1e-7) << "gradient of " << name << " should vanish";
     } else {
-      EXPECT_LT(err, 1e-5) << "gradient of " << name << " (|ref| = " << norm << ")";
+      // 1e-5 relative, or 1e-9 absolute in norm for a gradient that is a near-cancelling sum (a
+      // per-head scale under POST_SUBLAYER norms: |ref| 3.2e-5): float32 rounds each of its terms,
+      // so its error scales with the terms, not with what is left of their sum.
+      EXPECT_LT(err, std::max(1e-5, 1e-9 / norm))
+          << "gradient of " << name << " (|ref| = " << norm << ")";
       if (err > worst_grad) {
         worst_grad = err;
         worst_name = name;
