@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,11 @@ struct ncclComm {
   std::thread::id owner;  // the thread that drives MPI (MPI_THREAD_FUNNELED)
   std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
   std::string last_error;
+  // KEEL_CUDA_EMU_NCCL_ASYNC_ERROR=1 when the communicator was made: its collectives never complete
+  // and report ncclRemoteError through ncclCommGetAsyncError, as a peer's failure seen by NCCL's
+  // proxy thread does (the path keel's communicator polls while it waits).
+  bool inject_async_error = false;
+  std::atomic<ncclResult_t> async_error{ncclSuccess};
 };
 
 namespace {
@@ -113,6 +119,33 @@ class Collective : public keel_emu::Pending, public std::enable_shared_from_this
   MPI_Request request_ = MPI_REQUEST_NULL;
   std::atomic<bool> done_{false};
 };
+
+// A collective of a communicator with an injected error: pending until the communicator is
+// aborted, as NCCL's kernels spin until ncclCommAbort stops them.
+class Stuck : public keel_emu::Pending {
+ public:
+  Stuck(ncclComm* comm, Range in, Range out) : aborted_(comm->aborted), in_(in), out_(out) {}
+  bool test() override { return aborted_->load(); }
+  bool touches(const void* p, size_t n) const override {
+    return overlaps(p, n, in_.p, in_.n) || overlaps(p, n, out_.p, out_.n);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> aborted_;
+  Range in_, out_;
+};
+
+// The injected failure (ncclComm::inject_async_error): true when it took the call.
+bool inject_failure(ncclComm* comm, cudaStream_t stream, Range in, Range out) {
+  if (!comm->inject_async_error) return false;
+  keel_emu::enqueue_pending(stream, std::make_shared<Stuck>(comm, in, out));
+  {
+    std::lock_guard<std::mutex> lock(g_error_mu);
+    comm->last_error = "emulated: a peer's connection failed (KEEL_CUDA_EMU_NCCL_ASYNC_ERROR)";
+  }
+  comm->async_error = ncclRemoteError;
+  return true;
+}
 
 MPI_Datatype mpi_type(ncclDataType_t t) {
   switch (t) {
@@ -217,6 +250,8 @@ const char* ncclGetErrorString(ncclResult_t result) {
       return "invalid argument (emulated NCCL)";
     case ncclInvalidUsage:
       return "invalid usage (emulated NCCL)";
+    case ncclRemoteError:
+      return "remote process exited or there was a network error (emulated NCCL)";
     default:
       return "error (emulated NCCL)";
   }
@@ -251,6 +286,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
   comm->rank = rank;
   comm->size = nranks;
   comm->owner = std::this_thread::get_id();
+  const char* inject = std::getenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
+  comm->inject_async_error = inject != nullptr && std::strcmp(inject, "1") == 0;
   if (nranks > 1) {
     int initialized = 0, world_rank = 0;
     MPI_Initialized(&initialized);
@@ -318,7 +355,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async) {
-  *async = ncclSuccess;
+  *async = comm != nullptr ? comm->async_error.load() : ncclSuccess;
   return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
 }
 
@@ -327,6 +364,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllReduce"); rc != ncclSuccess) return rc;
   if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = count * type_size(type);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
   if (comm->size == 1) {
     wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
@@ -345,6 +383,7 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   if (const ncclResult_t rc = check_call(comm, type, "ncclBroadcast"); rc != ncclSuccess) return rc;
   if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
   const size_t bytes = count * type_size(type);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
   wait_for_buffers(stream, {send, bytes}, {recv, bytes});
   if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
   if (comm->size == 1) return ncclSuccess;
@@ -363,6 +402,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
+  if (inject_failure(comm, stream, {send, all}, {recv, bytes})) return ncclSuccess;
   if (comm->size == 1) {
     wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
@@ -394,6 +434,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllGather"); rc != ncclSuccess) return rc;
   const size_t bytes = sendcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, all})) return ncclSuccess;
   if (comm->size == 1) {
     wait_for_buffers(stream, {send, bytes}, {recv, bytes});
     if (send != recv && bytes > 0) std::memmove(recv, send, bytes);

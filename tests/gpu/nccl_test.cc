@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -149,6 +150,43 @@ TEST_F(NcclTest, AbortEndsTheCommunicator) {
         << m;
     EXPECT_NE(m.find("aborted"), std::string::npos) << m;
   }
+}
+
+// A peer's failure that NCCL reports asynchronously while this rank waits (its proxy thread sees
+// the connection drop; the collective itself never completes): the wait aborts the communicator
+// and throws one line naming the collective, the group and NCCL's words, instead of waiting for
+// the watchdog. On the emulator, whose NCCL injects that failure; a GPU cannot provoke it alone.
+TEST_F(NcclTest, AnAsynchronousErrorAbortsAndNamesTheCollective) {
+#if !KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << "needs a peer's failure, which the emulated NCCL injects "
+                  "(KEEL_CUDA_EMU_NCCL_ASYNC_ERROR); one GPU cannot provoke it";
+#else
+  setenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR", "1", 1);
+  NcclCommunicator failing(NcclCommunicator::make_unique_id(), 0, 1, "tensor-parallel", ctx(),
+                           nullptr);
+  unsetenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
+  cuda::DeviceBuffer d = cuda::upload(ctx(), random_vec(8, -1, 1, 70));
+  try {
+    failing.all_reduce(d.as<float>(), 8, ReduceOp::kSum);
+    FAIL() << "a collective whose peer failed returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kComm);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("all_reduce over the tensor-parallel group (rank 0 of 1, 8 elements) failed: "
+                     "remote process exited or there was a network error"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("asynchronous NCCL error; communicator aborted: emulated: a peer's "
+                     "connection failed"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_TRUE(failing.aborted());
+  // The abort stopped the collective: the stream drains, and the test's own communicator works.
+  ctx().synchronize();
+  comm().all_reduce(d.as<float>(), 8, ReduceOp::kSum);
+#endif
 }
 
 #else
