@@ -21,7 +21,7 @@
 // references keep libnvrtc off the link line (an unresolved weak symbol is null), so the binaries
 // start without NVRTC. cuDNN itself may still load libnvrtc at run time for its runtime-compiled
 // engines; where it cannot, plan building fails, sdpa_available says why, and keel's own kernel
-// runs (the attention path the trainer and keel-gpu-train-bench print names it).
+// runs (keel-gpu-train-bench's "attention:" line names the path and the reason).
 #pragma weak nvrtcCreateProgram
 #pragma weak nvrtcCompileProgram
 #pragma weak nvrtcGetProgramLogSize
