@@ -315,8 +315,7 @@ std::pair<cudnnHandle_t, const Plan*> ready(Context& ctx, const AttentionShape& 
   KEEL_CHECK(plan.graph != nullptr, kInternal, "cudnn ",
              backward ? "sdpa_backward" : "sdpa_forward", " unavailable [", shape_string(s),
              "]: ", plan.error);
-  KEEL_CUDNN_CHECK(cudnnSetStream(st.handle, ctx.stream()), shape_string(s));
-  return {st.handle, &plan};
+  return {st.handle, &plan};  // bound to ctx's stream by state_locked
 }
 
 void check_aligned(const void* p, const char* name, const AttentionShape& s) {
