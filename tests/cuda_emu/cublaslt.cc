@@ -302,7 +302,6 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
                               const void* C, cublasLtMatrixLayout_t cl, void* D,
                               cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* algo,
                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  keel_emu::wait_stream(stream);  // stream order, as for a kernel
   const Desc& d = *desc(dsc);
   const Layout &a = *layout(al), &b = *layout(bl), &c = *layout(cl), &dd = *layout(dl);
   const cublasStatus_t s = check_shapes(d, a, b, c, dd);
@@ -340,31 +339,35 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
   const bool tf32 = d.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
   const int64_t m = static_cast<int64_t>(dd.rows), n = static_cast<int64_t>(dd.cols);
   const int64_t k = static_cast<int64_t>(ta ? a.rows : a.cols);
+  // Host scalars are read at the call, as cuBLASLt's are; the product is a task of the stream
+  // (Note [cuda-emu-deferred]), with copies of the descriptor and layouts.
   const float al_ = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  keel_emu::submit(stream, [=] {
 #pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = 0; i < m; ++i) {
-      float acc = 0.0f;
-      for (int64_t p = 0; p < k; ++p) {
-        float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
-        if (tf32) {
-          x = to_tf32(x);
-          y = to_tf32(y);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t i = 0; i < m; ++i) {
+        float acc = 0.0f;
+        for (int64_t p = 0; p < k; ++p) {
+          float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
+          if (tf32) {
+            x = to_tf32(x);
+            y = to_tf32(y);
+          }
+          acc = std::fma(x, y, acc);
         }
-        acc = std::fma(x, y, acc);
-      }
-      float r = al_ * acc;
-      // beta == 0 must not read C (it may hold NaN), as in BLAS.
-      if (be != 0.0f) r += be * load(C, c.type, i + j * c.ld);
-      if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
-      const int64_t o = i + j * dd.ld;
-      if (dd.type == CUDA_R_32F) {
-        static_cast<float*>(D)[o] = r;
-      } else {
-        static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(r);
+        float r = al_ * acc;
+        // beta == 0 must not read C (it may hold NaN), as in BLAS.
+        if (be != 0.0f) r += be * load(C, c.type, i + j * c.ld);
+        if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
+        const int64_t o = i + j * dd.ld;
+        if (dd.type == CUDA_R_32F) {
+          static_cast<float*>(D)[o] = r;
+        } else {
+          static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(r);
+        }
       }
     }
-  }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -63,9 +64,9 @@ int lane_id();
 // Dynamic shared memory of the running block (poisoned with NaN before the block starts).
 void* dynamic_shared();
 
-// Work a stream holds that completes later (the emulated NCCL's collectives, nccl.cc). Kernels,
-// copies and synchronisation on the stream wait for it first, as stream order requires;
-// cudaStreamQuery and cudaEventQuery poll it. Everything else on a stream runs at once.
+// Work a stream holds that completes later (the emulated NCCL's collectives, nccl.cc): started
+// at its call, complete once test() says so. Work queued on the stream after it waits for it, as
+// stream order requires; cudaStreamQuery and cudaEventQuery poll it.
 class Pending {
  public:
   virtual ~Pending() = default;
@@ -73,9 +74,28 @@ class Pending {
   virtual bool touches(const void* /*p*/, size_t /*n*/) const { return true; }
 };
 void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work);
+
+// Note [cuda-emu-deferred]: device work (kernels, async copies and fills, cuBLASLt matmuls, the
+// emulated cuDNN's host steps) is a task queued on its stream. By default a task runs at its call,
+// once the stream's earlier work is done. With KEEL_CUDA_EMU_DEFERRED=1 (or set_deferred) it runs
+// only when something needs it: a synchronisation (stream, event, device, a synchronous copy), a
+// query, a later NCCL collective on its stream, or a stream that waits on an event recorded after
+// it. So a host read without its synchronisation, a stream that uses another's results without
+// cudaStreamWaitEvent, or a host write into a buffer an async copy has not yet read sees what was
+// there before: NaN in fresh memory, deterministically rather than by timing. A fault in a
+// deferred task is reported by the call that ran it (and by cudaGetLastError), as a GPU reports a
+// kernel's fault at the next synchronisation.
+void submit(cudaStream_t stream, std::function<void()> task);
+bool deferred();
+bool set_deferred(bool on);  // returns the previous setting (tests)
+// Completes everything queued on `stream` (legacy default stream semantics for nullptr).
 void wait_stream(cudaStream_t stream);
-// Waits only for the stream's pending work that touches [p, p + n).
+// Waits only for the stream's pending collectives that touch [p, p + n).
 void wait_stream_touching(cudaStream_t stream, const void* p, size_t n);
+// Before a collective starts on `stream` (nccl.cc): completes its queued tasks and the waits on
+// other streams' events, so the collective reads its inputs as stream order defines them. The
+// collectives still pending on it are left running (they are independent MPI requests).
+void prepare_collective(cudaStream_t stream);
 // The number of emulated GPUs: KEEL_CUDA_EMU_DEVICES (default 1). They share the host's memory.
 int device_count();
 
@@ -87,26 +107,28 @@ struct LaunchConfig {
   size_t shared_bytes;
   cudaStream_t stream;
 };
-// Runs body() once per CUDA thread of the grid; reports a bad configuration or a fault through
-// cudaGetLastError, as a GPU launch does.
-void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg);
+// Checks cfg as a GPU launch does (a bad configuration fails here, through cudaGetLastError),
+// then queues the grid on its stream: body(arg) runs once per CUDA thread (Note
+// [cuda-emu-deferred]); a fault is reported through cudaGetLastError, as a GPU's is.
+void run_grid(const LaunchConfig& cfg, void (*body)(const void*), std::shared_ptr<const void> arg);
 
-// Runs call(args...) on every thread of cfg's grid, each thread with its own copy of `args`.
+// Runs call(args...) on every thread of cfg's grid, each thread with its own copy of `args`. The
+// grid owns copies of both, as a CUDA launch owns its arguments once it returns.
 template <typename Call, typename Tuple>
 void run_each_thread(const LaunchConfig& cfg, const Call& call, const Tuple& args) {
   struct Bound {
-    const Call* call;
-    const Tuple* args;
+    Call call;
+    Tuple args;
   };
-  const Bound bound{&call, &args};
+  auto bound = std::make_shared<const Bound>(Bound{call, args});
   run_grid(
       cfg,
       [](const void* p) {
         const Bound& b = *static_cast<const Bound*>(p);
-        Tuple mine = *b.args;
-        std::apply(*b.call, mine);
+        Tuple mine = b.args;
+        std::apply(b.call, mine);
       },
-      &bound);
+      std::shared_ptr<const void>(bound, bound.get()));
 }
 
 template <typename... Params>
@@ -313,18 +335,17 @@ struct DeviceRadixSort {
 namespace keel_emu {
 cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_in,
                            int32_t* keys_out, const int32_t* values_in, int32_t* values_out, int n,
-                           int begin_bit, int end_bit);
+                           int begin_bit, int end_bit, cudaStream_t stream);
 }  // namespace keel_emu
 
 template <typename K, typename V>
 cudaError_t cub::DeviceRadixSort::SortPairs(void* temp, size_t& temp_bytes, const K* keys_in,
                                             K* keys_out, const V* values_in, V* values_out, int n,
                                             int begin_bit, int end_bit, cudaStream_t stream) {
-  if (temp != nullptr) ::keel_emu::wait_stream(stream);
   static_assert(std::is_same_v<K, int32_t> && std::is_same_v<V, int32_t>,
                 "the emulator sorts int32 pairs only");
   return ::keel_emu::sort_pairs_i32(temp, temp_bytes, keys_in, keys_out, values_in, values_out, n,
-                                    begin_bit, end_bit);
+                                    begin_bit, end_bit, stream);
 }
 
 // ---- WMMA (nvcuda::wmma), as the backend uses it: bf16/fp32 m16n16k16 fragments ----

@@ -8,6 +8,7 @@
 #include <mma.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,15 @@ __global__ void big_shared_kernel(T* out) {
 
 __global__ void read_kernel(const float* in, float* out, int i) { out[0] = in[i]; }
 
+__global__ void fill_kernel(float* out, float v, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = v;
+}
+__global__ void add_one_kernel(const float* in, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i] + 1.0f;
+}
+
 // Stand-ins for kernels ptxas compiled with many registers or with launch bounds (the test gives
 // them resources through keel_emu::set_kernel_resources).
 __global__ void register_heavy_kernel(float* out) { out[threadIdx.x] = 1.0f; }
@@ -151,7 +161,9 @@ std::vector<T> to_host(const T* p, size_t n) {
   return v;
 }
 
-// The error of the last launch and what the emulator printed about it.
+// The error of the last launch and what the emulator printed about it: at the launch, or (a
+// fault while it runs, which deferred execution reports at the next synchronisation, as a GPU
+// does) at the synchronisation after it.
 struct LaunchResult {
   cudaError_t error;
   std::string message;
@@ -160,11 +172,26 @@ template <typename Launch>
 LaunchResult launch_and_capture(Launch launch) {
   ::testing::internal::CaptureStderr();
   launch();
+  const cudaError_t sync = cudaDeviceSynchronize();
   LaunchResult r;
   r.error = cudaGetLastError();
+  if (r.error == cudaSuccess) r.error = sync;
   r.message = ::testing::internal::GetCapturedStderr();
   return r;
 }
+
+// Runs the test's device work deferred (Note [cuda-emu-deferred] in emu.h) while it lives.
+class Deferred {
+ public:
+  Deferred() : before_(keel_emu::set_deferred(true)) {}
+  ~Deferred() {
+    cudaDeviceSynchronize();
+    keel_emu::set_deferred(before_);
+  }
+
+ private:
+  bool before_;
+};
 
 // ---- semantics ----
 
@@ -234,7 +261,7 @@ TEST(CudaEmulator, WmmaMultipliesATileAndChecksAlignment) {
   cudaMemcpy(da, a.data(), 512, cudaMemcpyHostToDevice);
   cudaMemcpy(db, b.data(), 512, cudaMemcpyHostToDevice);
   wmma_kernel<<<1, 32>>>(da, db, dc);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> c = to_host(dc, 256);
   for (int i = 0; i < 16; ++i) {
     for (int j = 0; j < 16; ++j) {
@@ -427,9 +454,19 @@ TEST(CudaEmulatorDeathTest, ReadingPastAnAllocationFaults) {
   float* out = device_alloc<float>(1);
   read_kernel<<<1, 1>>>(in, out, 1023);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-  EXPECT_DEATH(read_kernel<<<1, 1>>>(in, out, 1024), "");
+  EXPECT_DEATH(
+      {
+        read_kernel<<<1, 1>>>(in, out, 1024);
+        cudaDeviceSynchronize();
+      },
+      "");
   cudaFree(in);
-  EXPECT_DEATH(read_kernel<<<1, 1>>>(in, out, 0), "");  // after cudaFree
+  EXPECT_DEATH(
+      {
+        read_kernel<<<1, 1>>>(in, out, 0);  // after cudaFree
+        cudaDeviceSynchronize();
+      },
+      "");
   cudaFree(out);
 }
 
@@ -437,7 +474,12 @@ TEST(CudaEmulatorDeathTest, WritingPastDynamicSharedMemoryFaults) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   float* out = device_alloc<float>(64);
   // 64 threads write s[threadIdx.x] into 16 floats of dynamic shared memory.
-  EXPECT_DEATH(racy_kernel<<<1, 64, 16 * sizeof(float)>>>(out), "");
+  EXPECT_DEATH(
+      {
+        racy_kernel<<<1, 64, 16 * sizeof(float)>>>(out);
+        cudaDeviceSynchronize();
+      },
+      "");
   cudaFree(out);
 }
 
@@ -450,6 +492,144 @@ TEST(CudaEmulator, ABlockTheCachingAllocatorHandsOutAgainReadsAsNaN) {
   ASSERT_EQ(q, p) << "the cache did not hand the block out again";
   for (float v : to_host(q, 1024)) EXPECT_TRUE(std::isnan(v));
   alloc.deallocate(q);
+}
+
+// ---- deferred execution (Note [cuda-emu-deferred] in emu.h) ----
+
+// A host read of a pinned buffer an async copy fills, without the synchronisation: the copy has
+// not run. The synchronisation, or a query (a GPU progresses on its own), runs it.
+TEST(CudaEmulatorDeferred, AHostReadWithoutItsSynchronisationSeesTheOldValue) {
+  const Deferred deferred;
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  float* d = device_alloc<float>(64);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), 64 * sizeof(float)), cudaSuccess);
+  for (int i = 0; i < 64; ++i) pinned[i] = -1.0f;
+  fill_kernel<<<1, 64, 0, s>>>(d, 2.0f, 64);
+  cudaMemcpyAsync(pinned, d, 64 * sizeof(float), cudaMemcpyDeviceToHost, s);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(pinned[63], -1.0f) << "the copy ran before anything waited for it";
+  cudaEvent_t e = nullptr;
+  cudaEventCreate(&e);
+  cudaEventRecord(e, s);
+  EXPECT_EQ(cudaEventQuery(e), cudaSuccess);
+  EXPECT_EQ(pinned[63], 2.0f);
+
+  fill_kernel<<<1, 64, 0, s>>>(d, 3.0f, 64);
+  cudaMemcpyAsync(pinned, d, 64 * sizeof(float), cudaMemcpyDeviceToHost, s);
+  EXPECT_EQ(pinned[0], 2.0f);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(pinned[0], 3.0f);
+  cudaEventDestroy(e);
+  cudaFreeHost(pinned);
+  cudaFree(d);
+  cudaStreamDestroy(s);
+}
+
+// An async copy reads its source when it runs, so a host write into a staging buffer before the
+// copy's synchronisation lands in the copy.
+TEST(CudaEmulatorDeferred, AnAsyncCopyReadsItsHostSourceWhenItRuns) {
+  const Deferred deferred;
+  float* d = device_alloc<float>(1);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(float)), cudaSuccess);
+  *pinned = 1.0f;
+  cudaMemcpyAsync(d, pinned, sizeof(float), cudaMemcpyHostToDevice, nullptr);
+  *pinned = 7.0f;  // the bug: the staging buffer is reused before the copy is known to be done
+  EXPECT_EQ(to_host(d, 1)[0], 7.0f);
+  cudaFreeHost(pinned);
+  cudaFree(d);
+}
+
+// A stream that uses another stream's result without waiting on an event recorded after it reads
+// what was there before; with the wait, the other stream's work runs first.
+TEST(CudaEmulatorDeferred, AStreamThatSkipsTheEventWaitReadsStaleData) {
+  const Deferred deferred;
+  cudaStream_t a = nullptr, b = nullptr;
+  cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+  float* x = device_alloc<float>(32);
+  float* y = device_alloc<float>(32);
+  fill_kernel<<<1, 32, 0, a>>>(x, 3.0f, 32);
+  add_one_kernel<<<1, 32, 0, b>>>(x, y, 32);  // no cudaStreamWaitEvent
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+  EXPECT_TRUE(std::isnan(to_host(y, 32)[0]));
+
+  cudaEvent_t e = nullptr;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  fill_kernel<<<1, 32, 0, a>>>(x, 5.0f, 32);
+  cudaEventRecord(e, a);
+  fill_kernel<<<1, 32, 0, a>>>(x, 9.0f, 32);  // after the record: b must not wait for it
+  cudaStreamWaitEvent(b, e, 0);
+  add_one_kernel<<<1, 32, 0, b>>>(x, y, 32);
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+  float yb = 0.0f;
+  std::memcpy(&yb, y, sizeof(float));  // emulated device memory is host memory
+  EXPECT_EQ(yb, 6.0f);
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  EXPECT_EQ(to_host(x, 32)[31], 9.0f);
+  cudaEventDestroy(e);
+  cudaFree(x);
+  cudaFree(y);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+}
+
+// The caching allocator's blocks are ordered on its stream (Note [cuda-stream-order] in device.h):
+// a block another stream still reads must be synchronised before it is freed, or the new owner's
+// work (here the reuse poison) overtakes the read.
+TEST(CudaEmulatorDeferred, ABlockFreedWhileAnotherStreamReadsItIsPoisonedFirst) {
+  const Deferred deferred;
+  cudaStream_t compute = nullptr, comm = nullptr;
+  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking);
+  keel::kernels::cuda::Allocator alloc(0, compute);
+  float* out = device_alloc<float>(1024);
+  for (const bool synchronise_first : {false, true}) {
+    auto* p = static_cast<float*>(alloc.allocate(4096));
+    fill_kernel<<<4, 256, 0, compute>>>(p, 1.0f, 1024);
+    cudaEvent_t e = nullptr;
+    cudaEventCreate(&e);
+    cudaEventRecord(e, compute);
+    cudaStreamWaitEvent(comm, e, 0);
+    add_one_kernel<<<4, 256, 0, comm>>>(p, out, 1024);  // the other stream reads the block
+    if (synchronise_first) cudaStreamSynchronize(comm);
+    alloc.deallocate(p);
+    auto* q = static_cast<float*>(alloc.allocate(4096));
+    ASSERT_EQ(q, p);
+    ASSERT_EQ(cudaStreamSynchronize(compute), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(comm), cudaSuccess);
+    const float v = to_host(out, 1024)[1023];
+    if (synchronise_first) {
+      EXPECT_EQ(v, 2.0f);
+    } else {
+      EXPECT_TRUE(std::isnan(v)) << v;
+    }
+    alloc.deallocate(q);
+    cudaEventDestroy(e);
+  }
+  cudaFree(out);
+  cudaStreamDestroy(compute);
+  cudaStreamDestroy(comm);
+}
+
+// A deferred kernel's fault is not the launch's error: the synchronisation that runs it reports
+// it, as a GPU reports a kernel's fault at the next synchronisation.
+TEST(CudaEmulatorDeferred, AFaultIsReportedByTheSynchronisationThatRunsIt) {
+  const Deferred deferred;
+  float* out = device_alloc<float>(32);
+  ::testing::internal::CaptureStderr();
+  deadlock_kernel<<<1, 32>>>(out);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorLaunchFailure);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("kernel deadlock_kernel"),
+            std::string::npos);
+  cudaGetLastError();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // reported once
+  cudaFree(out);
 }
 
 TEST(CudaEmulator, CublasLtRejectsALeadingDimensionShorterThanAColumn) {

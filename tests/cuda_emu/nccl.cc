@@ -208,11 +208,21 @@ ncclResult_t check_call(ncclComm* comm, ncclDataType_t type, const char* call) {
   return ncclSuccess;
 }
 
-// Waits for what `stream` still holds that touches the buffers (stream order: the input may be
+// Completes what `stream` holds before the collective (its tasks, its waits on other streams, and
+// the collectives still pending on it that touch the buffers: stream order: the input may be
 // their output, the output their input).
 void wait_for_buffers(cudaStream_t stream, Range in, Range out) {
+  keel_emu::prepare_collective(stream);  // the tasks and waits queued before it
   keel_emu::wait_stream_touching(stream, in.p, in.n);
   keel_emu::wait_stream_touching(stream, out.p, out.n);
+}
+
+// A collective of one rank: a copy, queued on the stream as NCCL's kernel would be.
+ncclResult_t copy_on_stream(cudaStream_t stream, const void* send, void* recv, size_t bytes) {
+  if (send != recv && bytes > 0) {
+    keel_emu::submit(stream, [=] { std::memmove(recv, send, bytes); });
+  }
+  return ncclSuccess;
 }
 
 // Starts `start` (which issues one MPI non-blocking collective into the request) on `stream`.
@@ -365,11 +375,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = count * type_size(type);
   if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
-  if (comm->size == 1) {
-    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
-    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
-    return ncclSuccess;
-  }
+  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclAllReduce",
                  [&](const void*, MPI_Request* req) {
                    return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv,
@@ -384,9 +390,9 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
   const size_t bytes = count * type_size(type);
   if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
+  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
   wait_for_buffers(stream, {send, bytes}, {recv, bytes});
   if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
-  if (comm->size == 1) return ncclSuccess;
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclBroadcast",
                  [&](const void*, MPI_Request* req) {
                    return MPI_Ibcast(recv, static_cast<int>(count), mpi_type(type), root, comm->mpi,
@@ -403,11 +409,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (inject_failure(comm, stream, {send, all}, {recv, bytes})) return ncclSuccess;
-  if (comm->size == 1) {
-    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
-    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
-    return ncclSuccess;
-  }
+  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
   wait_for_buffers(stream, {send, all}, {recv, bytes});
   std::vector<char> copy;
   if (overlaps(send, all, recv, bytes)) {
@@ -435,11 +437,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   const size_t bytes = sendcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (inject_failure(comm, stream, {send, bytes}, {recv, all})) return ncclSuccess;
-  if (comm->size == 1) {
-    wait_for_buffers(stream, {send, bytes}, {recv, bytes});
-    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
-    return ncclSuccess;
-  }
+  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
   wait_for_buffers(stream, {send, bytes}, {recv, all});
   // In place when send is this rank's block of recv (NCCL's in-place form).
   const bool in_place = static_cast<const char*>(send) ==

@@ -12,10 +12,10 @@
 //    (Note [cuda-emu-order]) so a missing barrier shows whichever thread writes;
 //  - accesses past the end of a device allocation or after its cudaFree: the allocation ends at a
 //    protected page and cudaFree unmaps it, so the access faults.
-// Kernels run when they are launched, after their stream's pending work (the emulated NCCL's
-// collectives). A launch's blocks run on the launching thread and a pool of host threads (Note
-// [cuda-emu-blocks]); the threads of a block run cooperatively on one host thread, switching only
-// at barriers and warp exchanges.
+// Kernels, copies and fills are tasks queued on their stream, run at their call or, deferred, when
+// something waits for them (Note [cuda-emu-deferred] in emu.h). A launch's blocks run on the
+// thread that runs it and a pool of host threads (Note [cuda-emu-blocks]); the threads of a block
+// run cooperatively on one host thread, switching only at barriers and warp exchanges.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <dirent.h>
@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -554,15 +555,35 @@ void set_kernel_resources(const char* source, const char* name, int registers, i
   add_resources(resource_tables(), std::string(source) + "/" + name, registers, max_threads);
 }
 
+// ---- streams: queues of tasks, pending collectives, waits and event markers ----
+//
+// Note [cuda-emu-deferred] (emu.h) has the model. A stream is a queue of operations in stream
+// order; an operation completes only after every operation before it on its stream. complete()
+// runs a stream's queue up to an operation on the calling thread: it runs tasks, polls pending
+// collectives, and completes the operations a wait names on other streams first (an event names
+// the point of its record, so waits form no cycles). Several host threads may drive queues at
+// once: a task runs on one of them (`running`), the others wait for it.
+
 namespace {
 
+struct Stream;
+struct Op {
+  enum class Kind { kTask, kPending, kWait, kMarker };
+  Kind kind = Kind::kTask;
+  Stream* stream = nullptr;
+  std::function<void()> task;                // kTask
+  std::shared_ptr<Pending> pending;          // kPending
+  std::vector<std::shared_ptr<Op>> after;    // kWait: operations of other streams
+  std::chrono::steady_clock::time_point at;  // kMarker: when it completed (event timing)
+  bool done = false;                         // under g_mu
+  bool running = false;                      // under g_mu: a thread runs its task
+};
 struct Stream {
   bool blocking = true;  // false: cudaStreamNonBlocking, which the legacy default stream skips
-  std::vector<std::shared_ptr<Pending>> pending;
+  std::deque<std::shared_ptr<Op>> ops;  // not yet completed (done ones are dropped lazily)
 };
 struct Event {
-  std::chrono::steady_clock::time_point recorded;
-  std::vector<std::shared_ptr<Pending>> pending;  // the stream's, when recorded
+  std::shared_ptr<Op> marker;  // the record's point in its stream; null: never recorded
 };
 Stream g_default_stream;  // the null stream
 std::set<cudaStream_t>& live_streams() {
@@ -573,73 +594,214 @@ Stream& stream_of(cudaStream_t s) {
   return s == nullptr ? g_default_stream : *reinterpret_cast<Stream*>(s);
 }
 
-// Drops what completed from `list` (under g_mu); true when nothing is left. Tests run without
-// the lock: a Pending may call MPI.
-bool poll(std::vector<std::shared_ptr<Pending>>& list) {
-  std::vector<std::shared_ptr<Pending>> snapshot;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    snapshot = list;
-  }
-  std::vector<std::shared_ptr<Pending>> done;
-  for (auto& p : snapshot) {
-    if (p->test()) done.push_back(p);
-  }
-  std::lock_guard<std::mutex> lock(g_mu);
-  list.erase(std::remove_if(list.begin(), list.end(),
-                            [&](const std::shared_ptr<Pending>& p) {
-                              return std::find(done.begin(), done.end(), p) != done.end();
-                            }),
-             list.end());
-  return list.empty();
-}
-void wait_list(std::vector<std::shared_ptr<Pending>>& list) {
-  while (!poll(list)) std::this_thread::yield();
+std::atomic<bool> g_deferred{[] {
+  const char* v = std::getenv("KEEL_CUDA_EMU_DEFERRED");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}()};
+
+// A fault of a task that ran outside its own call (deferred, or behind a pending collective): the
+// next synchronising call reports it, as a GPU reports a kernel's fault.
+std::atomic<cudaError_t> g_async_error{cudaSuccess};
+thread_local const Op* t_submitting = nullptr;  // the task whose own call runs it (eager mode)
+
+// The last not-completed operation of `s`, or null (under g_mu).
+std::shared_ptr<Op> tail(Stream& s) {
+  while (!s.ops.empty() && s.ops.back()->done) s.ops.pop_back();
+  return s.ops.empty() ? nullptr : s.ops.back();
 }
 
-// Waits for the items of `list` that touch [p, p + n).
-void wait_touching(std::vector<std::shared_ptr<Pending>>& list, const void* p, size_t n) {
+// Queues `op` on stream `sid` (under g_mu), after the implicit waits of the legacy default stream:
+// work on it waits for every blocking stream, and work on a blocking stream waits for it.
+void push(cudaStream_t sid, std::shared_ptr<Op> op) {
+  Stream& s = stream_of(sid);
+  std::vector<std::shared_ptr<Op>> implicit;
+  if (sid == nullptr) {
+    for (cudaStream_t o : live_streams()) {
+      if (!stream_of(o).blocking) continue;
+      if (auto t = tail(stream_of(o))) implicit.push_back(std::move(t));
+    }
+  } else if (s.blocking) {
+    if (auto t = tail(g_default_stream)) implicit.push_back(std::move(t));
+  }
+  if (!implicit.empty()) {
+    auto w = std::make_shared<Op>();
+    w->kind = Op::Kind::kWait;
+    w->stream = &s;
+    w->after = std::move(implicit);
+    s.ops.push_back(std::move(w));
+  }
+  op->stream = &s;
+  s.ops.push_back(std::move(op));
+}
+
+// Runs `op`'s stream up to and including `op`; block=false returns false where it would wait.
+bool complete(const std::shared_ptr<Op>& op, bool block) {
+  if (op == nullptr) return true;
   for (;;) {
-    std::vector<std::shared_ptr<Pending>> touching;
+    std::shared_ptr<Op> front;
     {
-      std::lock_guard<std::mutex> lock(g_mu);
-      for (auto& w : list) {
-        if (w->touches(p, n)) touching.push_back(w);
+      std::unique_lock<std::mutex> lock(g_mu);
+      if (op->done) return true;
+      Stream& s = *op->stream;
+      while (!s.ops.empty() && s.ops.front()->done) s.ops.pop_front();
+      front = s.ops.front();  // op is queued and not done, so the queue is not empty
+      if (front->running) {
+        if (!block) return false;
+        lock.unlock();
+        std::this_thread::yield();
+        continue;
+      }
+      if (front->kind == Op::Kind::kMarker) {
+        front->at = std::chrono::steady_clock::now();
+        front->done = true;
+        continue;
+      }
+      if (front->kind == Op::Kind::kTask) front->running = true;
+    }
+    switch (front->kind) {
+      case Op::Kind::kTask: {
+        const cudaError_t before = g_last_error;
+        g_last_error = cudaSuccess;
+        front->task();
+        const cudaError_t e = g_last_error;
+        if (e == cudaSuccess) g_last_error = before;
+        if (e != cudaSuccess && front.get() != t_submitting) {
+          cudaError_t none = cudaSuccess;
+          g_async_error.compare_exchange_strong(none, e);
+        }
+        std::lock_guard<std::mutex> lock(g_mu);
+        front->task = nullptr;  // its arguments go now
+        front->running = false;
+        front->done = true;
+        break;
+      }
+      case Op::Kind::kPending:
+        if (front->pending->test()) {
+          std::lock_guard<std::mutex> lock(g_mu);
+          front->done = true;
+        } else if (!block) {
+          return false;
+        } else {
+          std::this_thread::yield();
+        }
+        break;
+      case Op::Kind::kWait: {
+        for (const auto& dep : front->after) {
+          if (!complete(dep, block)) return false;
+        }
+        std::lock_guard<std::mutex> lock(g_mu);
+        front->done = true;
+        break;
+      }
+      case Op::Kind::kMarker:
+        break;
+    }
+  }
+}
+
+std::shared_ptr<Op> tail_of(cudaStream_t sid) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return tail(stream_of(sid));
+}
+
+// Completes what `sid` holds now; with legacy semantics for the null stream (which also waits for
+// the blocking streams).
+bool complete_stream(cudaStream_t sid, bool block) {
+  std::vector<std::shared_ptr<Op>> targets;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (sid == nullptr) {
+      for (cudaStream_t o : live_streams()) {
+        if (!stream_of(o).blocking) continue;
+        if (auto t = tail(stream_of(o))) targets.push_back(std::move(t));
       }
     }
-    if (touching.empty() || poll(touching)) break;
-    poll(list);
-    std::this_thread::yield();
+    if (auto t = tail(stream_of(sid))) targets.push_back(std::move(t));
   }
-  poll(list);
+  for (const auto& t : targets) {
+    if (!complete(t, block)) return false;
+  }
+  return true;
 }
+
+// The fault of a deferred task, reported once by a synchronising call.
+cudaError_t take_async_error() { return g_async_error.exchange(cudaSuccess); }
 
 }  // namespace
 
-void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  stream_of(stream).pending.push_back(std::move(work));
+bool deferred() { return g_deferred.load(); }
+bool set_deferred(bool on) { return g_deferred.exchange(on); }
+
+void submit(cudaStream_t stream, std::function<void()> task) {
+  auto op = std::make_shared<Op>();
+  op->task = std::move(task);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    push(stream, op);
+  }
+  if (deferred()) return;
+  const Op* const outer = t_submitting;
+  t_submitting = op.get();
+  complete(op, /*block=*/true);  // eager: at its call, after the stream's earlier work
+  t_submitting = outer;
 }
-// Stream order with the legacy default stream: work on it waits for every blocking stream, and
-// work on a blocking stream waits for it.
-void wait_stream(cudaStream_t stream) {
-  if (stream == nullptr) {
-    std::vector<cudaStream_t> blocking;
+
+void enqueue_pending(cudaStream_t stream, std::shared_ptr<Pending> work) {
+  auto op = std::make_shared<Op>();
+  op->kind = Op::Kind::kPending;
+  op->pending = std::move(work);
+  std::lock_guard<std::mutex> lock(g_mu);
+  push(stream, std::move(op));
+}
+
+void wait_stream(cudaStream_t stream) { complete_stream(stream, /*block=*/true); }
+
+void wait_stream_touching(cudaStream_t stream, const void* p, size_t n) {
+  for (;;) {
+    std::vector<std::shared_ptr<Op>> touching;
     {
       std::lock_guard<std::mutex> lock(g_mu);
-      for (cudaStream_t s : live_streams()) {
-        if (stream_of(s).blocking) blocking.push_back(s);
+      for (const auto& op : stream_of(stream).ops) {
+        if (!op->done && op->kind == Op::Kind::kPending && op->pending->touches(p, n)) {
+          touching.push_back(op);
+        }
       }
     }
-    for (cudaStream_t s : blocking) wait_list(stream_of(s).pending);
-  } else if (stream_of(stream).blocking) {
-    wait_list(g_default_stream.pending);
+    if (touching.empty()) return;
+    bool all = true;
+    for (const auto& op : touching) {
+      if (op->pending->test()) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        op->done = true;
+      } else {
+        all = false;
+      }
+    }
+    if (all) return;
+    std::this_thread::yield();
   }
-  wait_list(stream_of(stream).pending);
 }
-void wait_stream_touching(cudaStream_t stream, const void* p, size_t n) {
-  wait_touching(stream_of(stream).pending, p, n);
+
+void prepare_collective(cudaStream_t stream) {
+  std::vector<std::shared_ptr<Op>> ops;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    ops.assign(stream_of(stream).ops.begin(), stream_of(stream).ops.end());
+  }
+  for (const auto& op : ops) {
+    if (op->kind == Op::Kind::kTask) {
+      complete(op, /*block=*/true);
+    } else if (op->kind == Op::Kind::kWait) {
+      // A wait only orders other streams' work first: completing it ahead of the collectives
+      // pending before it on this stream is a schedule a GPU could run too.
+      for (const auto& dep : op->after) complete(dep, /*block=*/true);
+      std::lock_guard<std::mutex> lock(g_mu);
+      op->done = true;
+    }
+  }
 }
+
+namespace {
 void wait_all_streams() {
   std::vector<cudaStream_t> all;
   {
@@ -649,6 +811,7 @@ void wait_all_streams() {
   wait_stream(nullptr);
   for (cudaStream_t s : all) wait_stream(s);
 }
+}  // namespace
 
 int device_count() {
   static const int n = [] {
@@ -731,42 +894,11 @@ class WorkerPool {
 };
 WorkerPool g_pool;
 
-void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* arg) {
-  std::ostringstream why;
+// Runs a launch's grid (checked by run_grid) on this thread and the pool; a fault goes to this
+// thread's cudaGetLastError.
+void execute_grid(const LaunchConfig& cfg, size_t allowed, void (*body)(const void*),
+                  const void* arg) {
   const dim3 &g = cfg.grid, &bd = cfg.block;
-  const uint64_t threads = uint64_t{bd.x} * bd.y * bd.z;
-  size_t allowed = kDefaultSharedBytes;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    const auto attr = max_shared_attr().find(cfg.kernel);
-    if (attr != max_shared_attr().end()) {
-      allowed = std::max(allowed, static_cast<size_t>(attr->second));
-    }
-    if (threads == 0 || threads > 1024 || bd.x > 1024 || bd.y > 1024 || bd.z > 64) {
-      why << "block (" << bd.x << "," << bd.y << "," << bd.z << ") is not 1 to 1024 threads";
-    } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535 ||
-               g.z > 65535) {
-      why << "grid (" << g.x << "," << g.y << "," << g.z << ") is outside the limits";
-    } else if (cfg.kernel == nullptr && cfg.shared_bytes > kDefaultSharedBytes) {
-      why << cfg.shared_bytes << " bytes of dynamic shared memory for a kernel launched without "
-          << "its template arguments (the emulator cannot check its opt-in: name them)";
-    } else if (cfg.shared_bytes > allowed) {
-      why << cfg.shared_bytes << " bytes of dynamic shared memory, above the " << allowed
-          << " allowed (cudaFuncAttributeMaxDynamicSharedMemorySize)";
-    } else if (cfg.stream != nullptr && !live_streams().count(cfg.stream)) {
-      why << "stream " << static_cast<const void*>(cfg.stream) << " does not exist";
-    }
-    if (!why.str().empty()) {
-      fail(cudaErrorInvalidConfiguration, std::string("launch of ") + cfg.name + ": " + why.str());
-      return;
-    }
-    const std::string refused = resource_refusal(cfg, threads);
-    if (!refused.empty()) {
-      fail(cudaErrorLaunchOutOfResources, std::string("launch of ") + cfg.name + ": " + refused);
-      return;
-    }
-  }
-  wait_stream(cfg.stream);  // stream order: after what the stream still has in flight
   std::lock_guard<std::mutex> launch_lock(g_launch_mu);
   const uint64_t launch = g_launches++;
   const uint64_t blocks = uint64_t{g.x} * g.y * g.z;
@@ -809,9 +941,50 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), const void* ar
   for (const std::string& f : faults) {
     if (f.empty()) continue;
     std::lock_guard<std::mutex> lock(g_mu);
-    fail(cudaErrorLaunchFailure, f);  // on the launching thread: its cudaGetLastError reports it
+    fail(cudaErrorLaunchFailure, f);  // on the thread that ran it (Note [cuda-emu-deferred])
     break;
   }
+}
+
+void run_grid(const LaunchConfig& cfg, void (*body)(const void*), std::shared_ptr<const void> arg) {
+  std::ostringstream why;
+  const dim3 &g = cfg.grid, &bd = cfg.block;
+  const uint64_t threads = uint64_t{bd.x} * bd.y * bd.z;
+  size_t allowed = kDefaultSharedBytes;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const auto attr = max_shared_attr().find(cfg.kernel);
+    if (attr != max_shared_attr().end()) {
+      allowed = std::max(allowed, static_cast<size_t>(attr->second));
+    }
+    if (threads == 0 || threads > 1024 || bd.x > 1024 || bd.y > 1024 || bd.z > 64) {
+      why << "block (" << bd.x << "," << bd.y << "," << bd.z << ") is not 1 to 1024 threads";
+    } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535 ||
+               g.z > 65535) {
+      why << "grid (" << g.x << "," << g.y << "," << g.z << ") is outside the limits";
+    } else if (cfg.kernel == nullptr && cfg.shared_bytes > kDefaultSharedBytes) {
+      why << cfg.shared_bytes << " bytes of dynamic shared memory for a kernel launched without "
+          << "its template arguments (the emulator cannot check its opt-in: name them)";
+    } else if (cfg.shared_bytes > allowed) {
+      why << cfg.shared_bytes << " bytes of dynamic shared memory, above the " << allowed
+          << " allowed (cudaFuncAttributeMaxDynamicSharedMemorySize)";
+    } else if (cfg.stream != nullptr && !live_streams().count(cfg.stream)) {
+      why << "stream " << static_cast<const void*>(cfg.stream) << " does not exist";
+    }
+    if (!why.str().empty()) {
+      fail(cudaErrorInvalidConfiguration, std::string("launch of ") + cfg.name + ": " + why.str());
+      return;
+    }
+    const std::string refused = resource_refusal(cfg, threads);
+    if (!refused.empty()) {
+      fail(cudaErrorLaunchOutOfResources, std::string("launch of ") + cfg.name + ": " + refused);
+      return;
+    }
+  }
+  // The grid runs as a task of its stream (Note [cuda-emu-deferred]), with copies of what it needs.
+  submit(cfg.stream, [cfg, allowed, body, arg = std::move(arg)] {
+    execute_grid(cfg, allowed, body, arg.get());
+  });
 }
 
 // ---- memory ----
@@ -845,7 +1018,7 @@ typename Map::iterator containing(Map& m, const void* p, Size size_of) {
 
 cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_in,
                            int32_t* keys_out, const int32_t* values_in, int32_t* values_out, int n,
-                           int begin_bit, int end_bit) {
+                           int begin_bit, int end_bit, cudaStream_t stream) {
   constexpr size_t kTempBytes = 256;  // the emulator needs none; a size keeps callers honest
   if (temp == nullptr) {
     temp_bytes = kTempBytes;
@@ -857,19 +1030,21 @@ cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_i
   }
   const uint32_t keymask =
       (end_bit == 32 ? 0xffffffffu : ((1u << end_bit) - 1u)) & ~((1u << begin_bit) - 1u);
-  std::vector<int> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return (static_cast<uint32_t>(keys_in[a]) & keymask) <
-           (static_cast<uint32_t>(keys_in[b]) & keymask);
+  submit(stream, [=] {
+    std::vector<int> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return (static_cast<uint32_t>(keys_in[a]) & keymask) <
+             (static_cast<uint32_t>(keys_in[b]) & keymask);
+    });
+    std::vector<int32_t> k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      k[static_cast<size_t>(i)] = keys_in[order[static_cast<size_t>(i)]];
+      v[static_cast<size_t>(i)] = values_in[order[static_cast<size_t>(i)]];
+    }
+    std::copy(k.begin(), k.end(), keys_out);
+    std::copy(v.begin(), v.end(), values_out);
   });
-  std::vector<int32_t> k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    k[static_cast<size_t>(i)] = keys_in[order[static_cast<size_t>(i)]];
-    v[static_cast<size_t>(i)] = values_in[order[static_cast<size_t>(i)]];
-  }
-  std::copy(k.begin(), k.end(), keys_out);
-  std::copy(v.begin(), v.end(), values_out);
   return cudaSuccess;
 }
 
@@ -959,13 +1134,15 @@ const char* cudaGetErrorString(cudaError_t e) {
 
 cudaError_t cudaGetLastError() {
   std::lock_guard<std::mutex> lock(g_mu);
-  const cudaError_t e = keel_emu::g_last_error;
+  cudaError_t e = keel_emu::g_last_error;
+  if (e == cudaSuccess) e = keel_emu::take_async_error();  // a deferred task's fault
   keel_emu::g_last_error = cudaSuccess;
   return e;
 }
 cudaError_t cudaPeekAtLastError() {
   std::lock_guard<std::mutex> lock(g_mu);
-  return keel_emu::g_last_error;
+  return keel_emu::g_last_error != cudaSuccess ? keel_emu::g_last_error
+                                               : keel_emu::g_async_error.load();
 }
 
 cudaError_t cudaMalloc(void** ptr, size_t bytes) {
@@ -988,8 +1165,15 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
 }
 
 // device.cc's allocator calls this when its cache hands a block out again (KEEL_CUDA_EMULATOR):
-// once the work still pending on it is done, the block reads as NaN, like a fresh cudaMalloc.
-void keel_cuda_emu_block_reused(void* block, size_t bytes) {
+// the block reads as NaN to its new owner, like a fresh cudaMalloc. The allocator's blocks are
+// ordered on `stream` (Note [cuda-stream-order]): deferred, the fill is queued there, so work of
+// another stream that still uses the block without a synchronisation reads NaN; at once otherwise,
+// after the collectives still pending on the block.
+void keel_cuda_emu_block_reused(void* block, size_t bytes, cudaStream_t stream) {
+  if (keel_emu::deferred()) {
+    keel_emu::submit(stream, [block, bytes] { std::memset(block, 0xFF, bytes); });
+    return;
+  }
   std::vector<cudaStream_t> all;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -997,7 +1181,7 @@ void keel_cuda_emu_block_reused(void* block, size_t bytes) {
   }
   keel_emu::wait_stream_touching(nullptr, block, bytes);
   for (cudaStream_t s : all) keel_emu::wait_stream_touching(s, block, bytes);
-  std::memset(block, 0xFF, bytes);
+  keel_emu::submit(stream, [block, bytes] { std::memset(block, 0xFF, bytes); });
 }
 
 cudaError_t cudaFree(void* ptr) {
@@ -1051,25 +1235,25 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* pt
   return cudaSuccess;
 }
 
+// Async copies and fills are tasks of their stream (Note [cuda-emu-deferred]), which read their
+// source when they run: CUDA lets a copy between device and pageable memory run asynchronously
+// too ("might be synchronous"), so keel must not rely on either.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/,
                             cudaStream_t stream) {
-  keel_emu::wait_stream(stream);
-  if (bytes > 0) std::memmove(dst, src, bytes);
+  if (bytes > 0) keel_emu::submit(stream, [=] { std::memmove(dst, src, bytes); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
   keel_emu::wait_stream(nullptr);  // the legacy default stream
   if (bytes > 0) std::memmove(dst, src, bytes);
-  return cudaSuccess;
+  return keel_emu::take_async_error();
 }
-cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
-  keel_emu::wait_stream(nullptr);
-  if (bytes > 0) std::memset(dst, value, bytes);
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {  // asynchronous to the host
+  if (bytes > 0) keel_emu::submit(nullptr, [=] { std::memset(dst, value, bytes); });
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream) {
-  keel_emu::wait_stream(stream);
-  if (bytes > 0) std::memset(dst, value, bytes);
+  if (bytes > 0) keel_emu::submit(stream, [=] { std::memset(dst, value, bytes); });
   return cudaSuccess;
 }
 
@@ -1097,14 +1281,15 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   keel_emu::wait_stream(stream);
-  return cudaSuccess;
+  return keel_emu::take_async_error();
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-  return keel_emu::poll(keel_emu::stream_of(stream).pending) ? cudaSuccess : cudaErrorNotReady;
+  if (!keel_emu::complete_stream(stream, /*block=*/false)) return cudaErrorNotReady;
+  return keel_emu::take_async_error();
 }
 cudaError_t cudaDeviceSynchronize() {
   keel_emu::wait_all_streams();
-  return cudaSuccess;
+  return keel_emu::take_async_error();
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
@@ -1120,31 +1305,54 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   auto& e = *reinterpret_cast<keel_emu::Event*>(event);
-  std::lock_guard<std::mutex> lock(g_mu);
-  e.recorded = std::chrono::steady_clock::now();
-  e.pending = keel_emu::stream_of(stream).pending;
+  auto marker = std::make_shared<keel_emu::Op>();
+  marker->kind = keel_emu::Op::Kind::kMarker;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    keel_emu::push(stream, marker);
+    e.marker = marker;
+  }
+  // Eager, the marker completes now unless collectives are still pending before it.
+  if (!keel_emu::deferred()) keel_emu::complete(marker, /*block=*/false);
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-  keel_emu::wait_list(reinterpret_cast<keel_emu::Event*>(event)->pending);
-  return cudaSuccess;
+  std::shared_ptr<keel_emu::Op> marker;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    marker = reinterpret_cast<keel_emu::Event*>(event)->marker;
+  }
+  keel_emu::complete(marker, /*block=*/true);
+  return keel_emu::take_async_error();
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-  return keel_emu::poll(reinterpret_cast<keel_emu::Event*>(event)->pending) ? cudaSuccess
-                                                                            : cudaErrorNotReady;
+  std::shared_ptr<keel_emu::Op> marker;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    marker = reinterpret_cast<keel_emu::Event*>(event)->marker;
+  }
+  if (!keel_emu::complete(marker, /*block=*/false)) return cudaErrorNotReady;
+  return keel_emu::take_async_error();
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned /*flags*/) {
   auto& e = *reinterpret_cast<keel_emu::Event*>(event);
   std::lock_guard<std::mutex> lock(g_mu);
-  auto& pending = keel_emu::stream_of(stream).pending;
-  pending.insert(pending.end(), e.pending.begin(), e.pending.end());
+  if (e.marker == nullptr || e.marker->done) return cudaSuccess;
+  auto wait = std::make_shared<keel_emu::Op>();
+  wait->kind = keel_emu::Op::Kind::kWait;
+  wait->after.push_back(e.marker);
+  keel_emu::push(stream, std::move(wait));
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-  *ms =
-      std::chrono::duration<float, std::milli>(reinterpret_cast<keel_emu::Event*>(end)->recorded -
-                                               reinterpret_cast<keel_emu::Event*>(start)->recorded)
-          .count();
+  std::lock_guard<std::mutex> lock(g_mu);
+  const auto& a = reinterpret_cast<keel_emu::Event*>(start)->marker;
+  const auto& b = reinterpret_cast<keel_emu::Event*>(end)->marker;
+  if (a == nullptr || b == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime of an unrecorded event");
+  }
+  if (!a->done || !b->done) return cudaErrorNotReady;
+  *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
   return cudaSuccess;
 }
 

@@ -92,11 +92,12 @@ void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf
   const DeviceBuffer ones = unit_scales(ctx, s.H);
   attention_backward<Bf16>(ctx, folded(s), dqs.as<Bf16>(), dk, dv, nullptr, dout, out, lse,
                            qs.as<Bf16>(), k, v, ones.as<float>());
-  // dq' into dq's rows (stride ldq): emulated device memory is host memory.
-  keel_emu::wait_stream(ctx.stream());
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < HD; ++j) dq[r * s.ldq + j] = dqs.as<Bf16>()[r * HD + j];
-  }
+  // dq' into dq's rows (stride ldq), a task of the stream: emulated device memory is host memory.
+  keel_emu::submit(ctx.stream(), [dq, src = dqs.as<Bf16>(), rows, HD, ldq = s.ldq] {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < HD; ++j) dq[r * ldq + j] = src[r * HD + j];
+    }
+  });
   unfold_head_scale_grad(ctx, s, dq, dscale, q, scale);
 }
 

@@ -98,8 +98,9 @@ void check_launch(const char* kernel, const std::string& where, const char* file
 
 #if KEEL_CUDA_EMULATOR
 // tests/cuda_emu (the CUDA emulator, which compiles this file unchanged otherwise): fills a block
-// the cache hands out again with NaN, so a kernel reading what its new owner never wrote shows.
-extern "C" void keel_cuda_emu_block_reused(void* block, size_t bytes);
+// the cache hands out again with NaN, stream-ordered on `stream`, so a kernel reading what its new
+// owner never wrote shows.
+extern "C" void keel_cuda_emu_block_reused(void* block, size_t bytes, cudaStream_t stream);
 #endif
 
 size_t Allocator::bucket_size(size_t bytes) {
@@ -111,7 +112,7 @@ size_t Allocator::bucket_size(size_t bytes) {
   return (bytes + step - 1) / step * step;
 }
 
-Allocator::Allocator(int device) : device_(device) {}
+Allocator::Allocator(int device, CUstream_st* stream) : device_(device), stream_(stream) {}
 
 Allocator::~Allocator() {
   // Destructors must not throw: errors here (a device already torn down at exit) are ignored.
@@ -133,7 +134,7 @@ void* Allocator::allocate(size_t bytes) {
     stats_.bytes_cached -= static_cast<int64_t>(size);
     ++stats_.cache_hits;
 #if KEEL_CUDA_EMULATOR
-    keel_cuda_emu_block_reused(p, size);
+    keel_cuda_emu_block_reused(p, size, stream_);
 #endif
   } else {
     cudaError_t st = cudaMalloc(&p, size);
@@ -224,7 +225,7 @@ Context::Context(int device) : device_(device) {
   KEEL_CUDA_CHECK(cudaSetDevice(device), "device ", device, " of ", device_count());
   KEEL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "device ", device);
   KEEL_CUBLAS_CHECK(cublasLtCreate(&cublaslt_), "device ", device);
-  allocator_ = std::make_unique<Allocator>(device);
+  allocator_ = std::make_unique<Allocator>(device, stream_);
   workspace_ = alloc(kCublasWorkspaceBytes);
   register_memory_backend(*this);
 }

@@ -55,7 +55,9 @@ struct AllocatorStats {
 // and the allocation retried once). Thread-safe; see Note [cuda-stream-order].
 class Allocator {
  public:
-  explicit Allocator(int device);
+  // `stream`: the stream its blocks are ordered on (Note [cuda-stream-order]); the CUDA emulator
+  // queues its poisoning of a reused block there.
+  explicit Allocator(int device, CUstream_st* stream = nullptr);
   ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
@@ -76,6 +78,7 @@ class Allocator {
   void release_cached_locked();
 
   int device_;
+  CUstream_st* stream_;
   mutable std::mutex mu_;
   std::unordered_map<void*, size_t> live_;     // block -> bucket size
   std::map<size_t, std::vector<void*>> free_;  // bucket size -> cached blocks
