@@ -820,6 +820,15 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     flush_tensorboard();
   }
   if (!opts_.progress || topo_.world_rank != 0) return;
+  if (!said_attention_) {
+    // Known once the first step has run its attention: cuDNN's fused SDPA, or keel's kernel and
+    // why cuDNN's was not taken.
+    const std::string path = exec_->attention_path();
+    if (!path.empty()) {
+      said_attention_ = true;
+      std::printf("keel-train: attention: %s\n", path.c_str());
+    }
+  }
   const int64_t total = cfg_.train().steps();
   const double elapsed = omp_get_wtime() - run_t0_;
   const double eta = elapsed / static_cast<double>(std::max<int64_t>(1, r.step - start_step_)) *

@@ -216,6 +216,7 @@ class Trainer {
   void flush_tensorboard();                         // prints the writer's one failure line, once
   bool halted_ = false;
   bool said_cannot_rewind_ = false;
+  bool said_attention_ = false;              // the attention path's line (after the first step)
   int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at
   std::optional<int64_t> resumed_from_;
   int64_t start_step_ = 0;               // the step this process started at (for the ETA)

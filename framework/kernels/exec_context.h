@@ -105,6 +105,10 @@ class ExecContext {
   virtual int threads() const = 0;
   // Waits for every kernel enqueued so far (a no-op on the CPU).
   virtual void synchronize() = 0;
+  // For the run's log: which attention implementation the newest attention shape took, where a
+  // context has more than one ("cuDNN fused SDPA", or keel's kernel and why cuDNN's was not
+  // taken); empty where there is one choice, or before the first attention.
+  virtual std::string attention_path() const { return {}; }
 
   // ---- gemm.h ----
   // out and inp, dinp, dout and inp: Note [act-dtype] (a bf16 dinp only with accumulate_dinp

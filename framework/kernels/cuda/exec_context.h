@@ -41,7 +41,7 @@ class CudaExec final : public kernels::ExecContext {
   }
   // The attention kernel the BF16 precision picked for the last new shape: "cuDNN fused SDPA" or
   // "keel's fused attention (cuDNN: <why not>)"; empty before the first bf16 attention.
-  const std::string& attention_path() const { return attention_path_; }
+  std::string attention_path() const override { return attention_path_; }
   std::string describe() const override { return description_; }
   int threads() const override { return 1; }
   void synchronize() override;
