@@ -180,6 +180,21 @@ LaunchResult launch_and_capture(Launch launch) {
   return r;
 }
 
+// Non-blocking streams for a test, destroyed with it.
+class Streams {
+ public:
+  explicit Streams(int n) : s_(static_cast<size_t>(n)) {
+    for (cudaStream_t& s : s_) EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), 0);
+  }
+  ~Streams() {
+    for (cudaStream_t s : s_) cudaStreamDestroy(s);
+  }
+  cudaStream_t operator[](int i) const { return s_[static_cast<size_t>(i)]; }
+
+ private:
+  std::vector<cudaStream_t> s_;
+};
+
 // Runs the test's device work deferred (Note [cuda-emu-deferred] in emu.h) while it lives.
 class Deferred {
  public:
@@ -500,8 +515,8 @@ TEST(CudaEmulator, ABlockTheCachingAllocatorHandsOutAgainReadsAsNaN) {
 // not run. The synchronisation, or a query (a GPU progresses on its own), runs it.
 TEST(CudaEmulatorDeferred, AHostReadWithoutItsSynchronisationSeesTheOldValue) {
   const Deferred deferred;
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const Streams streams(1);
+  cudaStream_t s = streams[0];
   float* d = device_alloc<float>(64);
   float* pinned = nullptr;
   ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), 64 * sizeof(float)), cudaSuccess);
@@ -524,7 +539,6 @@ TEST(CudaEmulatorDeferred, AHostReadWithoutItsSynchronisationSeesTheOldValue) {
   cudaEventDestroy(e);
   cudaFreeHost(pinned);
   cudaFree(d);
-  cudaStreamDestroy(s);
 }
 
 // An async copy reads its source when it runs, so a host write into a staging buffer before the
@@ -546,9 +560,8 @@ TEST(CudaEmulatorDeferred, AnAsyncCopyReadsItsHostSourceWhenItRuns) {
 // what was there before; with the wait, the other stream's work runs first.
 TEST(CudaEmulatorDeferred, AStreamThatSkipsTheEventWaitReadsStaleData) {
   const Deferred deferred;
-  cudaStream_t a = nullptr, b = nullptr;
-  cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
-  cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+  const Streams streams(2);
+  cudaStream_t a = streams[0], b = streams[1];
   float* x = device_alloc<float>(32);
   float* y = device_alloc<float>(32);
   fill_kernel<<<1, 32, 0, a>>>(x, 3.0f, 32);
@@ -572,8 +585,6 @@ TEST(CudaEmulatorDeferred, AStreamThatSkipsTheEventWaitReadsStaleData) {
   cudaEventDestroy(e);
   cudaFree(x);
   cudaFree(y);
-  cudaStreamDestroy(a);
-  cudaStreamDestroy(b);
 }
 
 // The caching allocator's blocks are ordered on its stream (Note [cuda-stream-order] in device.h):
@@ -581,9 +592,8 @@ TEST(CudaEmulatorDeferred, AStreamThatSkipsTheEventWaitReadsStaleData) {
 // work (here the reuse poison) overtakes the read.
 TEST(CudaEmulatorDeferred, ABlockFreedWhileAnotherStreamReadsItIsPoisonedFirst) {
   const Deferred deferred;
-  cudaStream_t compute = nullptr, comm = nullptr;
-  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
-  cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking);
+  const Streams streams(2);
+  cudaStream_t compute = streams[0], comm = streams[1];
   keel::kernels::cuda::Allocator alloc(0, compute);
   float* out = device_alloc<float>(1024);
   for (const bool synchronise_first : {false, true}) {
@@ -610,8 +620,6 @@ TEST(CudaEmulatorDeferred, ABlockFreedWhileAnotherStreamReadsItIsPoisonedFirst) 
     cudaEventDestroy(e);
   }
   cudaFree(out);
-  cudaStreamDestroy(compute);
-  cudaStreamDestroy(comm);
 }
 
 // A deferred kernel's fault is not the launch's error: the synchronisation that runs it reports

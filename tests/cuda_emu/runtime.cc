@@ -699,11 +699,6 @@ bool complete(const std::shared_ptr<Op>& op, bool block) {
   }
 }
 
-std::shared_ptr<Op> tail_of(cudaStream_t sid) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return tail(stream_of(sid));
-}
-
 // Completes what `sid` holds now; with legacy semantics for the null stream (which also waits for
 // the blocking streams).
 bool complete_stream(cudaStream_t sid, bool block) {
