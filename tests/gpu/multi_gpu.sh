@@ -140,30 +140,29 @@ if [[ $DEVICE == CUDA ]]; then
     "2 dp2_bf16 --set train.precision=BF16"
 fi
 
+# fault NAME LINE MESSAGE ARGS...: a TP2 job whose rank 1 meets a fault at step 3 (ARGS say which)
+# must fail, print LINE (a grep pattern) and end within parallel.timeout_s + 60 s: a bound on a
+# hang, generous for a loaded machine and the launcher, not a speed.
 timeout_s=5
-run 2 killed --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
-  --set debug.kill_at_step=3 --set parallel.timeout_s=$timeout_s
-grep -q "did not complete" "$work/killed.log"
-named=$?
-verdict killed "rc != 0 && named == 0 && secs <= timeout_s + 60" \
-  "a rank killed at step 3 ends the job (exit $rc, ${secs}s, the collective named: $((named == 0)))"
+fault() {
+  local name=$1 line=$2 message=$3 named
+  shift 3
+  run 2 "$name" --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
+    --set debug.kill_at_step=3 --set parallel.timeout_s=$timeout_s "$@"
+  grep -q "$line" "$work/$name.log"
+  named=$?
+  verdict "$name" "rc != 0 && named == 0 && secs <= timeout_s + 60" \
+    "$message (exit $rc, ${secs}s, its line printed: $((named == 0)))"
+}
 
-run 2 stalled --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
-  --set debug.kill_at_step=3 --set debug.fault=STALL --set parallel.timeout_s=$timeout_s
-grep -q "did not complete within parallel.timeout_s=$timeout_s" "$work/stalled.log"
-named=$?
-verdict stalled "rc != 0 && named == 0 && secs <= timeout_s + 60" \
-  "a rank stalled at step 3 ends the job through the watchdog (exit $rc, ${secs}s)"
-
+fault killed "did not complete" "a rank killed at step 3 ends the job, the collective named"
+fault stalled "did not complete within parallel.timeout_s=$timeout_s" \
+  "a rank stalled at step 3 ends the job through the watchdog" --set debug.fault=STALL
 # One rank fails alone (an internal error at step 3 while its peer is inside a TP collective): its
 # communicators are aborted, not destroyed (NCCL's destroy waits for the node's other ranks), so
 # it prints its own error and ends the job, rather than waiting behind the peer's watchdog.
-run 2 failing --set parallel.tp=2 --set train.steps=50 --set debug.kill_rank=1 \
-  --set debug.kill_at_step=3 --set debug.fault=THROW --set parallel.timeout_s=$timeout_s
-grep -q "rank 1: internal error: debug.kill_rank=1: injected error at step 3" "$work/failing.log"
-named=$?
-verdict failing "rc != 0 && named == 0 && secs <= timeout_s + 60" \
-  "a rank failing alone at step 3 ends the job with its own error (exit $rc, ${secs}s)"
+fault failing "rank 1: internal error: debug.kill_rank=1: injected error at step 3" \
+  "a rank failing alone at step 3 ends the job with its own error" --set debug.fault=THROW
 
 echo "multi_gpu.sh: $( ((status == 0)) && echo PASS || echo FAIL) on $DEVICE"
 exit $status
