@@ -223,8 +223,11 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         static_cast<long long>(trainer.tokens_per_step()));
     // With the banner (stdout), after every check that can refuse the run: a refused run prints
     // only its error.
-    std::printf("keel-train: device %s, %s matmuls\n", trainer.exec().describe().c_str(),
-                kernels::precision_name(trainer.exec().precision()));
+    std::printf("keel-train: device %s, %s matmuls%s\n", trainer.exec().describe().c_str(),
+                kernels::precision_name(trainer.exec().precision()),
+                d.tp < 2         ? ""
+                : d.tp_bf16_wire ? ", TP all-reduces in BF16"
+                                 : ", TP all-reduces in FP32");
     const std::string blas = kernels::blas_kernel_warning();
     if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);

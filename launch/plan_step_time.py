@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """On-paper step time of a TP x DP GPU run, to size a job before booking it (README "Sizing a GPU
 run"). Compute: the PaLM FLOPs per token (launch/bench_configs.h) at an assumed MFU of the GPU's
-dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step"; the
-tensors move in fp32) over NCCL ring all-reduces, 2 (n - 1) / n x bytes per rank, at the link's
-published per-GPU bandwidth in one direction: NVLink 4 inside a node for TP, the node's
+dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step": the
+tensors move in fp32; with --tp-comm-dtype BF16, parallel.tp_comm_dtype=BF16, the TP activations
+and their gradients move in bf16 and each element costs 12 more bytes of HBM traffic, rounded and
+widened, at the HBM's published bandwidth) over NCCL ring all-reduces, 2 (n - 1) / n x bytes per
+rank, at the link's published per-GPU bandwidth in one direction: NVLink 4 inside a node for TP, the node's
 InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing is counted as
 overlapped (the DP buckets can hide behind backward, but how much is a measurement), so the
 estimate is an upper bound for a given MFU. Replace --mfu with keel-bench --device CUDA's measured figure.
 
-usage: launch/plan_step_time.py [--mfu 0.45] [--markdown]
+usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype FP32|BF16] [--markdown]
 """
 import argparse
 
 H100_BF16_DENSE = 989e12  # FLOP/s, H100/H200 SXM, dense bf16 (NVIDIA's datasheet)
 NVLINK_BYTES_S = 450e9    # NVLink 4: 900 GB/s per GPU in both directions together
 IB_BYTES_S = 50e9         # 400 Gb/s NDR, one NIC per GPU
+HBM_BYTES_S = 3.35e12     # H100 SXM HBM3 (H200: 4.8e12)
 
 # name, vocab, d_model, layers, seq, global batch (sequences), micro-batch, tp, dp
 CONFIGS = [
@@ -25,7 +28,7 @@ CONFIGS = [
 ]
 
 
-def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu):
+def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=4):
     F = 4 * C
     n_matmul = L * (4 * C * C + 2 * C * F) + V * C
     params = n_matmul + T * C  # tied embeddings, learned positions; norms and biases < 0.1%
@@ -36,8 +39,12 @@ def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu):
     A = per_rank // micro  # micro-batches per step
     BT = micro * T
     # README's TP formula (RMS QK-norm with HEAD_SHARED gains; their gradients are negligible)
-    tp_bytes = 4 * A * ((2 + 4 * L) * BT * C + 3 * BT) + 8 if tp > 1 else 0
-    tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S
+    w = tp_wire_bytes
+    tp_elems = A * (2 + 4 * L) * BT * C if tp > 1 else 0  # activations and their gradients
+    tp_bytes = w * tp_elems + 4 * A * 3 * BT + 8 if tp > 1 else 0
+    # bf16 on the wire: each element rounded (read 4, write 2 bytes) and widened (read 2, write 4)
+    cast_s = 12 * tp_elems / HBM_BYTES_S if w == 2 else 0.0
+    tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S + cast_s
     dp_bytes = 4 * params / tp  # this rank's fp32 gradient arena
     dp_s = 2 * (dp - 1) / dp * dp_bytes / IB_BYTES_S
     step_s = compute_s + tp_s + dp_s
@@ -51,9 +58,12 @@ def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mfu", type=float, default=0.45)
+    p.add_argument("--tp-comm-dtype", choices=["FP32", "BF16"], default="FP32",
+                   help="parallel.tp_comm_dtype")
     p.add_argument("--markdown", action="store_true", help="print README's table")
     a = p.parse_args()
-    rows = [plan(*c, mfu=a.mfu) for c in CONFIGS]
+    wire = 2 if a.tp_comm_dtype == "BF16" else 4
+    rows = [plan(*c, mfu=a.mfu, tp_wire_bytes=wire) for c in CONFIGS]
     if a.markdown:
         print(f"| config | layout, micro-batch x accumulation | tokens/step | compute at "
               f"{a.mfu:.0%} MFU | TP bytes/rank | TP time | DP bytes/rank | DP time | step | tokens/s |")

@@ -201,7 +201,7 @@ void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit)
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C);
+    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
   }
 }
 
@@ -294,7 +294,7 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
   {
     // Column-parallel input: each rank's dx covers its heads only.
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C, d.tp_bf16_wire);
   }
 }
 

@@ -34,6 +34,9 @@ struct ModelDims {
   config::MlpKind mlp;  // GELU, SWIGLU, GEGLU
   bool bias;            // biases in linear layers and LayerNorms
   bool post_norm;       // norm_placement == POST_SUBLAYER: x + norm(f(x))
+  // The TP activation all-reduces move bf16 (parallel.tp_comm_dtype; Note [bf16 wire] in
+  // parallel/communicator.h). Set by GPT from the config.
+  bool tp_bf16_wire = false;
   static ModelDims from(const config::Model& m, int64_t micro_batch, const Topology& topo);
   int64_t BT() const { return B * T; }
   bool gated_mlp() const { return mlp == config::SWIGLU || mlp == config::GEGLU; }

@@ -2,7 +2,9 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "framework/error.h"
@@ -123,9 +125,16 @@ void Block::backward(const float* x, float* dres, int64_t B) {
 
 // ---- GPT ---------------------------------------------------------------------------------------
 
+bool tp_comm_bf16(const config::Parallel& p) {
+  std::string w = p.tp_comm_dtype();
+  for (char& c : w) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return w == "BF16";
+}
+
 GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch,
          kernels::ExecContext& exec) {
   ctx_.dims = ModelDims::from(cfg.model(), micro_batch, topo);
+  ctx_.dims.tp_bf16_wire = tp_comm_bf16(cfg.parallel());
   ctx_.exec = &exec;
   ctx_.topo = &topo;
   ctx_.scratch = &scratch_;
@@ -220,7 +229,7 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
     ProfileScope p(&profiler_, "embedding");
     ctx_.exec->embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
     // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
-    tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C);
+    tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C, d.tp_bf16_wire);
     if (wpe_ >= 0) ctx_.exec->position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
   }
   LossStats stats;
@@ -299,7 +308,7 @@ void GPT::backward(float loss_weight) {
     ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, kernels::act(logits_),
                                kernels::act(xf_), head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C, d.tp_bf16_wire);
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);

@@ -47,6 +47,10 @@ struct LossStats {
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
 };
 
+// parallel.tp_comm_dtype: whether the TP activation all-reduces move bf16 (Note [bf16 wire] in
+// parallel/communicator.h).
+bool tp_comm_bf16(const config::Parallel& p);
+
 class GPT {
  public:
   // micro_batch: sequences per forward; a forward may use fewer (B <= micro_batch). Parameters,

@@ -58,7 +58,7 @@ void Mlp::forward(kernels::ActIn x, float* y, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C);
+    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
   }
 }
 
@@ -98,7 +98,7 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C, d.tp_bf16_wire);
   }
 }
 

@@ -27,6 +27,8 @@ class Communicator {
   // In place, element-wise over all ranks.
   virtual void all_reduce(float* data, int64_t n, ReduceOp op) = 0;
   virtual void all_reduce(double* data, int64_t n, ReduceOp op) = 0;
+  // In-place sum of fp32 data with bf16 on the wire (Note [bf16 wire]); counts n * 2 bytes.
+  virtual void all_reduce_bf16(float* data, int64_t n) = 0;
   // recv[size() * n] = every rank's send[n], in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = sum over ranks of send[rank() * n, (rank() + 1) * n).
@@ -55,6 +57,21 @@ class Communicator {
   int64_t calls_ = 0;
 };
 
+// ---- Note [bf16 wire] ----
+// The tensor-parallel all-reduces of activations and their gradients (parallel/tp_regions.h) may
+// move bf16 instead of fp32 (parallel.tp_comm_dtype=BF16, as Megatron-LM reduces in its bf16
+// activations' dtype), which halves the bytes on the critical path. all_reduce_bf16 rounds each
+// rank's fp32 values to bf16 (nearest even), sums them in bf16 (each partial sum rounded to bf16,
+// in whatever order the transport adds: NCCL's ring or MPI's tree, as NCCL's own bf16 sum does)
+// and widens the sums back to fp32 in place; every rank receives the same bits. A group of one
+// moves nothing and leaves data unrounded, so tp = 1 computes exactly as before. keel's
+// activations stay fp32 in memory, so on a GPU the rounding and the widening are two passes over
+// the buffer: 12 bytes of device-memory traffic per element, against 2 bytes saved per element
+// each time it crosses a link (2 (n - 1) / n times in a ring). That gains where the link is slow
+// against memory (TP over 4 or 8 GPUs, or across nodes) and is about even at TP2 on NVLink
+// (README "Sizing a GPU run"), hence FP32 stays the default until the layers produce and consume
+// these activations in bf16 directly.
+
 class DoneRequest final : public CommRequest {
  public:
   void wait() override {}
@@ -69,6 +86,7 @@ class SelfCommunicator final : public Communicator {
   int size() const override { return 1; }
   void all_reduce(float*, int64_t, ReduceOp) override {}
   void all_reduce(double*, int64_t, ReduceOp) override {}
+  void all_reduce_bf16(float*, int64_t) override {}
   void all_gather(const float* send, float* recv, int64_t n) override {
     std::copy(send, send + n, recv);
   }

@@ -34,6 +34,9 @@ class MpiCommunicator final : public Communicator {
   int64_t max_count() const { return max_count_; }
   void all_reduce(float* data, int64_t n, ReduceOp op) override;
   void all_reduce(double* data, int64_t n, ReduceOp op) override;
+  // Host buffers rounded into a bf16 copy, summed by MPI as MPI_UINT16_T with the bf16 sum
+  // (parallel/mpi_bf16.h), widened back.
+  void all_reduce_bf16(float* data, int64_t n) override;
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;

@@ -78,6 +78,9 @@ class NcclCommunicator final : public Communicator {
   // All pointers are device pointers on ctx's device.
   void all_reduce(float* data, int64_t n, ReduceOp op) override;
   void all_reduce(double* data, int64_t n, ReduceOp op) override;
+  // Rounded into a bf16 wire buffer on ctx's stream, summed as ncclBfloat16, widened back
+  // (Note [bf16 wire] in communicator.h); a group of one returns at once.
+  void all_reduce_bf16(float* data, int64_t n) override;
   // In place when send == recv + rank() * n (NCCL's in-place all-gather).
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
@@ -131,6 +134,7 @@ class NcclCommunicator final : public Communicator {
   bool failed_ = false;  // a call failed: the destructor aborts instead of destroying
   static inline std::atomic<bool> any_failed_{false};  // some communicator of the process failed
   kernels::cuda::DeviceBuffer barrier_word_;           // one device float for barrier()
+  kernels::cuda::DeviceBuffer wire_;                   // all_reduce_bf16's bf16 copy
   // Note [nccl comm stream]: iall_reduce runs here, after an event on ctx's stream, so the DP
   // buckets reduce while backward's later kernels run on ctx's stream.
   CUstream_st* comm_stream_ = nullptr;

@@ -79,6 +79,16 @@ void StagingCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
   count(n * static_cast<int64_t>(sizeof(double)));
 }
 
+void StagingCommunicator::all_reduce_bf16(float* data, int64_t n) {
+  if (size() == 1 || n == 0) return;
+  // fp32 crosses PCIe (this path is for correctness, not speed); bf16 crosses the network.
+  std::vector<float>& h = buffer(0, static_cast<size_t>(n));
+  to_host(h.data(), data, n * sizeof(float));
+  host_.all_reduce_bf16(h.data(), n);
+  to_device(data, h.data(), n * sizeof(float));
+  count(n * 2);
+}
+
 void StagingCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   const size_t total = static_cast<size_t>(n) * size();
   std::vector<float>& s = buffer(0, static_cast<size_t>(n));

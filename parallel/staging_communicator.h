@@ -28,6 +28,7 @@ class StagingCommunicator final : public Communicator {
   int size() const override { return host_.size(); }
   void all_reduce(float* data, int64_t n, ReduceOp op) override;
   void all_reduce(double* data, int64_t n, ReduceOp op) override;
+  void all_reduce_bf16(float* data, int64_t n) override;
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;

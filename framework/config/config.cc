@@ -60,6 +60,7 @@ parallel {
   zero_stage: 0
   bucket_mb: 25
   timeout_s: 300
+  tp_comm_dtype: "FP32"
 }
 train {
   steps: 400
@@ -685,6 +686,13 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(par.bucket_mb() > 0, kConfig, "parallel.bucket_mb=", par.bucket_mb(), " must be > 0");
   KEEL_CHECK(par.timeout_s() >= 0, kConfig, "parallel.timeout_s=", par.timeout_s(),
              " must be >= 0 (0 disables the watchdog)");
+  {
+    std::string wire = par.tp_comm_dtype();
+    for (char& c : wire) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    KEEL_CHECK(wire.empty() || wire == "FP32" || wire == "BF16", kConfig,
+               "parallel.tp_comm_dtype=", par.tp_comm_dtype(),
+               ": invalid value (choose FP32 or BF16)");
+  }
   const int64_t tp = par.tp(), heads = cfg.model().n_heads(), d_ff = cfg.model().d_ff();
   KEEL_CHECK(tp <= heads, kLayout, "parallel.tp=", tp, " exceeds model.n_heads=", heads,
              " (TP splits whole heads)");

@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/mpi_bf16.h"
 #include "tests/cuda_emu/emu.h"
 
 struct ncclComm {
@@ -159,6 +160,8 @@ MPI_Datatype mpi_type(ncclDataType_t t) {
       return MPI_INT64_T;
     case ncclUint8:
       return MPI_UINT8_T;
+    case ncclBfloat16:
+      return MPI_UINT16_T;  // summed by keel's bf16 MPI operation (parallel/mpi_bf16.h)
     default:
       return MPI_DATATYPE_NULL;
   }
@@ -170,11 +173,15 @@ size_t type_size(ncclDataType_t t) {
       return 8;
     case ncclUint8:
       return 1;
+    case ncclBfloat16:
+      return 2;
     default:
       return 4;
   }
 }
-MPI_Op mpi_op(ncclRedOp_t op) {
+// NCCL's bf16 sum adds in fp32 and rounds each partial sum to bf16; only the sum is emulated.
+MPI_Op mpi_op(ncclRedOp_t op, ncclDataType_t type) {
+  if (type == ncclBfloat16) return op == ncclSum ? keel::bf16_sum_op() : MPI_OP_NULL;
   switch (op) {
     case ncclSum:
       return MPI_SUM;
@@ -372,14 +379,14 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async) {
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllReduce"); rc != ncclSuccess) return rc;
-  if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = count * type_size(type);
   if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
   if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclAllReduce",
                  [&](const void*, MPI_Request* req) {
                    return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv,
-                                         static_cast<int>(count), mpi_type(type), mpi_op(op),
+                                         static_cast<int>(count), mpi_type(type), mpi_op(op, type),
                                          comm->mpi, req);
                  });
 }
@@ -405,7 +412,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   if (const ncclResult_t rc = check_call(comm, type, "ncclReduceScatter"); rc != ncclSuccess) {
     return rc;
   }
-  if (mpi_op(op) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (inject_failure(comm, stream, {send, all}, {recv, bytes})) return ncclSuccess;
@@ -427,7 +434,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
                  [&](const void* scratch, MPI_Request* req) {
                    return MPI_Ireduce_scatter_block(copied ? scratch : send, recv,
                                                     static_cast<int>(recvcount), mpi_type(type),
-                                                    mpi_op(op), comm->mpi, req);
+                                                    mpi_op(op, type), comm->mpi, req);
                  });
 }
 

@@ -5,7 +5,8 @@
 #   - layouts: a tiny job at TP2, DP2, DP2 + ZeRO-1 and TP2 x DP2 logs the losses of the same job
 #     on one GPU, step by step, within 1e-5 relative (fp32; NCCL's and cuBLAS's sums differ from
 #     one GPU's by rounding only); with --device CUDA also TP2 and DP2 in BF16 against one GPU in
-#     BF16, within 1e-4;
+#     BF16, within 1e-4; TP2 with bf16 on the TP wire (parallel.tp_comm_dtype=BF16) against
+#     one GPU's (or CPU's) fp32 run, and in BF16 against one GPU in BF16, within 1e-4;
 #   - a rank killed at step 3 ends the job, with a line naming the collective that did not
 #     complete, within parallel.timeout_s + 60 s (a bound on a hang, generous for a loaded
 #     machine and the launcher, not a speed);
@@ -127,6 +128,13 @@ verdict one "rc == 0" "1 rank on $DEVICE (exit $rc, ${secs}s)"
 fp32=("2 tp2 --set parallel.tp=2" "2 dp2" "2 dp2_zero1 --set parallel.zero_stage=1")
 ((ranks >= 4)) && fp32+=("4 tp2xdp2 --set parallel.tp=2")
 layouts one 1e-5 "${fp32[@]}"
+# bf16 on the TP wire (parallel.tp_comm_dtype=BF16, Note [bf16 wire]): the TP all-reduces round
+# activations and gradients to bf16, so TP2 tracks one rank's fp32 run to bf16 rounding, not 1e-5
+# (measured: 5.2e-6 on the CPU, 4.9e-6 on 4 emulated GPUs); keel-train's banner says which wire
+# the TP all-reduces use.
+layouts one 1e-4 "2 tp2_bf16_wire --set parallel.tp=2 --set parallel.tp_comm_dtype=BF16"
+verdict tp2_bf16_wire "$(grep -c 'TP all-reduces in BF16' "$work/tp2_bf16_wire.log")" \
+  "keel-train's banner names the bf16 TP wire"
 if [[ $DEVICE == CUDA ]]; then
   # BF16, the GPU's default precision: TP2 and DP2 against one GPU in BF16. The ranks round the
   # same values to bf16; fp32 sums in another order can flip a rounding, hence a looser bound
@@ -137,7 +145,8 @@ if [[ $DEVICE == CUDA ]]; then
   verdict one_bf16 "rc == 0 && ${#attention} > 0" \
     "1 rank on CUDA in BF16 (exit $rc, ${secs}s; ${attention:-no attention line})"
   layouts one_bf16 1e-4 "2 tp2_bf16 --set parallel.tp=2 --set train.precision=BF16" \
-    "2 dp2_bf16 --set train.precision=BF16"
+    "2 dp2_bf16 --set train.precision=BF16" \
+    "2 tp2_bf16_bf16_wire --set parallel.tp=2 --set train.precision=BF16 --set parallel.tp_comm_dtype=BF16"
 fi
 
 # fault NAME LINE MESSAGE ARGS...: a TP2 job whose rank 1 meets a fault at step 3 (ARGS say which)

@@ -73,6 +73,9 @@ TEST_F(NcclTest, AllReduceOfOneRankKeepsTheDataAndCountsNothing) {
   EXPECT_TRUE(identical(get<float>(d, n), x));
   comm().all_reduce(d.as<float>(), n, ReduceOp::kMax);
   EXPECT_TRUE(identical(get<float>(d, n), x));
+  // Note [bf16 wire]: a group of one neither moves nor rounds (x is not bf16-exact).
+  comm().all_reduce_bf16(d.as<float>(), n);
+  EXPECT_TRUE(identical(get<float>(d, n), x));
   std::vector<double> xd(n);
   for (int64_t i = 0; i < n; ++i) xd[i] = static_cast<double>(x[i]) * 1e-3 + 1e-12 * i;
   cuda::DeviceBuffer dd = cuda::upload(ctx(), xd);

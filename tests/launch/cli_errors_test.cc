@@ -534,7 +534,7 @@ TEST_F(KeelTrainCli, MpiErrorsEndEveryRankWithOneMessage) {
   }
 }
 
-// train.device and train.precision: a misspelt value, BF16 on the CPU, and a GPU run on a
+// train.device, train.precision and parallel.tp_comm_dtype: a misspelt value, BF16 on the CPU, and a GPU run on a
 // machine (or a build) without one are refused before anything is built.
 TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
   expect_refused(train({"--set", "train.device=GPU"}), "config",
@@ -543,6 +543,8 @@ TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
                  {"train.precision=FP16", "AUTO, FP32 or BF16"});
   expect_refused(train({"--set", "train.device=CPU", "--set", "train.precision=BF16"}), "config",
                  {"train.precision=BF16", "FP32 only"});
+  expect_refused(train({"--set", "parallel.tp_comm_dtype=FP16"}), "config",
+                 {"parallel.tp_comm_dtype=FP16", "FP32 or BF16"});
   if (std::filesystem::exists("/dev/nvidia0")) {
     GTEST_SKIP() << "this machine has a GPU: train.device=CUDA would run";
   }

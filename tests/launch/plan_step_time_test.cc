@@ -17,26 +17,37 @@ using testing::TempDir;
 
 const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_time.py";
 
-TEST(PlanStepTime, ReadmeTableIsTheScriptsOutput) {
+// Both tables: the default (fp32 on the TP wire) and --tp-comm-dtype BF16 (whose TP1 row, the
+// same as the first table's, README leaves out).
+TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
   TempDir dir("keel_plan_step_time_test");
-  const auto r = run_command("python3 " + kScript + " --markdown", dir);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  std::istringstream lines(r.out);
-  std::string line;
-  int rows = 0;
-  while (std::getline(lines, line)) {
-    EXPECT_NE(readme.find(line + "\n"), std::string::npos) << "not in README.md: " << line;
-    ++rows;
+  for (const std::string flags : {"", " --tp-comm-dtype BF16"}) {
+    const auto r = run_command("python3 " + kScript + " --markdown" + flags, dir);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::istringstream lines(r.out);
+    std::string line;
+    int rows = 0;
+    while (std::getline(lines, line)) {
+      EXPECT_NE(readme.find(line + "\n"), std::string::npos)
+          << "not in README.md (" << flags << "): " << line;
+      ++rows;
+    }
+    EXPECT_EQ(rows, 6) << flags;  // header, rule, four layouts
   }
-  EXPECT_EQ(rows, 6);  // header, rule, four layouts
 }
 
 // 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: README's TP formula
-// 4A[(2 + 4L) BT C + 3 BT] + 8 bytes and the fp32 arena over TP for DP.
-TEST(PlanStepTime, ArithmeticOfOneRow) {
+// A[w (2 + 4L) BT C + 4 x 3 BT] + 8 bytes, w = 4 (the default) or 2 with bf16 on the TP wire
+// (--tp-comm-dtype BF16, whose TP time adds 12 bytes of HBM traffic per element at 3.35 TB/s),
+// and the fp32 arena over TP for DP.
+class PlanStepTimeWire : public ::testing::TestWithParam<int> {};
+
+TEST_P(PlanStepTimeWire, ArithmeticOfOneRow) {
+  const int w = GetParam();
   TempDir dir("keel_plan_step_time_test");
-  const auto r = run_command("python3 " + kScript, dir);
+  const auto r = run_command(
+      "python3 " + kScript + (w == 4 ? " --tp-comm-dtype FP32" : " --tp-comm-dtype BF16"), dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::string first = r.out.substr(0, r.out.find('\n'));
   auto field = [&](const std::string& key) {
@@ -45,15 +56,30 @@ TEST(PlanStepTime, ArithmeticOfOneRow) {
     return std::stod(first.substr(at + key.size() + 2));
   };
   const double L = 12, C = 768, T = 1024, V = 50304, BT = 16 * T, A = 2;
-  EXPECT_EQ(field("tp_bytes"), 4 * A * ((2 + 4 * L) * BT * C + 3 * BT) + 8);
+  EXPECT_EQ(field("tp_bytes"), A * (w * (2 + 4 * L) * BT * C + 4 * 3 * BT) + 8);
   const double params = L * 12 * C * C + V * C + T * C;
   EXPECT_NEAR(field("params"), params, 1e-6 * params);
   EXPECT_NEAR(field("dp_bytes"), 4 * params / 8, 1e-6 * params);
   const double flops = (6 * (L * 12 * C * C + V * C) + 12 * L * T * C) * 512 * T;
   auto near = [](double a, double b) { return std::abs(a - b) <= 1e-8 * std::abs(b); };
   EXPECT_TRUE(near(field("compute_s"), flops / 128 / (0.45 * 989e12)));
-  EXPECT_TRUE(near(field("tp_s"), 2 * 7.0 / 8 * field("tp_bytes") / 450e9));
+  const double cast_s = w == 2 ? 12 * A * (2 + 4 * L) * BT * C / 3.35e12 : 0.0;
+  EXPECT_TRUE(near(field("tp_s"), 2 * 7.0 / 8 * field("tp_bytes") / 450e9 + cast_s));
   EXPECT_TRUE(near(field("dp_s"), 2 * 15.0 / 16 * field("dp_bytes") / 50e9));
+}
+
+INSTANTIATE_TEST_SUITE_P(Wire, PlanStepTimeWire, ::testing::Values(2, 4),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return i.param == 2 ? std::string("BF16") : std::string("FP32");
+                         });
+
+// The default is parallel.tp_comm_dtype's: FP32.
+TEST(PlanStepTime, DefaultIsTheFp32Wire) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto plain = run_command("python3 " + kScript, dir);
+  const auto fp32 = run_command("python3 " + kScript + " --tp-comm-dtype FP32", dir);
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  EXPECT_EQ(plain.out, fp32.out);
 }
 
 }  // namespace

@@ -21,7 +21,9 @@
 //     2L of D with model.bias = false, which drops them)
 //     L2 HEAD_SHARED or PROJECTION: L tensors of 1 (the logit scale)    otherwise: none
 //   + 8 bytes (one double: the squared gradient norm), when zero_stage = 0.
-//   TP bytes = 4 A [(2 + 4L) BT C + 3 BT + PROJ 8 L BT] + 4 G + 8 [zero_stage = 0]
+//   TP bytes = A [w (2 + 4L) BT C + 4 (3 BT + PROJ 8 L BT)] + 4 G + 8 [zero_stage = 0]
+//   where w = 4, or 2 with parallel.tp_comm_dtype=BF16 (Note [bf16 wire]: the (2 + 4L) BT C
+//   activation and gradient all-reduces move bf16; the statistics and gains stay fp32)
 //   TP calls = A [(5 + 4L) + PROJ 4L] + (tensors in G) + [zero_stage = 0]
 //
 // Data parallel group (dp > 1), per step:
@@ -85,8 +87,9 @@ struct Case {
   int zero_stage = 0;
   int micro_batch = 0;
   bool tied = true;
-  double bucket_mb = 25;  // 25: one bucket for the tiny model
-  BlockKind block{};      // the GPT-2 block unless set
+  double bucket_mb = 25;   // 25: one bucket for the tiny model
+  BlockKind block{};       // the GPT-2 block unless set
+  bool bf16_wire = false;  // parallel.tp_comm_dtype=BF16
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -97,6 +100,7 @@ struct Case {
     if (!tied) s += "_untied";
     if (bucket_mb < 1) s += "_small_buckets";
     if (!block.tag.empty()) s += "_" + block.tag;
+    if (bf16_wire) s += "_bf16_wire";
     return s;
   }
 };
@@ -169,6 +173,23 @@ std::vector<Case> cases() {
   Case geglu22z{2, 2, {config::L2, config::PROJECTION}, 1, 2};
   geglu22z.block = testing::rope_geglu_bias_block();
   out.push_back(geglu22z);
+  // bf16 on the TP wire: TP 2 and 4, TP x DP with ZeRO-1, the OLMo 2 block with its projection
+  // statistics (which stay fp32); a DP layout, which has no TP all-reduce to change.
+  for (int tp : {2, 4}) {
+    Case c{tp, 1, rms_shared, 0, 2};
+    c.bf16_wire = true;
+    out.push_back(c);
+    Case olmo{tp, 1, rms_projection, 0, 0, false};
+    olmo.block = testing::olmo2_block();
+    olmo.bf16_wire = true;
+    out.push_back(olmo);
+  }
+  Case wire22{2, 2, {config::L2, config::PROJECTION}, 1, 2};
+  wire22.bf16_wire = true;
+  out.push_back(wire22);
+  Case wire_dp{1, 2, rms_shared, 0, 0};
+  wire_dp.bf16_wire = true;
+  out.push_back(wire_dp);
   return out;
 }
 
@@ -257,7 +278,8 @@ Volume expected_volume(const Case& c, Terms* t) {
       t->partial_tensors = L;
       t->partial = L;
     }
-    v.tp_bytes = 4 * t->A * (t->act + t->loss + t->proj) + 4 * t->partial + (zero ? 0 : 8);
+    const int64_t w = c.bf16_wire ? 2 : 4;  // bytes per activation element on the wire
+    v.tp_bytes = t->A * (w * t->act + 4 * (t->loss + t->proj)) + 4 * t->partial + (zero ? 0 : 8);
     v.tp_calls = t->A * ((5 + 4 * L) + (proj ? 4 * L : 0)) + t->partial_tensors + (zero ? 0 : 1);
   }
   // The arena: every tensor starts at a multiple of 16 floats; the total is padded to 16 dp.
@@ -344,7 +366,10 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
   ASSERT_EQ(topo.dp, c.dp);
   TrainerOptions opts;
   opts.progress = false;
-  Trainer trainer(tiny_config(job), topo, opts);
+  config::KeelConfig cfg = tiny_config(job);
+  if (c.bf16_wire) cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
+  Trainer trainer(cfg, topo, opts);
+  EXPECT_EQ(trainer.model().dims().tp_bf16_wire, c.bf16_wire);
 
   // The formula's parameter list is the model's.
   ParamStore& ps = trainer.model().params();
@@ -370,15 +395,16 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
 
   if (topo.world_rank == 0) {
     std::printf(
-        "[ %s ] A=%lld B=%lld BT=%lld | TP %lld B = 4 x (A %lld x (act %lld + loss %lld + qk-stats "
-        "%lld) + partial %lld) + %d, %lld calls | DP %lld B (%s: arena %lld floats, span %lld, "
+        "[ %s ] A=%lld B=%lld BT=%lld | TP %lld B = A %lld x (%d x act %lld + 4 x (loss %lld + "
+        "qk-stats %lld)) + 4 x partial %lld + %d, %lld calls | DP %lld B (%s: arena %lld floats, "
+        "span %lld, "
         "%lld calls) | world %lld B, %lld calls\n",
         c.name().c_str(), static_cast<long long>(t.A), static_cast<long long>(t.B),
         static_cast<long long>(t.B * kSeqLen), static_cast<long long>(got.tp_bytes),
-        static_cast<long long>(t.A), static_cast<long long>(t.act), static_cast<long long>(t.loss),
-        static_cast<long long>(t.proj), static_cast<long long>(t.partial),
-        c.tp > 1 && !(c.zero_stage && c.dp > 1) ? 8 : 0, static_cast<long long>(got.tp_calls),
-        static_cast<long long>(got.dp_bytes),
+        static_cast<long long>(t.A), c.bf16_wire ? 2 : 4, static_cast<long long>(t.act),
+        static_cast<long long>(t.loss), static_cast<long long>(t.proj),
+        static_cast<long long>(t.partial), c.tp > 1 && !(c.zero_stage && c.dp > 1) ? 8 : 0,
+        static_cast<long long>(got.tp_calls), static_cast<long long>(got.dp_bytes),
         c.dp == 1 ? "none" : (c.zero_stage ? "ZeRO-1 reduce-scatter + all-gather" : "buckets"),
         static_cast<long long>(t.arena), static_cast<long long>(t.span),
         static_cast<long long>(got.dp_calls), static_cast<long long>(got.world_bytes),

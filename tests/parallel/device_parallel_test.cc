@@ -21,7 +21,8 @@
 // TP2xDP2 with ZeRO-1, TP4 (twice), DP4 with ZeRO-1 (np 4); QK-norm modes vary (PROJECTION scope
 // all-reduces norm statistics over TP; HEAD_SHARED gains and the shared L2 scale have TP-partial
 // gradients), with Qwen3 and OLMo 2 blocks (RoPE, SwiGLU), RoPE + GEGLU with biases, gradient
-// accumulation, untied embeddings and a binding clip mixed in.
+// accumulation, untied embeddings and a binding clip mixed in; TP2 and TP2xDP2 with ZeRO-1 with
+// bf16 on the TP wire (parallel.tp_comm_dtype=BF16: StagingCommunicator::all_reduce_bf16).
 // Each case runs only where tp x dp equals the world size.
 #include <gtest/gtest.h>
 
@@ -67,7 +68,8 @@ struct Case {
   int micro_batch = 0;  // 0: the whole per-rank batch (no accumulation)
   bool tied = true;
   double grad_clip = 1e9;
-  BlockKind block{};  // the GPT-2 block unless set
+  BlockKind block{};       // the GPT-2 block unless set
+  bool bf16_wire = false;  // parallel.tp_comm_dtype=BF16 (both runs)
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -77,6 +79,7 @@ struct Case {
     if (!tied) s += "_untied";
     if (grad_clip < 1e8) s += "_clip";
     if (!block.tag.empty()) s += "_" + block.tag;
+    if (bf16_wire) s += "_bf16_wire";
     return s;
   }
 };
@@ -110,6 +113,14 @@ std::vector<Case> cases() {
   Case geglu{1, 4, {config::NONE, config::HEAD_SHARED}, 1};
   geglu.block = testing::rope_geglu_bias_block();
   out.push_back(geglu);
+  // bf16 on the TP wire (Note [bf16 wire]): the staged all-reduce rounds on the host as the CPU
+  // run's does, so the runs still agree bit for bit. TP2, and TP2xDP2 with ZeRO-1.
+  Case wire{2, 1, {config::RMS, config::HEAD_SHARED}, 0, 2};
+  wire.bf16_wire = true;
+  out.push_back(wire);
+  Case wire22{2, 2, {config::RMS, config::PROJECTION}, 1};
+  wire22.bf16_wire = true;
+  out.push_back(wire22);
   return out;
 }
 
@@ -174,6 +185,7 @@ RunResult train(const Case& c, const Topology& topo, const std::string& device) 
   // The fake device runs the CPU's fp32 kernels (AUTO would pick BF16 for a GPU).
   cfg.mutable_train()->set_precision("FP32");
   cfg.mutable_train()->set_eval_batches(1);
+  if (c.bf16_wire) cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
   TrainerOptions opts;
   opts.progress = false;
 

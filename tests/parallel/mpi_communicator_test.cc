@@ -5,6 +5,7 @@
 //     max), all_gather (in place and not), reduce_scatter, broadcast (every root) and
 //     iall_reduce, at chunk limits 7 and 1 and sizes around them (0, below, equal, one over, a
 //     multiple, not a multiple);
+//   - the same for all_reduce_bf16 (Note [bf16 wire]), and its rounding on each rank;
 //   - bytes_moved and calls do not depend on the chunking (one call, the logical payload);
 //   - an MPI error comes back as kComm naming the MPI call, the group and the step (the
 //     communicator sets MPI_ERRORS_RETURN), and a bad chunk limit is refused.
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -93,6 +95,37 @@ TEST(MpiCommunicator, ChunkedAllReduceEqualsUnchunked) {
         const int64_t payload = size > 1 ? n * (4 + 8) : 0;
         expect_same_counters(p, payload, what);
       }
+    }
+  }
+}
+
+// Note [bf16 wire]: values exact in bf16 (multiples of 1/2 below 16) sum exactly, chunked or not,
+// for 2 bytes an element; values that are not are rounded on each rank before the sum (1 + 2^-10
+// is 1 in bf16, so every rank adds 1); a group of one leaves them unrounded.
+TEST(MpiCommunicator, Bf16WireAllReduce) {
+  const int size = mpi_env().world_size(), rank = mpi_env().world_rank();
+  auto exact = [](int r, int64_t i) { return 0.5f * static_cast<float>(r + 1) + (i % 8); };
+  const float off_grid = 1.0f + std::ldexp(1.0f, -10);
+  for (int64_t chunk : kChunks) {
+    Pair p(chunk);
+    for (int64_t n : kSizes) {
+      const std::string what = "chunk " + std::to_string(chunk) + ", n " + std::to_string(n);
+      std::vector<float> a(n), b(n), want(n), r(n, off_grid);
+      for (int64_t i = 0; i < n; ++i) {
+        a[i] = b[i] = exact(rank, i);
+        want[i] = 0.0f;
+        for (int k = 0; k < size; ++k) want[i] += exact(k, i);
+      }
+      p.plain.reset_counters();
+      p.chunked.reset_counters();
+      p.plain.all_reduce_bf16(a.data(), n);
+      p.chunked.all_reduce_bf16(b.data(), n);
+      EXPECT_TRUE(same_bits(a, b)) << what;
+      EXPECT_TRUE(same_bits(b, want)) << what;
+      expect_same_counters(p, size > 1 ? n * 2 : 0, what);
+      p.chunked.all_reduce_bf16(r.data(), n);
+      const float r_want = size > 1 ? static_cast<float>(size) : off_grid;
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(r[i], r_want) << what << ", element " << i;
     }
   }
 }

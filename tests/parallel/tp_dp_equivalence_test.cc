@@ -497,6 +497,76 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
   }
 }
 
+// Note [bf16 wire] in parallel/communicator.h: with parallel.tp_comm_dtype=BF16 the TP
+// all-reduces round activations and their gradients to bf16, so a TP layout no longer matches one
+// process to fp32 rounding; it tracks it to bf16's. Three steps of the GPT-2 block (RMS QK-norm,
+// shared gain) and the OLMo 2 block under TP2 (2 ranks), TP4 and TP2 x DP2 with ZeRO-1 (4 ranks),
+// against one process in fp32: loss, z-loss and gradient norm within kBf16WireRtol; every rank
+// agrees on them bit for bit, and replicated parameters carry the same bits on every rank (each
+// rank of a TP group receives the same sums). Some difference must exceed kGradRtol, which the
+// fp32 wire stays within (TpDpEquivalence): else nothing was rounded.
+constexpr double kBf16WireRtol = 2e-3;
+
+TEST(TpBf16Wire, TracksSingleProcessWithinBf16Rounding) {
+  const int rank = mpi_env().world_rank();
+  const int layouts[][3] = {{2, 1, 0}, {4, 1, 0}, {2, 2, 1}};  // tp, dp, zero_stage
+  const QkMode rms_shared{config::RMS, config::HEAD_SHARED};
+  bool ran = false;
+  for (const auto& [tp, dp, zero_stage] : layouts) {
+    if (tp * dp != world_size()) continue;
+    for (bool olmo : {false, true}) {
+      ran = true;
+      TinyJob job;
+      job.qk = olmo ? QkMode{config::RMS, config::PROJECTION} : rms_shared;
+      job.tied = !olmo;
+      if (olmo) job.block = testing::olmo2_block();
+      TrainerOptions opts;
+      opts.progress = false;
+      std::unique_ptr<Communicator> self_tp, self_dp;
+      const Topology single = Topology::single(self_tp, self_dp);
+      Trainer ref(tiny_config(job), single, opts);
+      job.tp = tp;
+      job.zero_stage = zero_stage;
+      Distributed dist(mpi_env(), tp, 60.0);
+      const Topology& topo = dist.topology();
+      config::KeelConfig cfg = tiny_config(job);
+      cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
+      Trainer par(cfg, topo, opts);
+      ASSERT_TRUE(par.model().dims().tp_bf16_wire);
+      const std::string name = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp) +
+                               (zero_stage ? "_ZeRO1" : "") + (olmo ? " OLMo 2" : " GPT-2");
+      double worst = 0.0;
+      for (int s = 1; s <= 3; ++s) {
+        const StepResult rr = ref.step();
+        const StepResult rp = par.step();
+        EXPECT_LE(rel(rp.loss, rr.loss), kBf16WireRtol) << name << " step " << s;
+        EXPECT_LE(rel(rp.z_loss, rr.z_loss), kBf16WireRtol) << name << " step " << s;
+        EXPECT_LE(rel(rp.grad_norm, rr.grad_norm), kBf16WireRtol) << name << " step " << s;
+        EXPECT_TRUE(same_on_all_ranks(rp.loss)) << name << " step " << s;
+        EXPECT_TRUE(same_on_all_ranks(rp.grad_norm)) << name << " step " << s;
+        worst = std::max({worst, rel(rp.loss, rr.loss), rel(rp.z_loss, rr.z_loss),
+                          rel(rp.grad_norm, rr.grad_norm)});
+      }
+      EXPECT_GT(worst, kGradRtol) << name << ": nothing was rounded to bf16";
+      ParamStore& ps = par.model().params();
+      uint64_t replicated = fingerprint(nullptr, 0);
+      for (int id = 0; id < ps.size(); ++id) {
+        if (!ps.info(id).sharded()) {
+          replicated = fingerprint(ps.param(id), ps.info(id).numel() * sizeof(float), replicated);
+        }
+      }
+      const std::vector<uint64_t> all = all_gather_world(replicated);
+      for (int r = 0; r < world_size(); ++r) EXPECT_EQ(all[r], all[0]) << name << " rank " << r;
+      if (rank == 0) {
+        std::printf(
+            "[ %s, bf16 TP wire ] worst difference from one process: %.2e rel (bound %.0e)\n",
+            name.c_str(), worst, kBf16WireRtol);
+      }
+    }
+  }
+  if (!ran) GTEST_SKIP() << "no TP layout for " << world_size() << " rank(s)";
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, TpDpEquivalence, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
