@@ -2,15 +2,19 @@
 """On-paper step time of a TP x DP GPU run, to size a job before booking it (README "Sizing a GPU
 run"). Compute: the PaLM FLOPs per token (launch/bench_configs.h) at an assumed MFU of the GPU's
 dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step": the
-tensors move in fp32; with --tp-comm-dtype BF16, parallel.tp_comm_dtype=BF16, the TP activations
-and their gradients move in bf16 and each element costs 12 more bytes of HBM traffic, rounded and
-widened, at the HBM's published bandwidth) over NCCL ring all-reduces, 2 (n - 1) / n x bytes per
-rank, at the link's published per-GPU bandwidth in one direction: NVLink 4 inside a node for TP, the node's
+TP activations and their gradients move in bf16, parallel.tp_comm_dtype's default under
+train.precision=BF16, or in fp32 with --tp-comm-dtype FP32; the DP gradients in fp32) over NCCL
+ring all-reduces, 2 (n - 1) / n x bytes per rank, at the link's published per-GPU bandwidth in
+one direction: NVLink 4 inside a node for TP, the node's
 InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing is counted as
 overlapped (the DP buckets can hide behind backward, but how much is a measurement), so the
 estimate is an upper bound for a given MFU. Replace --mfu with keel-bench --device CUDA's measured figure.
+The bf16 wire's own passes count in the TP time, at the HBM's published bandwidth: per micro-batch,
+the embedding's fp32 output rounded and widened (12 bytes an element) and each of the 1 + 2L input
+gradients widened after its all-reduce (6 bytes); the row-parallel outputs cost nothing extra (the
+GEMMs write bf16, the residual adds read it).
 
-usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype FP32|BF16] [--markdown]
+usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype BF16|FP32] [--markdown]
 """
 import argparse
 
@@ -28,7 +32,7 @@ CONFIGS = [
 ]
 
 
-def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=4):
+def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2):
     F = 4 * C
     n_matmul = L * (4 * C * C + 2 * C * F) + V * C
     params = n_matmul + T * C  # tied embeddings, learned positions; norms and biases < 0.1%
@@ -42,8 +46,9 @@ def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=4):
     w = tp_wire_bytes
     tp_elems = A * (2 + 4 * L) * BT * C if tp > 1 else 0  # activations and their gradients
     tp_bytes = w * tp_elems + 4 * A * 3 * BT + 8 if tp > 1 else 0
-    # bf16 on the wire: each element rounded (read 4, write 2 bytes) and widened (read 2, write 4)
-    cast_s = 12 * tp_elems / HBM_BYTES_S if w == 2 else 0.0
+    # bf16 on the wire: the embedding's round + widen and the input gradients' widen (docstring)
+    cast_bytes = A * BT * C * (12 + 6 * (1 + 2 * L)) if w == 2 and tp > 1 else 0
+    cast_s = cast_bytes / HBM_BYTES_S
     tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S + cast_s
     dp_bytes = 4 * params / tp  # this rank's fp32 gradient arena
     dp_s = 2 * (dp - 1) / dp * dp_bytes / IB_BYTES_S
@@ -58,8 +63,8 @@ def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=4):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mfu", type=float, default=0.45)
-    p.add_argument("--tp-comm-dtype", choices=["FP32", "BF16"], default="FP32",
-                   help="parallel.tp_comm_dtype")
+    p.add_argument("--tp-comm-dtype", choices=["BF16", "FP32"], default="BF16",
+                   help="parallel.tp_comm_dtype (BF16: its default under train.precision=BF16)")
     p.add_argument("--markdown", action="store_true", help="print README's table")
     a = p.parse_args()
     wire = 2 if a.tp_comm_dtype == "BF16" else 4

@@ -118,7 +118,7 @@ void Attention::qk_scales(float* out) const {
                               1.0f / std::sqrt(static_cast<float>(d.D)));
 }
 
-void Attention::forward(kernels::ActIn x, float* y, int64_t B, float* max_logit) {
+void Attention::forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* max_logit) {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, BT = B * d.T;
   Profiler* prof = ctx_.profiler;
@@ -286,15 +286,19 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
                                qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
+  // On the bf16 TP wire the projection writes its partial dx in bf16 for the all-reduce, which is
+  // then widened into dx (Note [bf16 wire]).
+  const kernels::ActOut dxo = d.tp_bf16_act ? kernels::act(sc.tp_bf16) : kernels::ActOut(dx);
   {
     ProfileScope p(prof, "matmul.qkv");
-    ctx_.exec->linear_backward(dx, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
+    ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
                                ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
   {
     // Column-parallel input: each rank's dx covers its heads only.
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C, d.tp_bf16_wire);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);
+    if (d.tp_bf16_act) ctx_.exec->copy_to_f32(dx, dxo, BT * d.C);
   }
 }
 

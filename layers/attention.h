@@ -21,7 +21,9 @@ class Attention {
   // y[BT, C] (=) from x[BT, C] (the block's normalised input). *max_logit (=, memory of the
   // execution context's device) the largest |scaled logit| of this layer.
   // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the qkv projection reads it.
-  void forward(kernels::ActIn x, float* y, int64_t B, float* max_logit);
+  // y: fp32, or bf16 with ModelDims::tp_bf16_act (the output projection writes it, the TP
+  // all-reduce sums it in bf16).
+  void forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* max_logit);
   // dx[BT, C] (=) from dy[BT, C]; parameter gradients +=.
   void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);
 

@@ -35,8 +35,12 @@ struct ModelDims {
   bool bias;            // biases in linear layers and LayerNorms
   bool post_norm;       // norm_placement == POST_SUBLAYER: x + norm(f(x))
   // The TP activation all-reduces move bf16 (parallel.tp_comm_dtype; Note [bf16 wire] in
-  // parallel/communicator.h). Set by GPT from the config.
+  // parallel/communicator.h). Set by GPT from the config and the execution precision.
   bool tp_bf16_wire = false;
+  // ... and the layers' GEMMs write those activations in bf16, the all-reduce sums them in place
+  // and their readers widen them (tp > 1 and bf16 activations: Note [act-dtype]), instead of
+  // rounding and widening fp32 buffers around the all-reduce. Set by GPT.
+  bool tp_bf16_act = false;
   static ModelDims from(const config::Model& m, int64_t micro_batch, const Topology& topo);
   int64_t BT() const { return B * T; }
   bool gated_mlp() const { return mlp == config::SWIGLU || mlp == config::GEGLU; }
@@ -53,7 +57,11 @@ struct Scratch {
   Tensor dh;  // [BT, Fl]    gradient w.r.t. the MLP's activated hidden (the down input)
   // [BT, Fl] gated MLPs: gradient w.r.t. the gate projection's output (Note [act-dtype])
   Tensor dgate;
-  Tensor dsub;     // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
+  Tensor dsub;  // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
+  // [BT, C] bf16 when ModelDims::tp_bf16_act: a row-parallel output in forward (read by the
+  // residual add right after its all-reduce) and a column-parallel input gradient in backward
+  // (widened into fp32 right after its all-reduce), on the bf16 TP wire (Note [bf16 wire])
+  Tensor tp_bf16;
   Tensor attn_ws;  // attention backward workspace, sized for attn_threads (CPU: OpenMP threads)
   int attn_threads = 1;
   Tensor dscale;  // [Hl] per-head gradient of the attention scale

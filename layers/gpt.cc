@@ -93,13 +93,21 @@ void Block::forward(const float* x, int64_t B, float* max_logit) {
     return;
   }
   // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)). n1_, n2_ keep the norm outputs (the sublayer
-  // inputs); the attention and MLP outputs pass through out_ before the residual adds.
+  // inputs); the attention and MLP outputs pass through out_ before the residual adds, or, on the
+  // bf16 TP wire, through the bf16 scratch the all-reduce sums in place (Note [bf16 wire]).
   ln1_.forward(x, kernels::act(n1_), B);
-  attn_.forward(kernels::act(n1_), out_.f32(), B, max_logit);
-  ctx_.exec->add(r1_.f32(), x, out_.f32(), n);
+  const bool bf16_y = ctx_.dims.tp_bf16_act;
+  const kernels::ActOut y =
+      bf16_y ? kernels::act(ctx_.scratch->tp_bf16) : kernels::ActOut(out_.f32());
+  attn_.forward(kernels::act(n1_), y, B, max_logit);
+  ctx_.exec->add(r1_.f32(), x, y, n);
   ln2_.forward(r1_.f32(), kernels::act(n2_), B);
-  mlp_.forward(kernels::act(n2_), out_.f32(), B);
-  ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
+  mlp_.forward(kernels::act(n2_), y, B);
+  if (bf16_y) {
+    ctx_.exec->add(out_.f32(), r1_.f32(), y, n);
+  } else {
+    ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
+  }
 }
 
 void Block::backward(const float* x, float* dres, int64_t B) {
@@ -125,16 +133,19 @@ void Block::backward(const float* x, float* dres, int64_t B) {
 
 // ---- GPT ---------------------------------------------------------------------------------------
 
-bool tp_comm_bf16(const config::Parallel& p) {
+bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision) {
   std::string w = p.tp_comm_dtype();
   for (char& c : w) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return w == "BF16";
+  if (w == "BF16") return true;
+  if (w == "FP32") return false;
+  return precision == kernels::Precision::kBf16;  // AUTO (or unset)
 }
 
 GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch,
          kernels::ExecContext& exec) {
   ctx_.dims = ModelDims::from(cfg.model(), micro_batch, topo);
-  ctx_.dims.tp_bf16_wire = tp_comm_bf16(cfg.parallel());
+  ctx_.dims.tp_bf16_wire = tp_comm_bf16(cfg.parallel(), exec.precision());
+  ctx_.dims.tp_bf16_act = ctx_.dims.tp_bf16_wire && topo.tp > 1 && exec.act_dtype() == DType::kBF16;
   ctx_.exec = &exec;
   ctx_.topo = &topo;
   ctx_.scratch = &scratch_;
@@ -188,6 +199,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
   if (d.post_norm) scratch_.dsub = ctx_.zeros({BT, C});
+  if (d.tp_bf16_act) scratch_.tp_bf16 = ctx_.zeros({BT, C}, DType::kBF16);
   scratch_.attn_threads = exec.threads();
   const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0, scratch_.attn_threads};
   scratch_.attn_ws = ctx_.zeros({std::max<int64_t>(1, exec.attention_workspace_elems(as))});
@@ -305,10 +317,15 @@ void GPT::backward(float loss_weight) {
   }
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_backward(dxf, false, head_grad(), nullptr, kernels::act(logits_),
+    // On the bf16 TP wire the partial dxf is written in bf16 for the all-reduce, then widened
+    // (Note [bf16 wire]).
+    const kernels::ActOut dxo =
+        d.tp_bf16_act ? kernels::act(scratch_.tp_bf16) : kernels::ActOut(dxf);
+    ctx_.exec->linear_backward(dxo, false, head_grad(), nullptr, kernels::act(logits_),
                                kernels::act(xf_), head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxf, BT * C, d.tp_bf16_wire);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * C, d.tp_bf16_wire);
+    if (d.tp_bf16_act) ctx_.exec->copy_to_f32(dxf, dxo, BT * C);
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);

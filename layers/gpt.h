@@ -47,9 +47,9 @@ struct LossStats {
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
 };
 
-// parallel.tp_comm_dtype: whether the TP activation all-reduces move bf16 (Note [bf16 wire] in
-// parallel/communicator.h).
-bool tp_comm_bf16(const config::Parallel& p);
+// parallel.tp_comm_dtype resolved: whether the TP activation all-reduces move bf16 (Note [bf16
+// wire] in parallel/communicator.h); AUTO means under the BF16 precision.
+bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision);
 
 class GPT {
  public:

@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include "framework/kernels/exec_context.h"
+#include "layers/gpt.h"
 
 namespace keel {
 
@@ -102,6 +103,10 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   model += BT * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
   if (gated) model += act * BT * Fl;
   if (post_norm) model += BT * C;
+  // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.
+  if (bf16 && tp_size > 1 && tp_comm_bf16(cfg.parallel(), kernels::Precision::kBf16)) {
+    model += 0.5 * BT * C;
+  }
   model += (gpu ? 0 : std::max(1, threads) * 2 * T * T) + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch
   e.activations = (L * block + model + trainer) * kFloat;

@@ -30,7 +30,7 @@ void Mlp::allocate(const LayerContext& ctx) {
   g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl}, ctx.exec->act_dtype());
 }
 
-void Mlp::forward(kernels::ActIn x, float* y, int64_t B) {
+void Mlp::forward(kernels::ActIn x, kernels::ActOut y, int64_t B) {
   const ModelDims& d = ctx_.dims;
   const int64_t BT = B * d.T;
   Profiler* prof = ctx_.profiler;
@@ -86,9 +86,13 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
     ProfileScope p(prof, "gelu");
     ctx_.exec->gelu_backward(dup, ps_.grad_or_null(fc_b_), h_.f32(), dh, BT, d.Fl);
   }
+  // On the bf16 TP wire the up projection writes its partial dx in bf16 for the all-reduce, then
+  // widened into dx (Note [bf16 wire]); a gated MLP's two projections accumulate it in fp32.
+  const bool bf16_dx = d.tp_bf16_act && !gated_;
+  const kernels::ActOut dxo = bf16_dx ? kernels::act(ctx_.scratch->tp_bf16) : kernels::ActOut(dx);
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    ctx_.exec->linear_backward(dx, false, ps_.grad(fc_w_), nullptr, dup, x, ps_.param(fc_w_), BT,
+    ctx_.exec->linear_backward(dxo, false, ps_.grad(fc_w_), nullptr, dup, x, ps_.param(fc_w_), BT,
                                d.C, d.Fl);
     if (gated_) {
       // Both projections read x: their input gradients add up before the one all-reduce.
@@ -98,7 +102,8 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   }
   {
     ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dx, BT * d.C, d.tp_bf16_wire);
+    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);
+    if (bf16_dx) ctx_.exec->copy_to_f32(dx, dxo, BT * d.C);
   }
 }
 

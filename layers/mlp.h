@@ -18,7 +18,7 @@ class Mlp {
   Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
   void allocate(const LayerContext& ctx);
   // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the projections read it.
-  void forward(kernels::ActIn x, float* y, int64_t B);                     // y[BT, C] (=)
+  void forward(kernels::ActIn x, kernels::ActOut y, int64_t B);            // y[BT, C] (=)
   void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);  // dx[BT, C] (=)
 
  private:

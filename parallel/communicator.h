@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "framework/kernels/cuda/bf16.h"  // the Bf16 storage type only: no CUDA
+
 namespace keel {
 
 enum class ReduceOp { kSum, kMax };
@@ -29,6 +31,8 @@ class Communicator {
   virtual void all_reduce(double* data, int64_t n, ReduceOp op) = 0;
   // In-place sum of fp32 data with bf16 on the wire (Note [bf16 wire]); counts n * 2 bytes.
   virtual void all_reduce_bf16(float* data, int64_t n) = 0;
+  // In-place sum of bf16 memory, each partial sum rounded to bf16 (Note [bf16 wire]); n * 2 bytes.
+  virtual void all_reduce_bf16(Bf16* data, int64_t n) = 0;
   // recv[size() * n] = every rank's send[n], in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = sum over ranks of send[rank() * n, (rank() + 1) * n).
@@ -59,18 +63,20 @@ class Communicator {
 
 // ---- Note [bf16 wire] ----
 // The tensor-parallel all-reduces of activations and their gradients (parallel/tp_regions.h) may
-// move bf16 instead of fp32 (parallel.tp_comm_dtype=BF16, as Megatron-LM reduces in its bf16
-// activations' dtype), which halves the bytes on the critical path. all_reduce_bf16 rounds each
-// rank's fp32 values to bf16 (nearest even), sums them in bf16 (each partial sum rounded to bf16,
-// in whatever order the transport adds: NCCL's ring or MPI's tree, as NCCL's own bf16 sum does)
-// and widens the sums back to fp32 in place; every rank receives the same bits. A group of one
-// moves nothing and leaves data unrounded, so tp = 1 computes exactly as before. keel's
-// activations stay fp32 in memory, so on a GPU the rounding and the widening are two passes over
-// the buffer: 12 bytes of device-memory traffic per element, against 2 bytes saved per element
-// each time it crosses a link (2 (n - 1) / n times in a ring). That gains where the link is slow
-// against memory (TP over 4 or 8 GPUs, or across nodes) and is about even at TP2 on NVLink
-// (README "Sizing a GPU run"), hence FP32 stays the default until the layers produce and consume
-// these activations in bf16 directly.
+// move bf16 instead of fp32 (parallel.tp_comm_dtype: AUTO, the default, means under
+// train.precision=BF16; as Megatron-LM reduces in its bf16 activations' dtype), which halves the
+// bytes on the critical path. Two forms, each rank's values summed in bf16 (each partial sum
+// rounded to bf16, in whatever order the transport adds: NCCL's ring or MPI's tree, as NCCL's own
+// bf16 sum does), every rank receiving the same bits:
+// - all_reduce_bf16(Bf16*): bf16 memory summed in place. Under BF16 on a GPU the layers write the
+//   row-parallel outputs and most column-parallel input gradients in bf16 for it
+//   (ModelDims::tp_bf16_act), and the residual add reads the former, one pass widens the latter;
+// - all_reduce_bf16(float*): fp32 memory rounded to bf16 (nearest even) around the sum and the
+//   sums widened back in place: where the tensor is fp32 (the embedding's output, a gated MLP's
+//   accumulated input gradient, a post-sublayer norm's input, FP32 precision, the CPU). On a GPU
+//   that is two passes over the buffer (12 bytes of memory traffic per element) against 2 bytes
+//   saved per element each time it crosses a link (2 (n - 1) / n times in a ring).
+// A group of one moves nothing and leaves data unrounded, so tp = 1 computes exactly as before.
 
 class DoneRequest final : public CommRequest {
  public:
@@ -87,6 +93,7 @@ class SelfCommunicator final : public Communicator {
   void all_reduce(float*, int64_t, ReduceOp) override {}
   void all_reduce(double*, int64_t, ReduceOp) override {}
   void all_reduce_bf16(float*, int64_t) override {}
+  void all_reduce_bf16(Bf16*, int64_t) override {}
   void all_gather(const float* send, float* recv, int64_t n) override {
     std::copy(send, send + n, recv);
   }

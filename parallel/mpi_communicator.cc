@@ -116,17 +116,27 @@ void MpiCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
   all_reduce_chunked(data, n, op, MPI_DOUBLE);
 }
 
+void MpiCommunicator::sum_bf16(Bf16* data, int64_t n) {
+  Guard g(watchdog_, "all_reduce (bf16)", name_);
+  for (int64_t off = 0; off < n; off += max_count_) {
+    const int c = static_cast<int>(std::min(max_count_, n - off));
+    check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_UINT16_T, bf16_sum_op(), comm_),
+          "MPI_Allreduce (bf16)", name_, watchdog_);
+  }
+}
+
+void MpiCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
+  if (size_ == 1 || n == 0) return;
+  count(n * static_cast<int64_t>(sizeof(Bf16)));
+  sum_bf16(data, n);
+}
+
 void MpiCommunicator::all_reduce_bf16(float* data, int64_t n) {
   if (size_ == 1 || n == 0) return;
   count(n * static_cast<int64_t>(sizeof(Bf16)));
-  Guard g(watchdog_, "all_reduce (bf16)", name_);
   std::vector<Bf16> wire(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) wire[i] = to_bf16(data[i]);
-  for (int64_t off = 0; off < n; off += max_count_) {
-    const int c = static_cast<int>(std::min(max_count_, n - off));
-    check(MPI_Allreduce(MPI_IN_PLACE, wire.data() + off, c, MPI_UINT16_T, bf16_sum_op(), comm_),
-          "MPI_Allreduce (bf16)", name_, watchdog_);
-  }
+  sum_bf16(wire.data(), n);
   for (int64_t i = 0; i < n; ++i) data[i] = from_bf16(wire[i]);
 }
 

@@ -37,6 +37,7 @@ class MpiCommunicator final : public Communicator {
   // Host buffers rounded into a bf16 copy, summed by MPI as MPI_UINT16_T with the bf16 sum
   // (parallel/mpi_bf16.h), widened back.
   void all_reduce_bf16(float* data, int64_t n) override;
+  void all_reduce_bf16(Bf16* data, int64_t n) override;
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;
@@ -44,6 +45,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override;
 
  private:
+  void sum_bf16(Bf16* data, int64_t n);  // the MPI calls of both all_reduce_bf16, uncounted
   template <typename T>
   void all_reduce_chunked(T* data, int64_t n, ReduceOp op, MPI_Datatype type);
 

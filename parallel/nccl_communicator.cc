@@ -321,13 +321,21 @@ void NcclCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
   wait_stream("all_reduce", n);
 }
 
-// A flat cast as row blocks of up to 8192 columns (plus a last partial row), so the cast kernels'
-// grid spreads over rows as well as columns and fills the GPU.
-template <typename Cast>
-static void flat_rows(int64_t n, Cast cast) {
-  const int64_t cols = std::min<int64_t>(n, 8192), rows = n / cols, rest = n - rows * cols;
-  cast(0, rows, cols);
-  if (rest > 0) cast(rows * cols, 1, rest);
+void NcclCommunicator::enqueue_bf16_sum(Bf16* data, int64_t n) {
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllReduce(data, data, static_cast<size_t>(n), ncclBfloat16, ncclSum, c,
+                             ctx_.stream());
+      },
+      "ncclAllReduce (bf16)", "all_reduce (bf16)", n);
+}
+
+void NcclCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
+  throw_if_aborted("all_reduce (bf16)", n);
+  if (size_ == 1 || n == 0) return;
+  count(n * static_cast<int64_t>(sizeof(Bf16)));
+  enqueue_bf16_sum(data, n);
+  wait_stream("all_reduce (bf16)", n);
 }
 
 void NcclCommunicator::all_reduce_bf16(float* data, int64_t n) {
@@ -339,17 +347,9 @@ void NcclCommunicator::all_reduce_bf16(float* data, int64_t n) {
   const size_t bytes = static_cast<size_t>(n) * sizeof(Bf16);
   if (bytes > wire_.bytes()) wire_ = ctx_.alloc(bytes);
   Bf16* w = wire_.as<Bf16>();
-  flat_rows(n, [&](int64_t off, int64_t rows, int64_t cols) {
-    kernels::cuda::to_bf16_rows(ctx_, w + off, cols, data + off, cols, rows, cols);
-  });
-  enqueue(
-      [&](ncclComm_t c) {
-        return ncclAllReduce(w, w, static_cast<size_t>(n), ncclBfloat16, ncclSum, c, ctx_.stream());
-      },
-      "ncclAllReduce (bf16)", "all_reduce (bf16)", n);
-  flat_rows(n, [&](int64_t off, int64_t rows, int64_t cols) {
-    kernels::cuda::from_bf16_rows(ctx_, data + off, cols, w + off, cols, rows, cols, false);
-  });
+  kernels::cuda::to_bf16(ctx_, w, data, n);
+  enqueue_bf16_sum(w, n);
+  kernels::cuda::from_bf16(ctx_, data, w, n);
   wait_stream("all_reduce (bf16)", n);
 }
 

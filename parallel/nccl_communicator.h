@@ -81,6 +81,8 @@ class NcclCommunicator final : public Communicator {
   // Rounded into a bf16 wire buffer on ctx's stream, summed as ncclBfloat16, widened back
   // (Note [bf16 wire] in communicator.h); a group of one returns at once.
   void all_reduce_bf16(float* data, int64_t n) override;
+  // ncclBfloat16 in place on ctx's stream; a group of one returns at once.
+  void all_reduce_bf16(Bf16* data, int64_t n) override;
   // In place when send == recv + rank() * n (NCCL's in-place all-gather).
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
@@ -113,6 +115,7 @@ class NcclCommunicator final : public Communicator {
   template <typename Query>
   void wait_until(Query done, const char* op, int64_t n);
   void wait_stream(const char* op, int64_t n);
+  void enqueue_bf16_sum(Bf16* data, int64_t n);  // ncclAllReduce of bf16 in place, uncounted
   [[noreturn]] void fail(int status, const char* call, int64_t n, const std::string& detail);
   void check(int status, const char* call, int64_t n);
   void throw_if_aborted(const char* op, int64_t n);

@@ -89,6 +89,15 @@ void StagingCommunicator::all_reduce_bf16(float* data, int64_t n) {
   count(n * 2);
 }
 
+void StagingCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
+  if (size() == 1 || n == 0) return;
+  if (bf16_.size() < static_cast<size_t>(n)) bf16_.resize(n);
+  to_host(bf16_.data(), data, n * sizeof(Bf16));
+  host_.all_reduce_bf16(bf16_.data(), n);
+  to_device(data, bf16_.data(), n * sizeof(Bf16));
+  count(n * static_cast<int64_t>(sizeof(Bf16)));
+}
+
 void StagingCommunicator::all_gather(const float* send, float* recv, int64_t n) {
   const size_t total = static_cast<size_t>(n) * size();
   std::vector<float>& s = buffer(0, static_cast<size_t>(n));

@@ -29,6 +29,7 @@ class StagingCommunicator final : public Communicator {
   void all_reduce(float* data, int64_t n, ReduceOp op) override;
   void all_reduce(double* data, int64_t n, ReduceOp op) override;
   void all_reduce_bf16(float* data, int64_t n) override;
+  void all_reduce_bf16(Bf16* data, int64_t n) override;
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;
@@ -46,6 +47,7 @@ class StagingCommunicator final : public Communicator {
   std::shared_ptr<DeviceBackend> backend_;
   std::vector<std::vector<float>> buffers_;  // [0], [1]: the blocking calls' send and receive
   std::vector<double> doubles_;
+  std::vector<Bf16> bf16_;
 };
 
 }  // namespace keel

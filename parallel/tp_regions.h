@@ -5,33 +5,38 @@
 //   reduce_from_tp: forward all-reduce, backward identity    (leaving a row-parallel region:
 //                   each rank's output is a partial sum, the output gradient is replicated)
 // Every TP collective of the model goes through these (plus the vocab-parallel loss's row
-// statistics), so the communication formula in README.md is read off their call sites. With
-// `bf16_wire` the all-reduce moves bf16 (Note [bf16 wire] in parallel/communicator.h).
+// statistics), so the communication formula in README.md is read off their call sites. The sums
+// move bf16 for bf16 memory, and for fp32 memory with `bf16_wire` (Note [bf16 wire] in
+// parallel/communicator.h).
 #pragma once
 
 #include <cstdint>
 
+#include "framework/kernels/exec_context.h"
 #include "parallel/communicator.h"
 
 namespace keel::tp_region {
 
-// Sums activations (or their gradients) over the TP group, fp32 or bf16 on the wire.
-inline void sum_activations(Communicator& tp, float* x, int64_t n, bool bf16_wire) {
-  if (bf16_wire) {
-    tp.all_reduce_bf16(x, n);
+// Sums activations (or their gradients) over the TP group.
+inline void sum_activations(Communicator& tp, kernels::ActOut x, int64_t n, bool bf16_wire) {
+  if (x.dtype == DType::kBF16) {
+    tp.all_reduce_bf16(static_cast<Bf16*>(x.data), n);
+  } else if (bf16_wire) {
+    tp.all_reduce_bf16(static_cast<float*>(x.data), n);
   } else {
-    tp.all_reduce(x, n, ReduceOp::kSum);
+    tp.all_reduce(static_cast<float*>(x.data), n, ReduceOp::kSum);
   }
 }
 
 // copy_to_tp: nothing to do forward.
 inline void copy_to_tp_forward(Communicator&, float*, int64_t) {}
 // copy_to_tp backward: sum the partial input gradients of all TP ranks.
-inline void copy_to_tp_backward(Communicator& tp, float* grad, int64_t n, bool bf16_wire) {
+inline void copy_to_tp_backward(Communicator& tp, kernels::ActOut grad, int64_t n, bool bf16_wire) {
   sum_activations(tp, grad, n, bf16_wire);
 }
 // reduce_from_tp forward: sum the partial outputs of all TP ranks.
-inline void reduce_from_tp_forward(Communicator& tp, float* out, int64_t n, bool bf16_wire) {
+inline void reduce_from_tp_forward(Communicator& tp, kernels::ActOut out, int64_t n,
+                                   bool bf16_wire) {
   sum_activations(tp, out, n, bf16_wire);
 }
 // reduce_from_tp: nothing to do backward.

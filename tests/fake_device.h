@@ -342,9 +342,13 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("gelu_backward", {dinp.data, dbias, inp, dout});
     cpu().gelu_backward(dinp, dbias, inp, dout, N, C);
   }
-  void add(float* out, const float* a, const float* b, int64_t n) override {
-    Call c("add", {out, a, b});
+  void add(float* out, const float* a, kernels::ActIn b, int64_t n) override {
+    Call c("add", {out, a, b.data});
     cpu().add(out, a, b, n);
+  }
+  void copy_to_f32(float* out, kernels::ActIn in, int64_t n) override {
+    Call c("copy_to_f32", {out, in.data});
+    cpu().copy_to_f32(out, in, n);
   }
   void add_inplace(float* y, const float* x, int64_t n) override {
     Call c("add_inplace", {y, x});

@@ -60,7 +60,7 @@ parallel {
   zero_stage: 0
   bucket_mb: 25
   timeout_s: 300
-  tp_comm_dtype: "FP32"
+  tp_comm_dtype: "AUTO"
 }
 train {
   steps: 400
@@ -689,9 +689,9 @@ void validate(KeelConfig& cfg) {
   {
     std::string wire = par.tp_comm_dtype();
     for (char& c : wire) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    KEEL_CHECK(wire.empty() || wire == "FP32" || wire == "BF16", kConfig,
+    KEEL_CHECK(wire.empty() || wire == "AUTO" || wire == "FP32" || wire == "BF16", kConfig,
                "parallel.tp_comm_dtype=", par.tp_comm_dtype(),
-               ": invalid value (choose FP32 or BF16)");
+               ": invalid value (choose AUTO, FP32 or BF16)");
   }
   const int64_t tp = par.tp(), heads = cfg.model().n_heads(), d_ff = cfg.model().d_ff();
   KEEL_CHECK(tp <= heads, kLayout, "parallel.tp=", tp, " exceeds model.n_heads=", heads,

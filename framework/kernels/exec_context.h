@@ -52,7 +52,12 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 //   scratch is bf16 too): no memory is added;
 // - the gradient of attention's output, which only attention's backward reads: the output
 //   projection's backward GEMM writes it in bf16 from fp32 accumulators, the rounding attention's
-//   backward staged before.
+//   backward staged before;
+// - under TP with bf16 on the TP wire (Note [bf16 wire] in parallel/communicator.h), the
+//   row-parallel outputs (attention's and the MLP's output projections, which the residual adds
+//   read through add()) and the QKV, MLP-up and LM-head input gradients (widened by
+//   copy_to_f32() after their all-reduce), in one [BT, C] bf16 scratch: this one does change
+//   results, by the rounding the wire's sum makes anyway.
 // For 124M at 16 x 1024 tokens that is, by a byte count (not a measurement), ~42 GB less memory
 // traffic per step (20.7 GB of staging copies, 13.2 GB around the logits, 7.2 GB in the MLP's
 // backward: per layer the hidden gradient's fp32 write, its two fp32 re-reads (staging, bias sum)
@@ -130,8 +135,12 @@ class ExecContext {
   // bias gradient of the linear layer whose output inp is, which that layer's backward then skips.
   virtual void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout,
                              int64_t N, int64_t C) = 0;
-  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
+  // out = a + b; b may be bf16 memory (Note [act-dtype]: a row-parallel output on the bf16 TP
+  // wire), widened exactly before the fp32 add.
+  virtual void add(float* out, const float* a, ActIn b, int64_t n) = 0;
   virtual void add_inplace(float* y, const float* x, int64_t n) = 0;
+  // out = in, bf16 memory widened exactly (fp32 copied; out may equal in).
+  virtual void copy_to_f32(float* out, ActIn in, int64_t n) = 0;
   virtual void glu_forward(GluAct act, ActOut out, const float* gate, const float* up,
                            int64_t n) = 0;
   // glu.h's glu_backward over [N, C], dgate and dup stored in their dtypes (Note [act-dtype]; dup

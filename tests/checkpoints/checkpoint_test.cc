@@ -626,6 +626,7 @@ class ThreadWorld {
     }
     void all_reduce(float*, int64_t, ReduceOp) override { unexpected(); }
     void all_reduce_bf16(float*, int64_t) override { unexpected(); }
+    void all_reduce_bf16(Bf16*, int64_t) override { unexpected(); }
     void all_gather(const float*, float*, int64_t) override { unexpected(); }
     void reduce_scatter(const float*, float*, int64_t) override { unexpected(); }
     void broadcast(float*, int64_t, int) override { unexpected(); }

@@ -4,8 +4,9 @@
 // on buffers long enough for every branch of its casts (rows of 8192 columns, a partial last row):
 // NcclCommunicator::all_reduce_bf16 of random values equals MpiCommunicator::all_reduce_bf16 of
 // the same host values bit for bit (a bf16 sum of two values does not depend on the order), every
-// element rounded (the inputs are not bf16 values), n * 2 bytes counted; the fp32 all_reduce
-// keeps its exact sums beside it.
+// element rounded (the inputs are not bf16 values), n * 2 bytes counted, for fp32 memory (rounded
+// and widened around the sum) and for bf16 memory (summed in place); the fp32 all_reduce keeps
+// its exact sums beside it.
 #include "parallel/nccl_mpi.h"
 
 #include <gtest/gtest.h>
@@ -55,6 +56,18 @@ TEST(NcclAcrossRanks, Bf16WireEqualsMpisBitForBit) {
     EXPECT_EQ(unrounded, 0) << "n " << n << ": sums not in bf16";
     bytes += n * 2;
     EXPECT_EQ(nccl->bytes_moved(), bytes) << "n " << n;
+    // bf16 memory summed in place: the same bits as MPI's sum of the same bf16 values.
+    std::vector<Bf16> bits(x.size());
+    for (size_t i = 0; i < x.size(); ++i) bits[i] = to_bf16(x[i]);
+    std::vector<Bf16> want_bits = bits;
+    host.all_reduce_bf16(want_bits.data(), n);
+    kernels::cuda::DeviceBuffer db = kernels::cuda::upload(ctx, bits);
+    nccl->all_reduce_bf16(db.as<Bf16>(), n);
+    const std::vector<Bf16> got_bits = kernels::cuda::download<Bf16>(ctx, db.data(), n);
+    ASSERT_EQ(std::memcmp(got_bits.data(), want_bits.data(), bits.size() * sizeof(Bf16)), 0)
+        << "bf16 memory, n " << n;
+    bytes += n * 2;
+    EXPECT_EQ(nccl->bytes_moved(), bytes) << "bf16 memory, n " << n;
     // The fp32 wire beside it: a sum of two floats, exact to fp32 rounding on both transports.
     std::vector<float> want32 = x;
     host.all_reduce(want32.data(), n, ReduceOp::kSum);

@@ -423,6 +423,35 @@ TEST_F(Bf16ExecTest, AttentionOnBf16OperandsMatchesTheFp32Ones) {
 }
 
 // bf16 memory where a method takes fp32 is a programming error, named, never a misread.
+// Note [bf16 wire]: the residual add reads a row-parallel output stored in bf16, and copy_to_f32
+// widens a bf16 input gradient, both exactly: bit for bit the CPU's fp32 add of the widened values
+// and the widened values themselves, over 100003 elements (the flat cast's rows of 8192 and a
+// partial one). copy_to_f32 of fp32 memory copies it; the CPU refuses bf16 memory.
+TEST_F(Bf16ExecTest, AddAndCopyWidenBf16Exactly) {
+  const int64_t n = 100003;
+  const auto a = random_vec(n, -3.0f, 3.0f, 41), b = random_vec(n, -3.0f, 3.0f, 42);
+  const auto br = bf16_rounded(b);
+  Tensor ta = dev(a), tb = dev_bf16(b), sum = poisoned(n), wide = poisoned(n), copy = poisoned(n);
+  gpu().add(sum.f32(), ta.f32(), kernels::act(tb), n);
+  gpu().copy_to_f32(wide.f32(), kernels::act(tb), n);
+  gpu().copy_to_f32(copy.f32(), ta.f32(), n);
+  std::vector<float> ref(n);
+  cpu().add(ref.data(), a.data(), br.data(), n);
+  EXPECT_TRUE(identical(host(sum), ref)) << "add with a bf16 operand";
+  EXPECT_TRUE(identical(host(wide), br)) << "copy_to_f32 of bf16";
+  EXPECT_TRUE(identical(host(copy), a)) << "copy_to_f32 of fp32";
+  gpu().copy_to_f32(ta.f32(), ta.f32(), n);  // onto itself: nothing to do
+  EXPECT_TRUE(identical(host(ta), a)) << "copy_to_f32 in place";
+  std::vector<Bf16> bits(4);
+  std::vector<float> out(4), x(4);
+  try {
+    cpu().add(out.data(), x.data(), kernels::ActIn(bits.data(), DType::kBF16), 4);
+    ADD_FAILURE() << "bf16 operand accepted by the CPU";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("add: b is bf16"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(Bf16ExecTest, Bf16ActivationsOnlyUnderBf16) {
   Tensor out = poisoned_bf16(16 * 8), x = dev(random_vec(16 * 4, -1, 1, 21));
   Tensor w = dev(random_vec(8 * 4, -1, 1, 22));

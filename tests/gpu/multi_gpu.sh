@@ -5,8 +5,9 @@
 #   - layouts: a tiny job at TP2, DP2, DP2 + ZeRO-1 and TP2 x DP2 logs the losses of the same job
 #     on one GPU, step by step, within 1e-5 relative (fp32; NCCL's and cuBLAS's sums differ from
 #     one GPU's by rounding only); with --device CUDA also TP2 and DP2 in BF16 against one GPU in
-#     BF16, within 1e-4; TP2 with bf16 on the TP wire (parallel.tp_comm_dtype=BF16) against
-#     one GPU's (or CPU's) fp32 run, and in BF16 against one GPU in BF16, within 1e-4;
+#     BF16 (the bf16 TP wire, BF16's default, and the fp32 one; an OLMo 2-like block too), within
+#     1e-4; TP2 with bf16 on the TP wire (parallel.tp_comm_dtype=BF16) in FP32 against one GPU's
+#     (or the CPU's) fp32 run, within 1e-4;
 #   - a rank killed at step 3 ends the job, with a line naming the collective that did not
 #     complete, within parallel.timeout_s + 60 s (a bound on a hang, generous for a loaded
 #     machine and the launcher, not a speed);
@@ -137,16 +138,29 @@ verdict tp2_bf16_wire "$(grep -c 'TP all-reduces in BF16' "$work/tp2_bf16_wire.l
   "keel-train's banner names the bf16 TP wire"
 if [[ $DEVICE == CUDA ]]; then
   # BF16, the GPU's default precision: TP2 and DP2 against one GPU in BF16. The ranks round the
-  # same values to bf16; fp32 sums in another order can flip a rounding, hence a looser bound
-  # (on 4 emulated GPUs: 1.4e-5 for TP2, 9.7e-6 for DP2). keel-train names the attention path it
+  # same values to bf16; fp32 sums in another order can flip a rounding, and TP2's all-reduces
+  # move bf16, hence a looser bound (on 4 emulated GPUs: 1.8e-5 for TP2, 1.4e-5 with the fp32
+  # wire, 1.3e-5 for the OLMo 2-like block, 9.7e-6 for DP2). keel-train names the attention path it
   # took (cuDNN's fused SDPA, or keel's kernel and why) after the first step.
   run 1 one_bf16 --set train.precision=BF16
   attention=$(grep -o "keel-train: attention: .*" "$work/one_bf16.log" | head -1)
   verdict one_bf16 "rc == 0 && ${#attention} > 0" \
     "1 rank on CUDA in BF16 (exit $rc, ${secs}s; ${attention:-no attention line})"
+  # TP2 in BF16 moves bf16 on the TP wire by default (parallel.tp_comm_dtype=AUTO: the projections
+  # write bf16, NCCL sums it, the residual adds read it); tp2_bf16_fp32_wire keeps fp32.
   layouts one_bf16 1e-4 "2 tp2_bf16 --set parallel.tp=2 --set train.precision=BF16" \
     "2 dp2_bf16 --set train.precision=BF16" \
-    "2 tp2_bf16_bf16_wire --set parallel.tp=2 --set train.precision=BF16 --set parallel.tp_comm_dtype=BF16"
+    "2 tp2_bf16_fp32_wire --set parallel.tp=2 --set train.precision=BF16 --set parallel.tp_comm_dtype=FP32"
+  verdict tp2_bf16 "$(grep -c 'TP all-reduces in BF16' "$work/tp2_bf16.log")" \
+    "keel-train's banner names the bf16 TP wire, BF16's default"
+  # An OLMo 2-like block (SwiGLU, norms after each sublayer, no biases), whose sublayer outputs
+  # feed norms and whose MLP input gradient sums two projections: the bf16 wire rounds fp32
+  # buffers there instead of the projections writing bf16.
+  olmo=(--set model.mlp=SWIGLU --set model.norm_placement=POST_SUBLAYER --set model.bias=false
+    --set model.position=ROPE --set train.precision=BF16)
+  run 1 one_bf16_olmo "${olmo[@]}"
+  verdict one_bf16_olmo "rc == 0" "1 rank on CUDA in BF16, OLMo 2-like block (exit $rc, ${secs}s)"
+  layouts one_bf16_olmo 1e-4 "2 tp2_bf16_olmo --set parallel.tp=2 ${olmo[*]}"
 fi
 
 # fault NAME LINE MESSAGE ARGS...: a TP2 job whose rank 1 meets a fault at step 3 (ARGS say which)

@@ -534,8 +534,8 @@ TEST_F(KeelTrainCli, MpiErrorsEndEveryRankWithOneMessage) {
   }
 }
 
-// train.device, train.precision and parallel.tp_comm_dtype: a misspelt value, BF16 on the CPU, and a GPU run on a
-// machine (or a build) without one are refused before anything is built.
+// train.device, train.precision and parallel.tp_comm_dtype: a misspelt value, BF16 on the CPU, and
+// a GPU run on a machine (or a build) without one are refused before anything is built.
 TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
   expect_refused(train({"--set", "train.device=GPU"}), "config",
                  {"train.device=GPU", "AUTO, CPU or CUDA"});
@@ -544,7 +544,7 @@ TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
   expect_refused(train({"--set", "train.device=CPU", "--set", "train.precision=BF16"}), "config",
                  {"train.precision=BF16", "FP32 only"});
   expect_refused(train({"--set", "parallel.tp_comm_dtype=FP16"}), "config",
-                 {"parallel.tp_comm_dtype=FP16", "FP32 or BF16"});
+                 {"parallel.tp_comm_dtype=FP16", "AUTO, FP32 or BF16"});
   if (std::filesystem::exists("/dev/nvidia0")) {
     GTEST_SKIP() << "this machine has a GPU: train.device=CUDA would run";
   }

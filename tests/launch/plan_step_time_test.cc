@@ -17,12 +17,12 @@ using testing::TempDir;
 
 const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_time.py";
 
-// Both tables: the default (fp32 on the TP wire) and --tp-comm-dtype BF16 (whose TP1 row, the
+// Both tables: the default (bf16 on the TP wire) and --tp-comm-dtype FP32 (whose TP1 row, the
 // same as the first table's, README leaves out).
 TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
   TempDir dir("keel_plan_step_time_test");
   const std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  for (const std::string flags : {"", " --tp-comm-dtype BF16"}) {
+  for (const std::string flags : {"", " --tp-comm-dtype FP32"}) {
     const auto r = run_command("python3 " + kScript + " --markdown" + flags, dir);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     std::istringstream lines(r.out);
@@ -38,9 +38,9 @@ TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
 }
 
 // 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: README's TP formula
-// A[w (2 + 4L) BT C + 4 x 3 BT] + 8 bytes, w = 4 (the default) or 2 with bf16 on the TP wire
-// (--tp-comm-dtype BF16, whose TP time adds 12 bytes of HBM traffic per element at 3.35 TB/s),
-// and the fp32 arena over TP for DP.
+// A[w (2 + 4L) BT C + 4 x 3 BT] + 8 bytes, w = 2 with bf16 on the TP wire (the default, whose TP
+// time adds A BT C (12 + 6 (1 + 2L)) bytes of HBM traffic at 3.35 TB/s) or 4 (--tp-comm-dtype
+// FP32), and the fp32 arena over TP for DP.
 class PlanStepTimeWire : public ::testing::TestWithParam<int> {};
 
 TEST_P(PlanStepTimeWire, ArithmeticOfOneRow) {
@@ -63,7 +63,7 @@ TEST_P(PlanStepTimeWire, ArithmeticOfOneRow) {
   const double flops = (6 * (L * 12 * C * C + V * C) + 12 * L * T * C) * 512 * T;
   auto near = [](double a, double b) { return std::abs(a - b) <= 1e-8 * std::abs(b); };
   EXPECT_TRUE(near(field("compute_s"), flops / 128 / (0.45 * 989e12)));
-  const double cast_s = w == 2 ? 12 * A * (2 + 4 * L) * BT * C / 3.35e12 : 0.0;
+  const double cast_s = w == 2 ? A * BT * C * (12 + 6 * (1 + 2 * L)) / 3.35e12 : 0.0;
   EXPECT_TRUE(near(field("tp_s"), 2 * 7.0 / 8 * field("tp_bytes") / 450e9 + cast_s));
   EXPECT_TRUE(near(field("dp_s"), 2 * 15.0 / 16 * field("dp_bytes") / 50e9));
 }
@@ -73,13 +73,13 @@ INSTANTIATE_TEST_SUITE_P(Wire, PlanStepTimeWire, ::testing::Values(2, 4),
                            return i.param == 2 ? std::string("BF16") : std::string("FP32");
                          });
 
-// The default is parallel.tp_comm_dtype's: FP32.
-TEST(PlanStepTime, DefaultIsTheFp32Wire) {
+// The default is parallel.tp_comm_dtype's under train.precision=BF16 (a GPU's default): BF16.
+TEST(PlanStepTime, DefaultIsTheBf16Wire) {
   TempDir dir("keel_plan_step_time_test");
   const auto plain = run_command("python3 " + kScript, dir);
-  const auto fp32 = run_command("python3 " + kScript + " --tp-comm-dtype FP32", dir);
+  const auto bf16 = run_command("python3 " + kScript + " --tp-comm-dtype BF16", dir);
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  EXPECT_EQ(plain.out, fp32.out);
+  EXPECT_EQ(plain.out, bf16.out);
 }
 
 }  // namespace

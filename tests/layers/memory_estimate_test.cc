@@ -168,11 +168,38 @@ TEST(MemoryEstimate, GpuAttentionKeepsOnlyTheLogSumExp) {
   EXPECT_EQ(cpu.activations - gpu_fp32.activations,
             4.0 * (L * B * Hl * (T * T - T) + threads * 2 * T * T));
   // Half of the logits, xf, attention's output gradient (shared scratch), and per block n1, n2,
-  // the normalised q and k, attention's output and the MLP's hidden output.
+  // the normalised q and k, attention's output and the MLP's hidden output; less the bf16 TP
+  // wire's [BT, C] bf16 scratch (tp = 2 in BF16: Note [bf16 wire]).
   EXPECT_EQ(gpu_fp32.activations - gpu.activations,
-            2.0 * B * T * (Vl + C + HD + L * (2 * C + 2 * HD + HD + Fl)));
+            2.0 * B * T * (Vl + C + HD + L * (2 * C + 2 * HD + HD + Fl)) - 2.0 * B * T * C);
   EXPECT_EQ(gpu.parameters, cpu.parameters);
   EXPECT_EQ(gpu.optimizer, cpu.optimizer);
+}
+
+// parallel.tp_comm_dtype: AUTO is BF16 under the BF16 precision only. The bf16 TP wire's [BT, C]
+// bf16 scratch (Note [bf16 wire]) exists where the layers write those activations in bf16: on a
+// device in BF16 with tp > 1.
+TEST(MemoryEstimate, Bf16TpWireScratch) {
+  using kernels::Precision;
+  auto wire = [](const char* v, Precision p) {
+    config::Parallel par;
+    par.set_tp_comm_dtype(v);
+    return tp_comm_bf16(par, p);
+  };
+  EXPECT_TRUE(wire("AUTO", Precision::kBf16));
+  EXPECT_FALSE(wire("AUTO", Precision::kFp32));
+  EXPECT_TRUE(wire("", Precision::kBf16));  // unset
+  EXPECT_TRUE(wire("bf16", Precision::kFp32));
+  EXPECT_FALSE(wire("FP32", Precision::kBf16));
+  const config::KeelConfig bf16 = small_config({});  // AUTO: BF16 on a GPU
+  const config::KeelConfig fp32_wire = small_config({"parallel.tp_comm_dtype=FP32"});
+  const double BT = 4.0 * bf16.model().seq_len(), C = bf16.model().d_model();
+  auto act = [](const config::KeelConfig& c, int tp, Device d) {
+    return estimate_memory(c, tp, 1, 4, 1, d).activations;
+  };
+  EXPECT_EQ(act(bf16, 2, Device::kCuda) - act(fp32_wire, 2, Device::kCuda), 2 * BT * C);
+  EXPECT_EQ(act(bf16, 1, Device::kCuda), act(fp32_wire, 1, Device::kCuda));
+  EXPECT_EQ(act(bf16, 2, Device::kCpu), act(fp32_wire, 2, Device::kCpu));
 }
 
 // README's figure: GPT-2 124M's shapes (QK-norm on, learned positions, GELU) at 16 x 1024 tokens

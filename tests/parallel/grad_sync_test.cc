@@ -61,6 +61,7 @@ class RecordingComm final : public Communicator {
   void all_reduce(float*, int64_t, ReduceOp) override { ADD_FAILURE() << "unexpected"; }
   void all_reduce(double*, int64_t, ReduceOp) override { ADD_FAILURE() << "unexpected"; }
   void all_reduce_bf16(float*, int64_t) override { ADD_FAILURE() << "unexpected"; }
+  void all_reduce_bf16(Bf16*, int64_t) override { ADD_FAILURE() << "unexpected"; }
   void all_gather(const float*, float*, int64_t) override { ADD_FAILURE() << "unexpected"; }
   void reduce_scatter(const float*, float*, int64_t) override { ADD_FAILURE() << "unexpected"; }
   void broadcast(float*, int64_t, int) override { ADD_FAILURE() << "unexpected"; }

@@ -3,6 +3,7 @@
 #include "framework/kernels/exec_context.h"
 
 #include <cctype>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -49,8 +50,12 @@ class CpuExec final : public ExecContext {
     kernels::gelu_backward(d, inp, dout, N * C);
     if (dbias != nullptr) kernels::column_sum_add<float>(dbias, d, N, C, C);
   }
-  void add(float* out, const float* a, const float* b, int64_t n) override {
-    kernels::add(out, a, b, n);
+  void add(float* out, const float* a, ActIn b, int64_t n) override {
+    kernels::add(out, a, act_f32(b, "add", "b"), n);
+  }
+  void copy_to_f32(float* out, ActIn in, int64_t n) override {
+    const float* src = act_f32(in, "copy_to_f32", "in");
+    if (out != src && n > 0) std::memmove(out, src, static_cast<size_t>(n) * sizeof(float));
   }
   void add_inplace(float* y, const float* x, int64_t n) override { kernels::add_inplace(y, x, n); }
   void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override {

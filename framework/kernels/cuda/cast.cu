@@ -64,4 +64,30 @@ void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, in
                          " ld_out=", ld_out);
 }
 
+namespace {
+
+// A flat cast as row blocks of up to 8192 columns (plus a last partial row), so the cast kernels'
+// grid spreads over rows as well as columns.
+template <typename Cast>
+void flat_rows(int64_t n, Cast cast) {
+  if (n <= 0) return;
+  const int64_t cols = std::min<int64_t>(n, 8192), rows = n / cols, rest = n - rows * cols;
+  cast(0, rows, cols);
+  if (rest > 0) cast(rows * cols, 1, rest);
+}
+
+}  // namespace
+
+void to_bf16(Context& ctx, Bf16* out, const float* in, int64_t n) {
+  flat_rows(n, [&](int64_t off, int64_t rows, int64_t cols) {
+    to_bf16_rows(ctx, out + off, cols, in + off, cols, rows, cols);
+  });
+}
+
+void from_bf16(Context& ctx, float* out, const Bf16* in, int64_t n) {
+  flat_rows(n, [&](int64_t off, int64_t rows, int64_t cols) {
+    from_bf16_rows(ctx, out + off, cols, in + off, cols, rows, cols, false);
+  });
+}
+
 }  // namespace keel::kernels::cuda

@@ -56,8 +56,8 @@ __global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float*
   acc = column_block_sum(acc, s);
   if (threadIdx.y == 0 && c < C) partial[blockIdx.y * C + c] = acc;
 }
-template <typename T>
-__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+template <typename T, typename TB>
+__global__ void add_kernel(T* out, const T* a, const TB* b, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
@@ -93,8 +93,8 @@ void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* 
   KEEL_CUDA_LAUNCH_CHECK("gelu_backward (bias)", "N=", N, " C=", C);
   column_sum_add(ctx, dbias, partial, k.count, C, C);
 }
-template <typename T>
-void add_impl(Context& ctx, T* out, const T* a, const T* b, int64_t n, const char* name) {
+template <typename T, typename TB>
+void add_impl(Context& ctx, T* out, const T* a, const TB* b, int64_t n, const char* name) {
   if (n <= 0) return;
   add_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, a, b, n);
   KEEL_CUDA_LAUNCH_CHECK(name, "n=", n);
@@ -267,6 +267,9 @@ void add(Context& ctx, float* out, const float* a, const float* b, int64_t n) {
 }
 void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n) {
   add_impl(ctx, dev(out), dev(a), dev(b), n, "add");
+}
+void add(Context& ctx, float* out, const float* a, const Bf16* b, int64_t n) {
+  add_impl(ctx, out, a, dev(b), n, "add");
 }
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n) {
   add_impl(ctx, y, y, x, n, "add_inplace");

@@ -211,8 +211,18 @@ void CudaExec::gelu_backward(ActOut dinp, float* dbias, const float* inp, const 
              [&](auto* d) { cuda::gelu_backward(ctx_, d, dbias, inp, dout, N, C); });
 }
 
-void CudaExec::add(float* out, const float* a, const float* b, int64_t n) {
-  cuda::add(ctx_, out, a, b, n);
+void CudaExec::add(float* out, const float* a, ActIn b, int64_t n) {
+  with_typed(b, precision_, "add", "b", [&](auto* bp) { cuda::add(ctx_, out, a, bp, n); });
+}
+
+void CudaExec::copy_to_f32(float* out, ActIn in, int64_t n) {
+  if (is_bf16(in, precision_, "copy_to_f32", "in")) {
+    cuda::from_bf16(ctx_, out, bf16_of(in), n);
+  } else if (out != in.data && n > 0) {
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(out, in.data, static_cast<size_t>(n) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, ctx_.stream()),
+                    "CudaExec::copy_to_f32 n=", n);
+  }
 }
 
 void CudaExec::add_inplace(float* y, const float* x, int64_t n) {

@@ -55,7 +55,8 @@ class CudaExec final : public kernels::ExecContext {
   void gelu_forward(ActOut out, const float* inp, int64_t n) override;
   void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout, int64_t N,
                      int64_t C) override;
-  void add(float* out, const float* a, const float* b, int64_t n) override;
+  void add(float* out, const float* a, ActIn b, int64_t n) override;
+  void copy_to_f32(float* out, ActIn in, int64_t n) override;
   void add_inplace(float* y, const float* x, int64_t n) override;
   void glu_forward(GluAct act, ActOut out, const float* gate, const float* up, int64_t n) override;
   void glu_backward(GluAct act, ActOut dgate, ActOut dup, float* dgate_bias, float* dup_bias,

@@ -32,7 +32,8 @@ void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const float* inp, con
                    int64_t N, int64_t C);
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  // (=)
 void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n);
-void add_inplace(Context& ctx, float* y, const float* x, int64_t n);  // y += x
+void add(Context& ctx, float* out, const float* a, const Bf16* b, int64_t n);  // b widened
+void add_inplace(Context& ctx, float* y, const float* x, int64_t n);           // y += x
 void add_inplace(Context& ctx, Bf16* y, const Bf16* x, int64_t n);
 
 // ---- gated linear units (framework/kernels/glu.h; the per-element math is shared) ----
@@ -192,6 +193,9 @@ void to_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const float* in, int6
                   int64_t rows, int64_t cols);
 void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
                     int64_t rows, int64_t cols, bool accumulate);
+// The same over n contiguous elements (launched as rows of up to 8192, so the grid fills the GPU).
+void to_bf16(Context& ctx, Bf16* out, const float* in, int64_t n);
+void from_bf16(Context& ctx, float* out, const Bf16* in, int64_t n);
 
 // ---- utilities ----
 // x[i] = lo + (hi - lo) * philox_uniform(seed, stream=0, i) (framework/philox.h), on the device:
