@@ -2,11 +2,11 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/cuda/bf16.h"
 #include "parallel/tp_regions.h"
@@ -134,8 +134,7 @@ void Block::backward(const float* x, float* dres, int64_t B) {
 // ---- GPT ---------------------------------------------------------------------------------------
 
 bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision) {
-  std::string w = p.tp_comm_dtype();
-  for (char& c : w) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::string w = upper_ascii(p.tp_comm_dtype());
   if (w == "BF16") return true;
   if (w == "FP32") return false;
   return precision == kernels::Precision::kBf16;  // AUTO (or unset)

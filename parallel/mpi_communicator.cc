@@ -134,10 +134,11 @@ void MpiCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
 void MpiCommunicator::all_reduce_bf16(float* data, int64_t n) {
   if (size_ == 1 || n == 0) return;
   count(n * static_cast<int64_t>(sizeof(Bf16)));
-  std::vector<Bf16> wire(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) wire[i] = to_bf16(data[i]);
-  sum_bf16(wire.data(), n);
-  for (int64_t i = 0; i < n; ++i) data[i] = from_bf16(wire[i]);
+  // The staging copy grows on the first step only (shapes repeat).
+  if (wire_.size() < static_cast<size_t>(n)) wire_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) wire_[i] = to_bf16(data[i]);
+  sum_bf16(wire_.data(), n);
+  for (int64_t i = 0; i < n; ++i) data[i] = from_bf16(wire_[i]);
 }
 
 void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {

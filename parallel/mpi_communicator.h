@@ -6,7 +6,9 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "framework/kernels/cuda/bf16.h"
 #include "parallel/communicator.h"
 #include "parallel/watchdog.h"
 
@@ -54,6 +56,7 @@ class MpiCommunicator final : public Communicator {
   Watchdog* watchdog_;
   int64_t max_count_;
   int rank_ = 0, size_ = 1;
+  std::vector<Bf16> wire_;  // all_reduce_bf16(float*)'s bf16 copy
 };
 
 }  // namespace keel

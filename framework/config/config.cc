@@ -495,14 +495,12 @@ void validate_train(const config::Train& t) {
   KEEL_CHECK(t.sample_chars() <= kMaxSampleChars, kConfig, "train.sample_chars=", t.sample_chars(),
              " exceeds ", kMaxSampleChars, " (each sampled byte is one forward pass of the model)");
   {
-    std::string dev = t.device();
-    for (char& c : dev) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    const std::string dev = upper_ascii(t.device());
     // Whether a GPU is there is the launcher's question (kernels::resolve_device); only the
     // spelling is checked here.
     KEEL_CHECK(dev.empty() || dev == "AUTO" || dev == "CPU" || dev == "CUDA", kConfig,
                "train.device=", t.device(), ": invalid value (choose AUTO, CPU or CUDA)");
-    std::string prec = t.precision();
-    for (char& c : prec) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    const std::string prec = upper_ascii(t.precision());
     KEEL_CHECK(prec.empty() || prec == "AUTO" || prec == "FP32" || prec == "BF16", kConfig,
                "train.precision=", t.precision(), ": invalid value (choose AUTO, FP32 or BF16)");
     KEEL_CHECK(!(dev == "CPU" && prec == "BF16"), kConfig,
@@ -676,6 +674,11 @@ void apply_set(const std::string& assignment, KeelConfig& cfg) {
   }
 }
 
+std::string upper_ascii(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
 void validate(KeelConfig& cfg) {
   check_enums_and_floats(cfg);
   validate_model(*cfg.mutable_model());
@@ -686,13 +689,10 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(par.bucket_mb() > 0, kConfig, "parallel.bucket_mb=", par.bucket_mb(), " must be > 0");
   KEEL_CHECK(par.timeout_s() >= 0, kConfig, "parallel.timeout_s=", par.timeout_s(),
              " must be >= 0 (0 disables the watchdog)");
-  {
-    std::string wire = par.tp_comm_dtype();
-    for (char& c : wire) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    KEEL_CHECK(wire.empty() || wire == "AUTO" || wire == "FP32" || wire == "BF16", kConfig,
-               "parallel.tp_comm_dtype=", par.tp_comm_dtype(),
-               ": invalid value (choose AUTO, FP32 or BF16)");
-  }
+  const std::string wire = upper_ascii(par.tp_comm_dtype());
+  KEEL_CHECK(wire.empty() || wire == "AUTO" || wire == "FP32" || wire == "BF16", kConfig,
+             "parallel.tp_comm_dtype=", par.tp_comm_dtype(),
+             ": invalid value (choose AUTO, FP32 or BF16)");
   const int64_t tp = par.tp(), heads = cfg.model().n_heads(), d_ff = cfg.model().d_ff();
   KEEL_CHECK(tp <= heads, kLayout, "parallel.tp=", tp, " exceeds model.n_heads=", heads,
              " (TP splits whole heads)");

@@ -39,6 +39,10 @@ void apply_set(const std::string& assignment, config::KeelConfig& cfg);
 // data's size belong to the launcher, not here.
 void validate(config::KeelConfig& cfg);
 
+// `s` with ASCII letters upper-cased: the enum-like string settings (train.device, train.precision,
+// parallel.tp_comm_dtype) are case-insensitive.
+std::string upper_ascii(std::string s);
+
 // Text format with every field printed, zeros and falses included, so that merging the output
 // over default_config() reproduces `cfg` exactly (config.pbtxt in the run directory).
 std::string to_text(const config::KeelConfig& cfg);

@@ -2,11 +2,11 @@
 // registry of device context factories.
 #include "framework/kernels/exec_context.h"
 
-#include <cctype>
 #include <cstring>
 #include <mutex>
 #include <vector>
 
+#include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/cross_entropy.h"
 #include "framework/kernels/elementwise.h"
@@ -294,15 +294,8 @@ std::unique_ptr<ExecContext> make_exec(Device device, int device_index) {
   return factory(device_index);
 }
 
-namespace {
-std::string upper(std::string v) {
-  for (char& c : v) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return v;
-}
-}  // namespace
-
 Precision resolve_precision(const std::string& setting, Device device) {
-  const std::string v = upper(setting);
+  const std::string v = upper_ascii(setting);
   if (v.empty() || v == "AUTO") return device == Device::kCpu ? Precision::kFp32 : Precision::kBf16;
   if (v == "FP32") return Precision::kFp32;
   KEEL_CHECK(v == "BF16", kConfig, "train.precision=", setting,
@@ -311,7 +304,7 @@ Precision resolve_precision(const std::string& setting, Device device) {
 }
 
 Device resolve_device(const std::string& setting) {
-  const std::string v = upper(setting);
+  const std::string v = upper_ascii(setting);
   if (v.empty() || v == "AUTO") {
     return exec_device_count(Device::kCuda) > 0 ? Device::kCuda : Device::kCpu;
   }
