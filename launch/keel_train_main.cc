@@ -87,7 +87,10 @@ keel::MemoryEstimate check_memory(const keel::config::KeelConfig& cfg, const kee
                                    format_bytes(share) + " each)"
                              : std::string(),
              ": use a smaller model, model.seq_len or train.micro_batch, or more ranks "
-             "(parallel.tp, parallel.zero_stage=1)");
+             "(parallel.tp, parallel.zero_stage=1)",
+             cfg.train().recompute_layers() < cfg.model().n_layers()
+                 ? ", or recompute activations (train.recompute_layers)"
+                 : "");
   return need;
 }
 
@@ -223,11 +226,16 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
         static_cast<long long>(trainer.tokens_per_step()));
     // With the banner (stdout), after every check that can refuse the run: a refused run prints
     // only its error.
-    std::printf("keel-train: device %s, %s matmuls%s\n", trainer.exec().describe().c_str(),
+    const int recompute = cfg.train().recompute_layers();
+    std::printf("keel-train: device %s, %s matmuls%s%s\n", trainer.exec().describe().c_str(),
                 kernels::precision_name(trainer.exec().precision()),
                 d.tp < 2         ? ""
                 : d.tp_bf16_wire ? ", TP all-reduces in BF16"
-                                 : ", TP all-reduces in FP32");
+                                 : ", TP all-reduces in FP32",
+                recompute == 0 ? ""
+                               : (", activations of " + std::to_string(recompute) + " of " +
+                                  std::to_string(d.L) + " blocks recomputed in backward")
+                                     .c_str());
     const std::string blas = kernels::blas_kernel_warning();
     if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);

@@ -64,7 +64,21 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
   if (d.bias) proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
 }
 
-void Attention::allocate(const LayerContext& ctx) {
+void Attention::allocate(const LayerContext& ctx, const Attention* share) {
+  if (share != nullptr) {
+    qkv_ = share->qkv_;
+    qk_ = share->qk_;
+    q_mean_ = share->q_mean_;
+    q_rstd_ = share->q_rstd_;
+    k_mean_ = share->k_mean_;
+    k_rstd_ = share->k_rstd_;
+    q_stats_ = share->q_stats_;
+    k_stats_ = share->k_stats_;
+    saved_ = share->saved_;
+    att_ = share->att_;
+    scales_ = share->scales_;
+    return;
+  }
   const ModelDims& d = ctx.dims;
   const int64_t HD = d.Hl * d.D;
   qkv_ = ctx.zeros({d.BT(), 3 * HD});

@@ -17,7 +17,9 @@ namespace keel {
 class Attention {
  public:
   Attention(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
-  void allocate(const LayerContext& ctx);
+  // share: another attention layer whose saved activations this one reuses (Note [recompute] in
+  // layers/gpt.h).
+  void allocate(const LayerContext& ctx, const Attention* share = nullptr);
   // y[BT, C] (=) from x[BT, C] (the block's normalised input). *max_logit (=, memory of the
   // execution context's device) the largest |scaled logit| of this layer.
   // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the qkv projection reads it.

@@ -64,19 +64,29 @@ Block::Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
       attn_(prefix + ".attn", ps, ctx),
       mlp_(prefix + ".mlp", ps, ctx) {}
 
-void Block::allocate(const LayerContext& ctx) {
+void Block::allocate(const LayerContext& ctx, const Block* share) {
+  const Shape s{ctx.dims.BT(), ctx.dims.C};
+  out_ = ctx.zeros(s);
+  if (share != nullptr) {
+    ln1_.allocate(ctx, &share->ln1_);
+    ln2_.allocate(ctx, &share->ln2_);
+    attn_.allocate(ctx, &share->attn_);
+    mlp_.allocate(ctx, &share->mlp_);
+    n1_ = share->n1_;
+    r1_ = share->r1_;
+    n2_ = share->n2_;
+    return;
+  }
   ln1_.allocate(ctx);
   ln2_.allocate(ctx);
   attn_.allocate(ctx);
   mlp_.allocate(ctx);
-  const Shape s{ctx.dims.BT(), ctx.dims.C};
   // Note [act-dtype]: with pre-sublayer norms n1_ and n2_ hold the norm outputs, which only the
   // sublayers' input projections read; post-sublayer, the norms' fp32 inputs.
   const DType norm_out = ctx.dims.post_norm ? DType::kF32 : ctx.exec->act_dtype();
   n1_ = ctx.zeros(s, norm_out);
   r1_ = ctx.zeros(s);
   n2_ = ctx.zeros(s, norm_out);
-  out_ = ctx.zeros(s);
 }
 
 void Block::forward(const float* x, int64_t B, float* max_logit) {
@@ -177,7 +187,13 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
     ctx_.rope = &rope_;
   }
 
-  for (auto& b : blocks_) b->allocate(ctx_);
+  // Note [recompute]: blocks 1 ... N-1 reuse block 0's saved activations.
+  recompute_ = cfg.train().recompute_layers();
+  KEEL_CHECK(recompute_ >= 0 && recompute_ <= d.L, kConfig, "train.recompute_layers=", recompute_,
+             " must be in [0, model.n_layers=", d.L, "]");
+  for (int64_t l = 0; l < d.L; ++l) {
+    blocks_[l]->allocate(ctx_, l > 0 && l < recompute_ ? blocks_[0].get() : nullptr);
+  }
   ln_f_->allocate(ctx_);
   const int64_t BT = d.BT(), C = d.C, HD = d.Hl * d.D;
   tokens_ = ctx_.zeros({BT}, DType::kI32);
@@ -331,6 +347,8 @@ void GPT::backward(float loss_weight) {
   notify(head_params_.first, head_params_.second);
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const float* x = l == 0 ? x0_.f32() : blocks_[l - 1]->out();
+    // Note [recompute]: the shared activations hold block recompute_ - 1's; rebuild this one's.
+    if (l + 1 < recompute_) blocks_[l]->forward(x, B, max_logits_.f32() + l);
     blocks_[l]->backward(x, dres_.f32(), B);
     notify(block_params_[l].first, block_params_[l].second);
   }

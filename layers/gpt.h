@@ -23,8 +23,12 @@ namespace keel {
 class Block {
  public:
   Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
-  void allocate(const LayerContext& ctx);
+  // share: a block whose saved activations this one reuses, keeping only its own output (Note
+  // [recompute]).
+  void allocate(const LayerContext& ctx, const Block* share = nullptr);
   // Writes out(); *max_logit (=, device memory) the largest |attention logit| of the block.
+  // Deterministic: run again on the same x it rewrites every saved activation bit for bit (and
+  // repeats its TP collectives), which is what recomputation relies on.
   void forward(const float* x, int64_t B, float* max_logit);
   // On entry dres = d(out); on exit dres = d(x).
   void backward(const float* x, float* dres, int64_t B);
@@ -46,6 +50,22 @@ struct LossStats {
   double log_z = 0.0;           // mean(lse): the output-logit scale z-loss pulls towards 0
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
 };
+
+// Note [recompute]
+// ~~~~~~~~~~~~~~~~
+// train.recompute_layers = N trades compute for activation memory, as Megatron-LM's full
+// recomputation (--recompute-granularity full) and torchtitan's activation checkpointing do. Blocks
+// 0 ... N-1 share one set of saved activations (every tensor Block, Attention, Mlp and Norm keep
+// for backward) and keep only their own output, which the next block reads as its input. Backward
+// reaches them last-first: before block l < N-1 runs backward, its forward runs again on its input
+// into the shared set; block N-1, the last to run forward, still holds its activations there and
+// is not recomputed. So N blocks cost one block's activations plus N outputs of [BT, C] fp32, for
+// N-1 extra block forwards per micro-batch: about a third more compute at N = n_layers, and on TP
+// 2 (N-1) more all-reduces of BT x C (plus PROJ scope's statistics), counted in the bytes formula.
+// The forward is deterministic (no dropout; the same kernels, shapes and thread counts), so the
+// gradients equal those without recomputation bit for bit (tests/layers/device_neutral_test and,
+// on a GPU, tests/gpu/train_step_test assert it).
+// N = 1 changes nothing.
 
 // parallel.tp_comm_dtype resolved: whether the TP activation all-reduces move bf16 (Note [bf16
 // wire] in parallel/communicator.h); AUTO means under the BF16 precision.
@@ -100,6 +120,7 @@ class GPT {
   int wte_, wpe_ = -1, lm_head_ = -1;  // wpe_: LEARNED positions only
   kernels::RopeTable rope_;            // ROPE: cos/sin for positions [0, T), shared by the layers
   std::vector<std::unique_ptr<Block>> blocks_;
+  int64_t recompute_ = 0;  // train.recompute_layers: blocks [0, recompute_) share activations
   std::unique_ptr<Norm> ln_f_;
   Tensor tokens_, targets_;    // [BT] int32 copies of the last batch
   Tensor x0_, xf_, logits_;    // [BT, C], [BT, C], [BT, Vl]

@@ -109,7 +109,11 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   }
   model += (gpu ? 0 : std::max(1, threads) * 2 * T * T) + B * Hl + Hl;
   const double trainer = 2 * BT;  // the trainer's input and target batch
-  e.activations = (L * block + model + trainer) * kFloat;
+  // Note [recompute] (layers/gpt.h): the first N blocks share one block's saved activations and
+  // keep only their outputs.
+  const double shared = std::max(0, cfg.train().recompute_layers() - 1);
+  const double blocks = L * block - shared * (block - BT * C);
+  e.activations = (blocks + model + trainer) * kFloat;
 
   // MPI's temporaries for the DP gradient reduction (measured with Open MPI 4: a 2-rank job's
   // peak RSS grows by about the arena under ZeRO-1's reduce-scatter, and by about one bucket,

@@ -6,13 +6,14 @@
 // run): the parameter and gradient arenas (layers/params.cc, this TP rank's slice, each tensor
 // padded to 16 floats), the AdamW moments m and v (framework/optim; a 1/dp shard of the arena plus
 // its reduce-scattered gradient shard under ZeRO-1), the activations one micro-batch saves for
-// backward plus the logits and the shared backward scratch (layers/gpt.cc, attention.cc, mlp.cc,
-// norm.cc), the temporary buffers MPI allocates to reduce gradients over DP (measured with Open
-// MPI: about one bucket for the all-reduce, the whole arena for ZeRO-1's reduce-scatter), the
-// built-in corpus held in memory, and a fixed process baseline (runtime, MPI, OpenBLAS) plus
-// bookkeeping per layer. Files given as data.path are memory-mapped page cache, which the kernel
-// can drop, so they are not counted. Doubles throughout: a config of 2^31 layers or a 2^31
-// vocabulary computes a huge number, never an overflowed one.
+// backward (fewer with train.recompute_layers: Note [recompute] in layers/gpt.h) plus the logits
+// and the shared backward scratch (layers/gpt.cc, attention.cc, mlp.cc, norm.cc), the temporary
+// buffers MPI allocates to reduce gradients over DP (measured with Open MPI: about one bucket for
+// the all-reduce, the whole arena for ZeRO-1's reduce-scatter), the built-in corpus held in memory,
+// and a fixed process baseline (runtime, MPI, OpenBLAS) plus bookkeeping per layer. Files given as
+// data.path are memory-mapped page cache, which the kernel can drop, so they are not counted.
+// Doubles throughout: a config of 2^31 layers or a 2^31 vocabulary computes a huge number, never an
+// overflowed one.
 #pragma once
 
 #include <cstdint>

@@ -23,7 +23,13 @@ Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : p
   if (d.bias) proj_b_ = ps.add({prefix + ".proj.bias", {d.C}, -1, ParamInit::kConstant, 0.0f});
 }
 
-void Mlp::allocate(const LayerContext& ctx) {
+void Mlp::allocate(const LayerContext& ctx, const Mlp* share) {
+  if (share != nullptr) {
+    h_ = share->h_;
+    a_ = share->a_;
+    g_ = share->g_;
+    return;
+  }
   h_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
   if (gated_) a_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
   // Note [act-dtype]: only the down projection reads the activated hidden.

@@ -16,7 +16,8 @@ namespace keel {
 class Mlp {
  public:
   Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
-  void allocate(const LayerContext& ctx);
+  // share: another MLP whose saved activations this one reuses (Note [recompute] in layers/gpt.h).
+  void allocate(const LayerContext& ctx, const Mlp* share = nullptr);
   // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the projections read it.
   void forward(kernels::ActIn x, kernels::ActOut y, int64_t B);            // y[BT, C] (=)
   void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);  // dx[BT, C] (=)

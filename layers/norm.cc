@@ -16,7 +16,12 @@ Norm::Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
   }
 }
 
-void Norm::allocate(const LayerContext& ctx) {
+void Norm::allocate(const LayerContext& ctx, const Norm* share) {
+  if (share != nullptr) {
+    mean_ = share->mean_;
+    rstd_ = share->rstd_;
+    return;
+  }
   mean_ = ctx.zeros({ctx.dims.BT()});
   rstd_ = ctx.zeros({ctx.dims.BT()});
 }

@@ -17,7 +17,8 @@ inline constexpr float kBlockNormEps = 1e-5f;
 class Norm {
  public:
   Norm(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
-  void allocate(const LayerContext& ctx);
+  // share: another norm whose saved statistics this one reuses (Note [recompute] in layers/gpt.h).
+  void allocate(const LayerContext& ctx, const Norm* share = nullptr);
   // y[BT, C] (=): fp32, or bf16 under BF16 on a GPU when only matrix products read it
   // (Note [act-dtype]).
   void forward(const float* x, kernels::ActOut y, int64_t B);

@@ -76,6 +76,7 @@ train {
   tensorboard: true
   device: "AUTO"
   precision: "AUTO"
+  recompute_layers: 0
 }
 optim {
   lr: 3e-3
@@ -707,6 +708,11 @@ void validate(KeelConfig& cfg) {
              " is reached by rank 0 only (it commits the checkpoint); debug.kill_rank=",
              cfg.debug().kill_rank(), " never gets there");
   validate_train(cfg.train());
+  KEEL_CHECK(cfg.train().recompute_layers() >= 0 &&
+                 cfg.train().recompute_layers() <= cfg.model().n_layers(),
+             kConfig, "train.recompute_layers=", cfg.train().recompute_layers(),
+             " must be in [0, model.n_layers=", cfg.model().n_layers(), "] (0: none; ",
+             cfg.model().n_layers(), ": every block)");
   validate_optim(cfg.optim());
   KEEL_CHECK(cfg.loss().z_loss() >= 0, kConfig, "loss.z_loss=", cfg.loss().z_loss(),
              " must be >= 0 (0 disables)");

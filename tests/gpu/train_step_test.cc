@@ -261,6 +261,66 @@ TEST_F(TrainStepTest, OneTrainingStepMatchesTheCpu) {
   }
 }
 
+// Note [recompute] (layers/gpt.h) on the GPU at its default precision (BF16: bf16 activations,
+// the fused attention's log-sum-exp, the fused loss gradient): a model that recomputes its blocks'
+// activations in backward (train.recompute_layers = n_layers, and fewer) gives the losses and
+// the accumulated gradients of the model that keeps them all, bit for bit (every GPU kernel keel
+// runs, attention's backward included, is deterministic), with less device memory.
+TEST_F(TrainStepTest, RecomputationChangesNoBit) {
+  const std::vector<Variant> variants = {
+      {"GPT-2 shape, 3 layers, all recomputed",
+       {"model.n_layers=3", "model.seq_len=32", "model.qk_norm=RMS", "train.recompute_layers=3"}},
+      {"OLMo 2 shape, 3 layers, the first 2 recomputed",
+       {"model.n_layers=3", "model.seq_len=32", "model.position=ROPE", "model.mlp=SWIGLU",
+        "model.qk_norm=RMS", "model.qk_norm_scope=PROJECTION", "model.norm=RMSNORM",
+        "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false", "model.bias=false",
+        "train.recompute_layers=2"}},
+  };
+  for (const Variant& variant : variants) {
+    SCOPED_TRACE(variant.name);
+    const config::KeelConfig cfg = step_config(variant);
+    config::KeelConfig keep_cfg = cfg;
+    keep_cfg.mutable_train()->set_recompute_layers(0);
+    const int64_t B = 4, T = cfg.model().seq_len(), V = cfg.model().vocab_size();
+    std::unique_ptr<Communicator> tp, dp;
+    const Topology topo = Topology::single(tp, dp);
+    cuda::CudaExec gexec(0);
+    gexec.set_precision(kernels::Precision::kBf16);
+    auto in_use = [&] { return gexec.context().allocator().stats().bytes_in_use; };
+    const int64_t before = in_use();
+    GPT keep(keep_cfg, topo, B, gexec);
+    const int64_t keep_bytes = in_use() - before;
+    GPT rec(cfg, topo, B, gexec);
+    const int64_t rec_bytes = in_use() - before - keep_bytes;
+    EXPECT_LT(rec_bytes, keep_bytes) << "recomputation saved no device memory";
+    keep.init(cfg.train().seed());
+    rec.init(cfg.train().seed());
+    keep.params().zero_grads();
+    rec.params().zero_grads();
+    std::mt19937 gen(99);
+    std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(V - 1));
+    for (int mb = 0; mb < 2; ++mb) {  // two micro-batches accumulate, as in a step
+      std::vector<int32_t> tokens(B * T), targets(B * T);
+      for (int32_t& t : tokens) t = tok(gen);
+      for (int32_t& t : targets) t = tok(gen);
+      const LossStats a = keep.forward(tokens.data(), targets.data(), B, 0.5f);
+      const LossStats b = rec.forward(tokens.data(), targets.data(), B, 0.5f);
+      EXPECT_EQ(a.ce, b.ce) << "micro-batch " << mb;
+      EXPECT_EQ(a.z_loss, b.z_loss) << "micro-batch " << mb;
+      EXPECT_EQ(a.max_attn_logit, b.max_attn_logit) << "micro-batch " << mb;
+      keep.backward(0.5f);
+      rec.backward(0.5f);
+      const std::vector<float> ga = to_host(keep.params().grads());
+      const std::vector<float> gb = to_host(rec.params().grads());
+      EXPECT_GT(norm2(ga), 0.0);
+      EXPECT_TRUE(same_bits(ga, gb))
+          << "micro-batch " << mb << ": gradients differ, relative " << rel_norm_diff(gb, ga);
+    }
+    std::printf("%s: model on the device %lld bytes, recomputing %lld bytes\n", variant.name,
+                static_cast<long long>(keep_bytes), static_cast<long long>(rec_bytes));
+  }
+}
+
 // ---- the Trainer on each device ----
 
 // A Trainer with its own single-process topology (the Trainer copies it; its communicators stay

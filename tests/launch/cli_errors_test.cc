@@ -262,7 +262,8 @@ TEST_F(KeelTrainCli, SizesNoMachineHoldsAreRefusedByTheMemoryEstimate) {
         "model.max_positions=2147483647", "train.global_batch=2147483647"}) {
     SCOPED_TRACE(set);
     expect_refused(train_overriding({"--set", set}), "config",
-                   {"this job needs about", "per rank", "this machine has", "of memory"});
+                   {"this job needs about", "per rank", "this machine has", "of memory",
+                    "or recompute activations (train.recompute_layers)"});
   }
   // The estimate is printed at start-up for jobs that fit.
   const CommandResult r = train({});
@@ -535,7 +536,8 @@ TEST_F(KeelTrainCli, MpiErrorsEndEveryRankWithOneMessage) {
 }
 
 // train.device, train.precision and parallel.tp_comm_dtype: a misspelt value, BF16 on the CPU, and
-// a GPU run on a machine (or a build) without one are refused before anything is built.
+// a GPU run on a machine (or a build) without one are refused before anything is built; so is a
+// train.recompute_layers outside [0, model.n_layers].
 TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
   expect_refused(train({"--set", "train.device=GPU"}), "config",
                  {"train.device=GPU", "AUTO, CPU or CUDA"});
@@ -545,6 +547,11 @@ TEST_F(KeelTrainCli, DeviceAndPrecisionRefusals) {
                  {"train.precision=BF16", "FP32 only"});
   expect_refused(train({"--set", "parallel.tp_comm_dtype=FP16"}), "config",
                  {"parallel.tp_comm_dtype=FP16", "AUTO, FP32 or BF16"});
+  // Activation recomputation covers at most every block.
+  expect_refused(train({"--set", "train.recompute_layers=-1"}), "config",
+                 {"train.recompute_layers=-1", "must be in [0, model.n_layers="});
+  expect_refused(train({"--set", "train.recompute_layers=99"}), "config",
+                 {"train.recompute_layers=99", "must be in [0, model.n_layers="});
   if (std::filesystem::exists("/dev/nvidia0")) {
     GTEST_SKIP() << "this machine has a GPU: train.device=CUDA would run";
   }

@@ -5,7 +5,9 @@
 // MLPs, pre- and post-sublayer norms, tied and untied heads, with and without biases): two
 // micro-batches of forward (with targets) and accumulated backward, then two AdamW steps, and a
 // forward without targets (inference, fewer sequences than the micro-batch). LossStats, logits,
-// the whole gradient arena, AdamW's moments and the parameters are compared bit for bit.
+// the whole gradient arena, AdamW's moments and the parameters are compared bit for bit. The same
+// variants show that activation recomputation (train.recompute_layers) and the fused loss gradient
+// change no bit of the gradients.
 //
 // Why this proves device neutrality: every host dereference of the fake model's memory (a layer
 // reading a parameter, the loss reading a logit, the optimizer touching a moment outside an
@@ -269,6 +271,61 @@ TEST_P(DeviceNeutral, FusedLossGradientIsTheSeparateOnesBitwise) {
     EXPECT_EQ(e.kind(), ErrorKind::kInternal);
     EXPECT_NE(std::string(e.what()).find("differs from the forward's"), std::string::npos)
         << e.what();
+  }
+}
+
+// Note [recompute] (layers/gpt.h): with train.recompute_layers = N the first N of 3 blocks share
+// one set of saved activations and backward recomputes blocks 0 ... N-2 from their inputs. The
+// losses, logits and accumulated gradients equal those of the model that keeps everything, bit
+// for bit, on the CPU and on the fake device (N = 3; the forward given the loss weight, as the
+// trainer calls it), and N = 2 leaves the last block its own activations. Without the recompute
+// the shared set would hold block N-1's activations and the gradients would differ.
+TEST_P(DeviceNeutral, RecomputedActivationsGiveTheSameGradientsBitwise) {
+  config::KeelConfig cfg = tiny_config(GetParam());
+  cfg.mutable_model()->set_n_layers(3);
+  ScopedFakeDevice fake;
+  std::unique_ptr<kernels::ExecContext> dev_exec = kernels::make_exec(Device::kCuda);
+  Side keep(cfg, kernels::cpu_exec());
+  config::KeelConfig two = cfg, all = cfg;
+  two.mutable_train()->set_recompute_layers(2);
+  all.mutable_train()->set_recompute_layers(3);
+  Side partial(two, kernels::cpu_exec()), full(all, kernels::cpu_exec());
+  size_t bytes = fake.memory().stats().live_bytes;
+  Side dev_keep(cfg, *dev_exec);
+  const size_t keep_bytes = fake.memory().stats().live_bytes - bytes;
+  bytes = fake.memory().stats().live_bytes;
+  Side dev_full(all, *dev_exec);
+  const size_t full_bytes = fake.memory().stats().live_bytes - bytes;
+  EXPECT_LT(full_bytes, keep_bytes) << "recomputation saved no device memory";
+  Side* sides[] = {&keep, &partial, &full, &dev_keep, &dev_full};
+  const char* names[] = {"keep", "recompute 2", "recompute 3", "fake device", "fake recompute 3"};
+  const ModelDims& d = keep.model.dims();
+  const float weight = 1.0f / kMicroBatches;
+  for (Side* s : sides) s->model.params().zero_grads();
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    const std::vector<int32_t> tokens = random_tokens(kB * d.T, d.V, 500 + mb);
+    const std::vector<int32_t> targets = random_tokens(kB * d.T, d.V, 550 + mb);
+    const LossStats want = keep.model.forward(tokens.data(), targets.data(), kB);
+    const Tensor want_logits = keep.model.logits().to(Device::kCpu);
+    keep.model.backward(weight);
+    int64_t keep_calls = 0;
+    for (size_t i = 1; i < std::size(sides); ++i) {
+      const std::string where = std::string(names[i]) + ", micro-batch " + std::to_string(mb);
+      GPT& m = sides[i]->model;
+      const bool fused = i == 2 || i == 4;  // as the trainer calls it: the loss gradient fused
+      const LossStats got = fused ? m.forward(tokens.data(), targets.data(), kB, weight)
+                                  : m.forward(tokens.data(), targets.data(), kB);
+      expect_same_stats(want, got, where);
+      if (!fused) expect_same_floats(want_logits, m.logits(), where + " logits");
+      const int64_t calls = fake.memory().stats().exec_calls;
+      m.backward(weight);
+      if (i == 3) keep_calls = fake.memory().stats().exec_calls - calls;
+      if (i == 4) {
+        EXPECT_GT(fake.memory().stats().exec_calls - calls, keep_calls)
+            << where << ": backward ran no recomputation";
+      }
+      expect_same_floats(keep.model.params().grads(), m.params().grads(), where + " gradients");
+    }
   }
 }
 

@@ -76,34 +76,44 @@ TEST_P(MemoryEstimateMatchesModel, ParametersExactlyAndHeapWithinFivePercent) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, MemoryEstimateMatchesModel,
-    ::testing::Values(Case{{}}, Case{{"model.tie_embeddings=false"}},
-                      Case{{"model.norm=RMSNORM", "model.qk_norm=NONE"}},
-                      Case{{"model.qk_norm=LAYER", "model.qk_norm_scope=PROJECTION"}},
-                      Case{{"model.qk_norm=L2", "model.qk_norm_scope=HEAD"}},
-                      Case{{"model.qk_norm=RMS", "model.qk_norm_scope=HEAD"}, 2, 1, 8},
-                      Case{{"model.tie_embeddings=false", "model.max_positions=100"}, 4, 3, 3},
-                      Case{{"model.d_ff=96", "model.seq_len=8"}, 2, 2, 1},
-                      // Modern blocks, one option at a time, then combined.
-                      Case{{"model.position=ROPE"}},
-                      Case{{"model.mlp=SWIGLU"}},  // d_ff 0 -> 8/3 x 64 rounded up to 192
-                      Case{{"model.mlp=GEGLU", "model.d_ff=96"}, 2, 1, 8},
-                      Case{{"model.bias=false", "model.qk_norm=LAYER", "model.qk_norm_scope=HEAD"}},
-                      Case{{"model.bias=false", "model.norm=RMSNORM", "model.qk_norm=L2"}, 2, 2, 4},
-                      Case{{"model.norm_placement=POST_SUBLAYER"}},
-                      // OLMo 2
-                      Case{{"model.norm=RMSNORM", "model.qk_norm=RMS",
-                            "model.qk_norm_scope=PROJECTION", "model.position=ROPE",
-                            "model.mlp=SWIGLU", "model.bias=false",
-                            "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false"},
-                           2,
-                           2,
-                           4},
-                      // Qwen3
-                      Case{{"model.norm=RMSNORM", "model.qk_norm=RMS", "model.position=ROPE",
-                            "model.mlp=SWIGLU", "model.bias=false"},
-                           4,
-                           3,
-                           3}));
+    ::testing::Values(
+        Case{{}}, Case{{"model.tie_embeddings=false"}},
+        Case{{"model.norm=RMSNORM", "model.qk_norm=NONE"}},
+        Case{{"model.qk_norm=LAYER", "model.qk_norm_scope=PROJECTION"}},
+        Case{{"model.qk_norm=L2", "model.qk_norm_scope=HEAD"}},
+        Case{{"model.qk_norm=RMS", "model.qk_norm_scope=HEAD"}, 2, 1, 8},
+        Case{{"model.tie_embeddings=false", "model.max_positions=100"}, 4, 3, 3},
+        Case{{"model.d_ff=96", "model.seq_len=8"}, 2, 2, 1},
+        // Modern blocks, one option at a time, then combined.
+        Case{{"model.position=ROPE"}},
+        Case{{"model.mlp=SWIGLU"}},  // d_ff 0 -> 8/3 x 64 rounded up to 192
+        Case{{"model.mlp=GEGLU", "model.d_ff=96"}, 2, 1, 8},
+        Case{{"model.bias=false", "model.qk_norm=LAYER", "model.qk_norm_scope=HEAD"}},
+        Case{{"model.bias=false", "model.norm=RMSNORM", "model.qk_norm=L2"}, 2, 2, 4},
+        Case{{"model.norm_placement=POST_SUBLAYER"}},
+        // OLMo 2
+        Case{{"model.norm=RMSNORM", "model.qk_norm=RMS", "model.qk_norm_scope=PROJECTION",
+              "model.position=ROPE", "model.mlp=SWIGLU", "model.bias=false",
+              "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false"},
+             2,
+             2,
+             4},
+        // Qwen3
+        Case{{"model.norm=RMSNORM", "model.qk_norm=RMS", "model.position=ROPE", "model.mlp=SWIGLU",
+              "model.bias=false"},
+             4,
+             3,
+             3},
+        // Activation recomputation (Note [recompute]): all blocks, some, and with
+        // post-sublayer norms and PROJECTION statistics under TP.
+        Case{{"model.n_layers=4", "train.recompute_layers=4"}},
+        Case{{"model.n_layers=4", "train.recompute_layers=3", "model.mlp=SWIGLU",
+              "model.position=ROPE"}},
+        Case{{"model.n_layers=3", "train.recompute_layers=3", "model.norm_placement=POST_SUBLAYER",
+              "model.qk_norm=LAYER", "model.qk_norm_scope=PROJECTION"},
+             2,
+             2,
+             4}));
 
 TEST(MemoryEstimate, OptimizerStateFollowsTheLayout) {
   const config::KeelConfig plain = small_config({});
@@ -215,6 +225,25 @@ TEST(MemoryEstimate, Bf16ActivationsSaveFourPointFourGBAtGpt2Small) {
       estimate_memory(load_config("", fp32), 1, 1, 16, 1, Device::kCuda).activations -
       estimate_memory(load_config("", bf16), 1, 1, 16, 1, Device::kCuda).activations;
   EXPECT_NEAR(saved / 1e9, 4.4, 0.05);
+}
+
+// README ("Activation recomputation"): GPT-2 small shapes on a GPU under BF16, 16 x 1024 tokens
+// per micro-batch: train.recompute_layers=12 keeps 6.97 GB less of activations than keeping every
+// block's (10.51 GB), and 6 (half the blocks) 3.17 GB less.
+TEST(MemoryEstimate, RecomputationAtGpt2Small) {
+  const std::vector<std::string> shapes = {
+      "model.vocab_size=50304", "model.d_model=768", "model.n_layers=12",    "model.n_heads=12",
+      "model.seq_len=1024",     "model.qk_norm=RMS", "train.global_batch=16"};
+  auto activations = [&](int n) {
+    std::vector<std::string> sets = shapes;
+    sets.push_back("train.recompute_layers=" + std::to_string(n));
+    return estimate_memory(load_config("", sets), 1, 1, 16, 1, Device::kCuda).activations;
+  };
+  const double keep = activations(0), all = activations(12), half = activations(6);
+  EXPECT_EQ(activations(1), keep);  // one block sharing with itself changes nothing
+  EXPECT_NEAR(keep / 1e9, 10.51, 0.01);
+  EXPECT_NEAR((keep - all) / 1e9, 6.97, 0.01);
+  EXPECT_NEAR((keep - half) / 1e9, 3.17, 0.01);
 }
 
 }  // namespace

@@ -25,6 +25,9 @@
 //   where w = 4, or 2 with parallel.tp_comm_dtype=BF16 (Note [bf16 wire]: the (2 + 4L) BT C
 //   activation and gradient all-reduces move bf16; the statistics and gains stay fp32)
 //   TP calls = A [(5 + 4L) + PROJ 4L] + (tensors in G) + [zero_stage = 0]
+//   With train.recompute_layers = N, R = max(N - 1, 0) block forwards run again in backward
+//   (Note [recompute] in layers/gpt.h), repeating their collectives: (2 + 4L) becomes
+//   (2 + 4L + 2R), PROJ 8 L BT becomes PROJ (8L + 4R) BT, and the calls grow by A (2R + PROJ 2R).
 //
 // Data parallel group (dp > 1), per step:
 //   zero_stage 0: each gradient bucket all-reduced once. A bucket is a run of consecutive
@@ -90,6 +93,7 @@ struct Case {
   double bucket_mb = 25;   // 25: one bucket for the tiny model
   BlockKind block{};       // the GPT-2 block unless set
   bool bf16_wire = false;  // parallel.tp_comm_dtype=BF16
+  int recompute = 0;       // train.recompute_layers
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -101,6 +105,7 @@ struct Case {
     if (bucket_mb < 1) s += "_small_buckets";
     if (!block.tag.empty()) s += "_" + block.tag;
     if (bf16_wire) s += "_bf16_wire";
+    if (recompute) s += "_recompute" + std::to_string(recompute);
     return s;
   }
 };
@@ -190,6 +195,20 @@ std::vector<Case> cases() {
   Case wire_dp{1, 2, rms_shared, 0, 0};
   wire_dp.bf16_wire = true;
   out.push_back(wire_dp);
+  // Activation recomputation repeats the recomputed blocks' forward collectives: every block with
+  // PROJECTION statistics at TP2 x DP2 (2 micro-batches), some blocks of the OLMo 2 block on the
+  // bf16 wire, and a DP layout (no TP collectives to repeat; DP unchanged).
+  Case rc22{2, 2, {config::RMS, config::PROJECTION}, 0, 2};
+  rc22.recompute = kLayers;
+  out.push_back(rc22);
+  Case rc_olmo{2, 1, rms_projection, 1, 0, false};
+  rc_olmo.block = testing::olmo2_block();
+  rc_olmo.bf16_wire = true;
+  rc_olmo.recompute = kLayers;
+  out.push_back(rc_olmo);
+  Case rc_dp{1, 2, rms_shared, 0, 0};
+  rc_dp.recompute = kLayers;
+  out.push_back(rc_dp);
   return out;
 }
 
@@ -264,9 +283,12 @@ Volume expected_volume(const Case& c, Terms* t) {
   const bool zero = c.zero_stage == 1 && c.dp > 1;
   Volume v;
   if (c.tp > 1) {
-    t->act = (2 + 4 * L) * BT * C;  // floats per micro-batch, forward + backward
+    // Note [recompute]: R block forwards run again in backward, each with its 2 all-reduces of
+    // BT C and, PROJECTION scope, its 2 of 2 BT.
+    const int64_t R = std::max(c.recompute - 1, 0);
+    t->act = (2 + 4 * L + 2 * R) * BT * C;  // floats per micro-batch, forward + backward
     t->loss = 3 * BT;
-    t->proj = proj ? 8 * L * BT : 0;
+    t->proj = proj ? (8 * L + 4 * R) * BT : 0;
     if (c.qk.scope == config::HEAD_SHARED && c.qk.norm == config::RMS) {
       t->partial_tensors = 2 * L;
       t->partial = 2 * L * D;
@@ -280,7 +302,8 @@ Volume expected_volume(const Case& c, Terms* t) {
     }
     const int64_t w = c.bf16_wire ? 2 : 4;  // bytes per activation element on the wire
     v.tp_bytes = t->A * (w * t->act + 4 * (t->loss + t->proj)) + 4 * t->partial + (zero ? 0 : 8);
-    v.tp_calls = t->A * ((5 + 4 * L) + (proj ? 4 * L : 0)) + t->partial_tensors + (zero ? 0 : 1);
+    v.tp_calls = t->A * ((5 + 4 * L + 2 * R) + (proj ? 4 * L + 2 * R : 0)) + t->partial_tensors +
+                 (zero ? 0 : 1);
   }
   // The arena: every tensor starts at a multiple of 16 floats; the total is padded to 16 dp.
   const auto params = local_params(c);
@@ -368,6 +391,7 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
   opts.progress = false;
   config::KeelConfig cfg = tiny_config(job);
   if (c.bf16_wire) cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
+  cfg.mutable_train()->set_recompute_layers(c.recompute);
   Trainer trainer(cfg, topo, opts);
   EXPECT_EQ(trainer.model().dims().tp_bf16_wire, c.bf16_wire);
 

@@ -114,6 +114,7 @@ struct TinyJob {
   double grad_clip = 1e9;  // large: clipping does not bind
   double bucket_mb = 25;
   BlockKind block;
+  int recompute = 0;  // train.recompute_layers
 };
 
 inline constexpr int kVocab = 130;
@@ -142,6 +143,7 @@ inline config::KeelConfig tiny_config(const TinyJob& j) {
       "parallel.bucket_mb=" + std::to_string(j.bucket_mb),
       "train.global_batch=" + std::to_string(kGlobalBatch),
       "train.micro_batch=" + std::to_string(j.micro_batch),
+      "train.recompute_layers=" + std::to_string(j.recompute),
       "train.steps=100",
       "train.seed=4242",
       "train.eval_every=0",

@@ -23,7 +23,8 @@
 // TP2xDP2 and TP2xDP2 with ZeRO-1, alternating an OLMo 2 block (SwiGLU, no bias, POST_SUBLAYER
 // RMSNorm) and a RoPE + GEGLU block with biases; the OLMo 2 and Qwen3 configurations as such run
 // under DP, TP and TP x DP layouts. Each case runs only where tp x dp equals the world size
-// (mpiexec -n 1, 2, 4). Rank 0 prints the worst relative and absolute differences per case.
+// (mpiexec -n 1, 2, 4). Activation recomputation (train.recompute_layers) runs in one case of each
+// layout kind. Rank 0 prints the worst relative and absolute differences per case.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -70,6 +71,7 @@ struct Case {
   bool tied = true;
   double grad_clip = 1e9;
   BlockKind block{};  // the GPT-2 block unless set
+  int recompute = 0;  // train.recompute_layers of the parallel job (the reference keeps all)
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -79,6 +81,7 @@ struct Case {
     if (!tied) s += "_untied";
     if (grad_clip < 1e8) s += "_clip";
     if (!block.tag.empty()) s += "_" + block.tag;
+    if (recompute) s += "_recompute" + std::to_string(recompute);
     return s;
   }
 };
@@ -156,6 +159,23 @@ std::vector<Case> cases() {
   Case olmo_clip{2, 2, rms_projection, 0, 0, false, kBindingClip};
   olmo_clip.block = testing::olmo2_block();
   out.push_back(olmo_clip);
+  // Activation recomputation (Note [recompute] in layers/gpt.h) in the parallel job only, against
+  // the reference that keeps every activation: the GPT-2 block under each layout kind (TP with
+  // PROJECTION statistics and accumulation), the OLMo 2 block under TP x DP with ZeRO-1.
+  const int recompute_layouts[][4] = {// tp, dp, zero_stage, micro_batch
+                                      {1, 1, 0, 4},
+                                      {2, 1, 0, 4},
+                                      {1, 2, 0, 0},
+                                      {4, 1, 0, 0}};
+  for (const auto& [tp, dp, zero_stage, micro_batch] : recompute_layouts) {
+    Case c{tp, dp, rms_projection, zero_stage, micro_batch};
+    c.recompute = testing::kLayers;
+    out.push_back(c);
+  }
+  Case olmo_rc{2, 2, rms_projection, 1, 2, false};
+  olmo_rc.block = testing::olmo2_block();
+  olmo_rc.recompute = testing::kLayers;
+  out.push_back(olmo_rc);
   return out;
 }
 
@@ -397,6 +417,7 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
   job.tp = c.tp;
   job.zero_stage = c.zero_stage;
   job.micro_batch = c.micro_batch;
+  job.recompute = c.recompute;
   Distributed dist(mpi_env(), c.tp, 60.0);
   const Topology& topo = dist.topology();
   ASSERT_EQ(topo.dp, c.dp);  // the same on every rank, so no rank is left in a collective
