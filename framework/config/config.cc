@@ -87,6 +87,8 @@ optim {
   beta1: 0.9
   beta2: 0.95
   eps: 1e-8
+  schedule: COSINE
+  decay_steps: 0  # WSD, WSD_SQRT: a fifth of train.steps
 }
 loss {
   z_loss: 1e-4
@@ -530,6 +532,22 @@ void validate_optim(const config::Optim& o) {
   KEEL_CHECK(o.eps() > 0, kConfig, "optim.eps=", o.eps(), " must be > 0");
 }
 
+// optim.decay_steps belongs to the WSD schedules; 0 there means a fifth of train.steps (resolved
+// here), and the decay must fit after the warmup.
+void validate_schedule(config::Optim& o, const config::Train& t) {
+  const bool wsd = o.schedule() == config::WSD || o.schedule() == config::WSD_SQRT;
+  KEEL_CHECK(o.decay_steps() >= 0, kConfig, "optim.decay_steps=", o.decay_steps(),
+             " must be >= 0 (0: a fifth of train.steps)");
+  KEEL_CHECK(wsd || o.decay_steps() == 0, kConfig, "optim.decay_steps=", o.decay_steps(),
+             " applies to optim.schedule WSD and WSD_SQRT only (this one is ",
+             config::LrSchedule_Name(o.schedule()), ")");
+  if (!wsd) return;
+  if (o.decay_steps() == 0) o.set_decay_steps(std::max(1, t.steps() / 5));
+  KEEL_CHECK(static_cast<int64_t>(o.warmup_steps()) + o.decay_steps() <= t.steps(), kConfig,
+             "optim.warmup_steps=", o.warmup_steps(), " + optim.decay_steps=", o.decay_steps(),
+             " exceed train.steps=", t.steps(), " (the decay must start after the warmup)");
+}
+
 void validate_data(config::Data& d, const config::Train& t) {
   if (d.format() == config::AUTO) {
     if (d.path().empty()) {
@@ -714,6 +732,7 @@ void validate(KeelConfig& cfg) {
              " must be in [0, model.n_layers=", cfg.model().n_layers(), "] (0: none; ",
              cfg.model().n_layers(), ": every block)");
   validate_optim(cfg.optim());
+  validate_schedule(*cfg.mutable_optim(), cfg.train());
   KEEL_CHECK(cfg.loss().z_loss() >= 0, kConfig, "loss.z_loss=", cfg.loss().z_loss(),
              " must be >= 0 (0 disables)");
   validate_data(*cfg.mutable_data(), cfg.train());

@@ -27,10 +27,32 @@ float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps)
   const double peak = cfg.lr();
   const int64_t warmup = cfg.warmup_steps();
   if (step < warmup) return static_cast<float>(peak * static_cast<double>(step + 1) / warmup);
+  if (cfg.schedule() == config::CONSTANT) return static_cast<float>(peak);
+  const bool wsd = cfg.schedule() == config::WSD || cfg.schedule() == config::WSD_SQRT;
+  // The decay runs over [start, total_steps): after the warmup, or for WSD its last decay_steps.
+  int64_t start = warmup;
+  if (wsd) {
+    const int64_t decay = cfg.decay_steps() > 0 ? cfg.decay_steps() : total_steps / 5;
+    start = std::max(warmup, total_steps - decay);
+    if (step < start) return static_cast<float>(peak);  // the stable phase
+  }
+  const double progress =
+      std::min(1.0, static_cast<double>(step - start) / std::max<int64_t>(1, total_steps - start));
+  double frac;  // of the way from the floor (0) to the peak (1)
+  switch (cfg.schedule()) {
+    case config::LINEAR:
+    case config::WSD:
+      frac = 1.0 - progress;
+      break;
+    case config::WSD_SQRT:
+      frac = 1.0 - std::sqrt(progress);
+      break;
+    default:  // COSINE
+      frac = 0.5 * (1.0 + std::cos(M_PI * progress));
+      break;
+  }
   const double min_lr = peak * cfg.min_lr_ratio();
-  const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup);
-  const double progress = std::min(1.0, static_cast<double>(step - warmup) / decay_steps);
-  return static_cast<float>(min_lr + 0.5 * (peak - min_lr) * (1.0 + std::cos(M_PI * progress)));
+  return static_cast<float>(min_lr + (peak - min_lr) * frac);
 }
 
 float clip_scale(double norm, double max_norm) {

@@ -41,8 +41,14 @@ class AdamW {
   int64_t t_ = 0;
 };
 
-// Learning rate at 0-based `step`: linear warmup over optim.warmup_steps to optim.lr, then cosine
-// decay to optim.lr * optim.min_lr_ratio at total_steps.
+// Learning rate at 0-based `step`: linear warmup over optim.warmup_steps to optim.lr, then
+// optim.schedule down to the floor optim.lr * optim.min_lr_ratio, reached at total_steps:
+//   COSINE    floor + (lr - floor) (1 + cos(pi p)) / 2 over p in [0, 1] from the warmup's end;
+//   LINEAR    floor + (lr - floor) (1 - p);
+//   WSD       lr (stable), then over the last optim.decay_steps (0: total_steps / 5) linear;
+//   WSD_SQRT  the same with 1 - sqrt(p) (Haegele et al. 2024, "Scaling Laws and Compute-Optimal
+//             Training Beyond Fixed Training Durations");
+//   CONSTANT  lr.
 float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps);
 
 // Multiplier that brings a gradient of global norm `norm` to at most `max_norm` (1 when within,

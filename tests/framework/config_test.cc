@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -371,6 +373,15 @@ TEST(Config, ValidationErrorsNameTheField) {
        "model.rope_theta=1 must be > 1 with model.position=ROPE"},
       {{"model.position=ROPE", "model.d_model=132", "model.n_heads=4"},
        "model.position=ROPE needs an even head_dim"},
+      {{"train.recompute_layers=-1"}, "train.recompute_layers=-1 must be in [0, model.n_layers=4]"},
+      {{"train.recompute_layers=5"}, "train.recompute_layers=5 must be in [0, model.n_layers=4]"},
+      {{"optim.schedule=COSINE", "optim.decay_steps=10"},
+       "optim.decay_steps=10 applies to optim.schedule WSD and WSD_SQRT only (this one is COSINE)"},
+      {{"optim.schedule=WSD", "optim.decay_steps=-1"}, "optim.decay_steps=-1 must be >= 0"},
+      {{"optim.schedule=WSD_SQRT", "optim.decay_steps=361"},
+       "optim.warmup_steps=40 + optim.decay_steps=361 exceed train.steps=400"},
+      {{"optim.schedule=STEP"},
+       "invalid value for enum field (choose one of COSINE, LINEAR, WSD, WSD_SQRT, CONSTANT)"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.expected);
@@ -380,6 +391,15 @@ TEST(Config, ValidationErrorsNameTheField) {
   EXPECT_NO_THROW(load_config("", {"data.val_fraction=0", "train.eval_every=0"}));
   EXPECT_NO_THROW(load_config("", {"optim.beta1=0", "loss.z_loss=0", "optim.grad_clip=0"}));
   EXPECT_NO_THROW(load_config("", {"model.seq_len=256", "model.max_positions=256"}));
+  EXPECT_NO_THROW(load_config("", {"train.recompute_layers=4"}));
+  EXPECT_NO_THROW(load_config("", {"optim.schedule=WSD", "optim.decay_steps=360"}));
+  // WSD's decay_steps 0 resolves to a fifth of train.steps (at least 1).
+  EXPECT_EQ(load_config("", {"optim.schedule=WSD"}).optim().decay_steps(), 80);
+  EXPECT_EQ(load_config("", {"optim.schedule=WSD", "train.steps=3", "optim.warmup_steps=0"})
+                .optim()
+                .decay_steps(),
+            1);
+  EXPECT_EQ(load_config("", {}).optim().schedule(), config::COSINE);
 }
 
 TEST(Config, ModernBlockFieldsDefaultToGpt2AndSizeGatedMlps) {
@@ -419,6 +439,50 @@ TEST(Config, UnspecifiedOrUnknownEnumIsAnError) {
   const std::string file = dir.write("z.pbtxt", "model { norm: NORM_KIND_UNSPECIFIED }\n");
   expect_contains(error_of(ErrorKind::kConfig, [&] { load_config(file, {}); }),
                   {"model.norm is unspecified"});
+}
+
+// README's "Config fields" table names every field a user can set (as `section.field`), so a new
+// field cannot land undocumented; and names no field the config does not have.
+TEST(Config, ReadmeDocumentsEveryField) {
+  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in) << "cannot read README.md";
+  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = readme.find("### Config fields");
+  ASSERT_NE(begin, std::string::npos);
+  const size_t end = readme.find("\n### ", begin + 1);
+  const std::string table = readme.substr(begin, end - begin);
+  const KeelConfig cfg = default_config();
+  const google::protobuf::Descriptor* top = cfg.GetDescriptor();
+  std::vector<std::string> fields;
+  for (int i = 0; i < top->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* section = top->field(i);
+    ASSERT_NE(section->message_type(), nullptr) << section->name();
+    for (int j = 0; j < section->message_type()->field_count(); ++j) {
+      fields.push_back(section->name() + "." + section->message_type()->field(j)->name());
+    }
+  }
+  EXPECT_GT(fields.size(), 60u);
+  for (const std::string& f : fields) {
+    EXPECT_NE(table.find("`" + f + "`"), std::string::npos)
+        << f << " is missing from README's \"Config fields\" table";
+  }
+  // Every `a.b` the table's first column names is a field.
+  size_t pos = 0;
+  int named = 0;
+  while ((pos = table.find("\n| `", pos)) != std::string::npos) {
+    const size_t cell_end = table.find(" | ", pos + 3);
+    const std::string cell = table.substr(pos + 3, cell_end - pos - 3);
+    for (size_t q = cell.find('`'); q != std::string::npos; q = cell.find('`', q + 1)) {
+      const size_t close = cell.find('`', q + 1);
+      const std::string name = cell.substr(q + 1, close - q - 1);
+      EXPECT_NE(std::find(fields.begin(), fields.end(), name), fields.end())
+          << "README documents " << name << ", which is not a config field";
+      ++named;
+      q = close;
+    }
+    pos = cell_end;
+  }
+  EXPECT_EQ(named, static_cast<int>(fields.size()));
 }
 
 TEST(Config, ToTextRoundTripsIncludingZerosAndFalses) {

@@ -359,6 +359,63 @@ TEST(Schedule, LinearWarmupThenCosineToMinLr) {
   EXPECT_NEAR(learning_rate(o0, 0, total), peak, 1e-9);
 }
 
+// optim.schedule: every schedule warms up alike; LINEAR falls straight to the floor at total
+// steps; WSD and WSD_SQRT hold the peak until the last decay_steps (0: total / 5), then fall
+// linearly or as 1 - sqrt; CONSTANT holds the peak. Each is monotone after the warmup and stays
+// within [floor, peak].
+TEST(Schedule, LinearWsdAndConstant) {
+  config::Optim o = optim_cfg();
+  const double peak = o.lr(), floor = o.lr() * o.min_lr_ratio();
+  const int64_t total = 110;
+  for (config::LrSchedule sched :
+       {config::COSINE, config::LINEAR, config::WSD, config::WSD_SQRT, config::CONSTANT}) {
+    o.set_schedule(sched);
+    SCOPED_TRACE(config::LrSchedule_Name(sched));
+    for (int64_t s = 0; s < 10; ++s) {
+      EXPECT_NEAR(learning_rate(o, s, total), peak * (s + 1) / 10.0, 1e-9) << s;
+    }
+    EXPECT_NEAR(learning_rate(o, 10, total), peak, 1e-9);
+    float prev = learning_rate(o, 10, total);
+    for (int64_t s = 11; s < 130; ++s) {
+      const float lr = learning_rate(o, s, total);
+      EXPECT_LE(lr, prev) << s;
+      EXPECT_LE(lr, peak * (1 + 1e-6)) << s;
+      EXPECT_GE(lr, floor * (1 - 1e-6)) << s;
+      prev = lr;
+    }
+  }
+  o.set_schedule(config::LINEAR);
+  EXPECT_NEAR(learning_rate(o, 60, total), floor + 0.5 * (peak - floor), 1e-9);
+  EXPECT_NEAR(learning_rate(o, 35, total), floor + 0.75 * (peak - floor), 1e-9);
+  EXPECT_NEAR(learning_rate(o, 110, total), floor, 1e-9);
+  // WSD with 40 decay steps: the peak through step 69, then linear over [70, 110).
+  o.set_schedule(config::WSD);
+  o.set_decay_steps(40);
+  EXPECT_NEAR(learning_rate(o, 69, total), peak, 1e-9);
+  EXPECT_NEAR(learning_rate(o, 70, total), peak, 1e-9);
+  EXPECT_NEAR(learning_rate(o, 80, total), floor + 0.75 * (peak - floor), 1e-9);
+  EXPECT_NEAR(learning_rate(o, 90, total), floor + 0.5 * (peak - floor), 1e-9);
+  EXPECT_NEAR(learning_rate(o, 110, total), floor, 1e-9);
+  // The stable phase does not depend on the run's length: extending a run moves only the decay.
+  for (int64_t s = 10; s < 70; ++s) {
+    EXPECT_EQ(learning_rate(o, s, total), learning_rate(o, s, 1000)) << s;
+  }
+  // WSD_SQRT: 1 - sqrt(p), so a quarter of the way through the decay half of it is done.
+  o.set_schedule(config::WSD_SQRT);
+  EXPECT_NEAR(learning_rate(o, 69, total), peak, 1e-9);
+  EXPECT_NEAR(learning_rate(o, 80, total), floor + 0.5 * (peak - floor), 1e-9);
+  EXPECT_NEAR(learning_rate(o, 100, total), floor + (1 - std::sqrt(0.75)) * (peak - floor), 1e-9);
+  // decay_steps 0: a fifth of the run; longer than the run after warmup: from the warmup's end.
+  o.set_schedule(config::WSD);
+  o.set_decay_steps(0);
+  EXPECT_NEAR(learning_rate(o, 87, total), peak, 1e-9);
+  EXPECT_NEAR(learning_rate(o, 99, total), floor + 0.5 * (peak - floor), 1e-9);
+  o.set_decay_steps(500);
+  EXPECT_NEAR(learning_rate(o, 60, total), floor + 0.5 * (peak - floor), 1e-9);
+  o.set_schedule(config::CONSTANT);
+  EXPECT_NEAR(learning_rate(o, 500, total), peak, 1e-9);
+}
+
 TEST(Schedule, ClipScale) {
   EXPECT_EQ(clip_scale(0.5, 1.0), 1.0f);  // within the bound
   EXPECT_EQ(clip_scale(1.0, 1.0), 1.0f);  // at the bound

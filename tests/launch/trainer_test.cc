@@ -23,6 +23,7 @@
 
 #include "framework/config/config.h"
 #include "framework/error.h"
+#include "framework/optim/optimizer.h"
 #include "parallel/communicator.h"
 #include "tests/launch/launch_test_util.h"
 
@@ -91,6 +92,35 @@ TEST(TrainerTest, SameConfigAndSeedIsBitIdentical) {
   }
   EXPECT_TRUE(same_bits(a.params(), b.params())) << "parameters differ after 5 steps";
   EXPECT_EQ(a->evaluate(), b->evaluate());
+}
+
+// optim.schedule=WSD through the trainer: each step's learning rate is the schedule's (the peak
+// through the stable phase, then down to the floor), and a run planned longer is the same run,
+// bit for bit, until the shorter one's decay starts, which is what lets a WSD run be extended.
+TEST(TrainerTest, WsdRunsShareTheirStablePhase) {
+  const std::vector<std::string> wsd = {"optim.schedule=WSD", "optim.decay_steps=4",
+                                        "optim.lr=2e-3"};
+  std::vector<std::string> short_sets = wsd, long_sets = wsd;
+  short_sets.push_back("train.steps=10");
+  long_sets.push_back("train.steps=30");
+  const config::KeelConfig short_cfg = tiny_config(short_sets), long_cfg = tiny_config(long_sets);
+  TrainerRun a(short_cfg), b(long_cfg);
+  for (int s = 1; s <= 10; ++s) {
+    const StepResult ra = a->step();
+    const StepResult rb = b->step();
+    EXPECT_EQ(ra.lr, learning_rate(short_cfg.optim(), s - 1, 10)) << "step " << s;
+    if (s >= 3 && s <= 7) {
+      EXPECT_EQ(ra.lr, 2e-3f) << "step " << s << ": the stable phase";
+    }
+    if (s <= 7) {  // 0-based step 6 starts the decay at its top
+      EXPECT_EQ(ra.lr, rb.lr) << "step " << s;
+      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << s;
+    } else {
+      EXPECT_LT(ra.lr, rb.lr) << "step " << s << ": the short run decays";
+    }
+  }
+  EXPECT_NEAR(a->last().lr, 2e-3 * (0.1 + 0.9 * 0.25), 1e-9);  // a quarter of the way up
 }
 
 TEST(TrainerTest, DifferentSeedGivesDifferentLosses) {
