@@ -101,7 +101,13 @@ std::string alert_json(const Alert& a) {
       .add("baseline", a.baseline)
       .add("threshold", a.threshold)
       .add("grad_norm", a.grad_norm)
-      .add("checkpoint", a.checkpoint);
+      .add("max_attn_logit", a.max_attn_logit);
+  if (a.max_attn_logit_layer >= 0) {
+    o.add("max_attn_logit_layer", static_cast<int64_t>(a.max_attn_logit_layer));
+  } else {
+    o.add_null("max_attn_logit_layer");
+  }
+  o.add("checkpoint", a.checkpoint);
   if (a.rewound_to) {
     o.add("rewound_to", *a.rewound_to);
   } else {

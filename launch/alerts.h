@@ -42,6 +42,9 @@ struct Alert {
   double baseline = std::numeric_limits<double>::quiet_NaN();   // what the value was compared to
   double threshold = std::numeric_limits<double>::quiet_NaN();  // the bound it crossed
   double grad_norm = std::numeric_limits<double>::quiet_NaN();
+  // The step's largest |scaled q.k| and the block it is in (-1: unknown, written as null).
+  double max_attn_logit = std::numeric_limits<double>::quiet_NaN();
+  int max_attn_logit_layer = -1;
   std::string action = "none";  // "skip", "rewind", "halt", "none"
   std::string checkpoint{};     // the restored checkpoint's path; "" if none
   // kind "rewind": the step training went back to (the restored checkpoint's step).
@@ -53,8 +56,9 @@ struct Alert {
 
 // The alert as one JSON object without the newline, keys in this order:
 //   {"time": 1700000000.25, "step": 42, "kind": "loss_spike", "action": "skip", "loss": 7.5,
-//    "baseline": 3.25, "threshold": 6.5, "grad_norm": null, "checkpoint": "", "rewound_to": null,
-//    "batches_skipped": 1, "rewinds": 0, "message": "..."}
+//    "baseline": 3.25, "threshold": 6.5, "grad_norm": null, "max_attn_logit": 41.5,
+//    "max_attn_logit_layer": 7, "checkpoint": "", "rewound_to": null, "batches_skipped": 1,
+//    "rewinds": 0, "message": "..."}
 // Doubles print with %.17g (round trip), NaN and infinities as null, rewound_to as null when
 // unset. Strings are escaped (quotes, backslashes, control characters) and invalid UTF-8 bytes
 // become U+FFFD, so every line parses with any JSON reader.

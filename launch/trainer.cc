@@ -599,6 +599,8 @@ void Trainer::report(const StepResult& r, const std::string& kind, const std::st
   a.baseline = r.guard.baseline;
   a.threshold = r.guard.threshold;
   a.grad_norm = r.grad_norm;
+  a.max_attn_logit = r.max_attn_logit;
+  a.max_attn_logit_layer = r.max_attn_logit_layer;
   a.action = action;
   a.checkpoint = checkpoint;
   // So far in the run (a rewind's own count is in its message).
@@ -681,6 +683,12 @@ StepResult Trainer::compute_gradients() {
     stats[1] += st.z_loss;
     stats[2] += st.log_z;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
+    if (r.max_attn_logit_layers.empty())
+      r.max_attn_logit_layers.assign(st.max_attn_logit_layers.size(), 0.0f);
+    for (size_t l = 0; l < st.max_attn_logit_layers.size(); ++l) {
+      r.max_attn_logit_layers[l] =
+          std::max(r.max_attn_logit_layers[l], st.max_attn_logit_layers[l]);
+    }
   }
   state_->sampler.next_sample = first + static_cast<uint64_t>(global_batch);
   float* grads = ps.grads().f32();
@@ -711,7 +719,18 @@ StepResult Trainer::compute_gradients() {
   if (topo_.world_comm) {
     topo_.world_comm->all_reduce(stats, 3, ReduceOp::kSum);
     for (double& s : stats) s /= topo_.world_size;  // TP ranks of one replica hold the same values
-    topo_.world_comm->all_reduce(&r.max_attn_logit, 1, ReduceOp::kMax);
+    // Each layer's largest logit over the ranks' heads (TP) and data (DP); the step's is theirs.
+    std::vector<float>& layers = r.max_attn_logit_layers;
+    topo_.world_comm->all_reduce(layers.data(), static_cast<int64_t>(layers.size()),
+                                 ReduceOp::kMax);
+    r.max_attn_logit = 0.0f;
+    for (float m : layers) r.max_attn_logit = std::max(r.max_attn_logit, m);
+  }
+  for (size_t l = 0; l < r.max_attn_logit_layers.size(); ++l) {
+    if (r.max_attn_logit_layers[l] == r.max_attn_logit) {
+      r.max_attn_logit_layer = static_cast<int>(l);
+      break;
+    }
   }
   r.loss = stats[0] / static_cast<double>(accum_);
   r.z_loss = stats[1] / static_cast<double>(accum_);
@@ -783,8 +802,13 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
         .add_f("lr", r.lr)
         .add("tokens", tokens)
         .add("tokens_per_s", tps)
-        .add_f("max_attn_logit", r.max_attn_logit)
-        .add("epoch", epochs_done());
+        .add_f("max_attn_logit", r.max_attn_logit);
+    if (r.max_attn_logit_layer >= 0) {
+      o.add("max_attn_logit_layer", static_cast<int64_t>(r.max_attn_logit_layer));
+    } else {
+      o.add_null("max_attn_logit_layer");  // a non-finite maximum
+    }
+    o.add("epoch", epochs_done());
     if (val_loss) o.add("val_loss", *val_loss);
     // JSON has no NaN: such values are written as null, and named here.
     std::string nonfinite;
@@ -816,6 +840,12 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
     tensorboard_->scalar("train/lr", r.step, r.lr, now);
     tensorboard_->scalar("train/tokens_per_s", r.step, static_cast<float>(tps), now);
     tensorboard_->scalar("train/max_attn_logit", r.step, r.max_attn_logit, now);
+    // Which layer's attention logits grow: one curve per block (attn_logit/layer_00, ...).
+    for (size_t l = 0; l < r.max_attn_logit_layers.size(); ++l) {
+      char tag[40];
+      std::snprintf(tag, sizeof(tag), "attn_logit/layer_%02zu", l);
+      tensorboard_->scalar(tag, r.step, r.max_attn_logit_layers[l], now);
+    }
     if (val_loss) tensorboard_->scalar("val/loss", r.step, static_cast<float>(*val_loss), now);
     flush_tensorboard();
   }
@@ -836,9 +866,10 @@ void Trainer::log_step(const StepResult& r, std::optional<double> val_loss) {
   char line[256];
   std::snprintf(line, sizeof(line),
                 "step %5lld/%lld | loss %.4f | z %.2e | gnorm %.3f | lr %.2e | %7.0f tok/s | "
-                "max logit %.1f | ETA %s",
+                "max logit %.1f (layer %d) | ETA %s",
                 static_cast<long long>(r.step), static_cast<long long>(total), r.loss, r.z_loss,
-                r.grad_norm, r.lr, tps, r.max_attn_logit, human_seconds(eta).c_str());
+                r.grad_norm, r.lr, tps, r.max_attn_logit, r.max_attn_logit_layer,
+                human_seconds(eta).c_str());
   std::string s = line;
   if (val_loss) {
     char v[48];

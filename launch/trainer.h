@@ -38,7 +38,11 @@ struct StepResult {
   double log_z = 0.0;   // mean log-partition of the output logits (logged with or without z-loss)
   double grad_norm = 0.0;  // global gradient norm before clipping
   float lr = 0.0f;
-  float max_attn_logit = 0.0f;
+  float max_attn_logit = 0.0f;  // largest |scaled q.k| of the step, over layers, heads and ranks
+  // [n_layers]: each block's largest |scaled q.k| of the step (over heads and ranks), and the
+  // first block holding the step's largest (-1 without blocks)
+  std::vector<float> max_attn_logit_layers;
+  int max_attn_logit_layer = -1;
   double seconds = 0.0;         // wall time of the step
   double comm_exposed_s = 0.0;  // DP gradient sync time not hidden behind backward
   double comm_window_s = 0.0;   // from the first bucket's launch to the sync's end

@@ -267,7 +267,8 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
   }
   // One small read per forward (which waits for the device): the layers' maxima.
   if (!blocks_.empty()) {
-    std::vector<float> maxima(blocks_.size());
+    std::vector<float>& maxima = stats.max_attn_logit_layers;
+    maxima.resize(blocks_.size());
     max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
     for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
   }

@@ -49,6 +49,8 @@ struct LossStats {
   double z_loss = 0.0;          // z_coef * mean(lse^2), the term added to the loss
   double log_z = 0.0;           // mean(lse): the output-logit scale z-loss pulls towards 0
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
+  // [n_layers]: each block's largest |scaled q.k| (over this TP rank's heads)
+  std::vector<float> max_attn_logit_layers;
 };
 
 // Note [recompute]

@@ -129,6 +129,8 @@ Alert spike_alert() {
                .baseline = 3.25,
                .threshold = 6.5,
                .grad_norm = kNaN,
+               .max_attn_logit = 41.5,
+               .max_attn_logit_layer = 7,
                .action = "skip",
                .batches_skipped = 1,
                .rewinds = 0,
@@ -154,11 +156,13 @@ Alert rewind_alert() {
 const char kSpikeJson[] =
     "{\"time\": 1700000000.25, \"step\": 42, \"kind\": \"loss_spike\", \"action\": \"skip\", "
     "\"loss\": 7.5, \"baseline\": 3.25, \"threshold\": 6.5, \"grad_norm\": null, "
+    "\"max_attn_logit\": 41.5, \"max_attn_logit_layer\": 7, "
     "\"checkpoint\": \"\", \"rewound_to\": null, \"batches_skipped\": 1, \"rewinds\": 0, "
     "\"message\": \"loss 7.5 > 6.5 \\\"quoted\\\" \\\\ back\\nslash\\ttab \xc3\xa9 \\ufffd\"}";
 const char kRewindJson[] =
     "{\"time\": 1700000001.5, \"step\": 30, \"kind\": \"rewind\", \"action\": \"rewind\", "
     "\"loss\": null, \"baseline\": null, \"threshold\": 0.10000000000000001, \"grad_norm\": 12, "
+    "\"max_attn_logit\": null, \"max_attn_logit_layer\": null, "
     "\"checkpoint\": \"runs/x/checkpoints/step_00000020\", \"rewound_to\": 20, "
     "\"batches_skipped\": 3, \"rewinds\": 1, \"message\": \"rewound to step 20\"}";
 
@@ -177,7 +181,7 @@ TEST(AlertSink, JsonlHasOneExactParseableLinePerAlert) {
   const std::vector<std::string> lines = lines_of(text);
   ASSERT_EQ(lines.size(), 2u);
   const auto spike = nlohmann::json::parse(lines[0]);
-  EXPECT_EQ(spike.size(), 13u);
+  EXPECT_EQ(spike.size(), 15u);
   EXPECT_DOUBLE_EQ(spike["time"].get<double>(), 1700000000.25);
   EXPECT_EQ(spike["step"].get<int64_t>(), 42);
   EXPECT_EQ(spike["kind"], "loss_spike");
@@ -186,6 +190,8 @@ TEST(AlertSink, JsonlHasOneExactParseableLinePerAlert) {
   EXPECT_EQ(spike["baseline"].get<double>(), 3.25);
   EXPECT_EQ(spike["threshold"].get<double>(), 6.5);
   EXPECT_TRUE(spike["grad_norm"].is_null());
+  EXPECT_EQ(spike["max_attn_logit"].get<double>(), 41.5);
+  EXPECT_EQ(spike["max_attn_logit_layer"].get<int>(), 7);
   EXPECT_EQ(spike["checkpoint"], "");
   EXPECT_TRUE(spike["rewound_to"].is_null());
   EXPECT_EQ(spike["batches_skipped"].get<int64_t>(), 1);
@@ -195,6 +201,7 @@ TEST(AlertSink, JsonlHasOneExactParseableLinePerAlert) {
   const auto rewind = nlohmann::json::parse(lines[1]);
   EXPECT_TRUE(rewind["loss"].is_null());
   EXPECT_TRUE(rewind["baseline"].is_null());
+  EXPECT_TRUE(rewind["max_attn_logit_layer"].is_null());
   EXPECT_EQ(rewind["threshold"].get<double>(), 0.1);  // %.17g round-trips
   EXPECT_EQ(rewind["rewound_to"].get<int64_t>(), 20);
   EXPECT_EQ(rewind["checkpoint"], "runs/x/checkpoints/step_00000020");

@@ -116,6 +116,11 @@ TEST_F(SpikeGuardRun, AnInjectedSpikeIsRewoundAndTheRunRecovers) {
   EXPECT_EQ(field(alerts[1], "checkpoint"),
             "\"" + dir_.file("spiked") + "/checkpoints/step_00000180\"");
   EXPECT_EQ(field(alerts[1], "batches_skipped"), "40");  // steps 181..200 and 20 past them
+  // The alerts name the block with the largest attention logit (2 layers).
+  for (const std::string& a : alerts) {
+    const std::string layer = field(a, "max_attn_logit_layer");
+    EXPECT_TRUE(layer == "0" || layer == "1") << a;
+  }
   EXPECT_NE(r.err.find("keel-train: ALERT step 202: loss_spike for 2 steps from step 201: "
                        "rewound to " +
                        dir_.file("spiked") + "/checkpoints/step_00000180 (step 180)"),
@@ -137,6 +142,10 @@ TEST_F(SpikeGuardRun, AnInjectedSpikeIsRewoundAndTheRunRecovers) {
     }
   }
   EXPECT_EQ(points["train/loss"], 322);  // 300 steps, 22 of them (181..202) twice
+  // One attention-logit curve per block.
+  EXPECT_EQ(points["attn_logit/layer_00"], 322);
+  EXPECT_EQ(points["attn_logit/layer_01"], 322);
+  EXPECT_EQ(points.count("attn_logit/layer_02"), 0u);
   EXPECT_EQ(points["val/loss"], 1);
   EXPECT_EQ(points["alerts/loss_spike"], 1);
   EXPECT_EQ(points["alerts/text"], 2);

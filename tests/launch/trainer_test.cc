@@ -248,9 +248,10 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
   }
 
   std::istringstream lines(read_file(run_dir + "/metrics.jsonl"));
-  const std::set<std::string> base = {"step",           "loss", "z_loss", "log_z",
-                                      "grad_norm",      "lr",   "tokens", "tokens_per_s",
-                                      "max_attn_logit", "epoch"};
+  const std::set<std::string> base = {
+      "step", "loss",   "z_loss",       "log_z",          "grad_norm",
+      "lr",   "tokens", "tokens_per_s", "max_attn_logit", "max_attn_logit_layer",
+      "epoch"};
   const double windows = static_cast<double>(Sampler(manual->dataset(), cfg).windows_per_epoch());
   std::vector<int64_t> steps;
   std::string line;
@@ -276,6 +277,14 @@ TEST(TrainerTest, MetricsJsonlHasOneRoundTripLinePerLogStep) {
     EXPECT_EQ(parse_number(f["grad_norm"]), r.grad_norm);
     EXPECT_EQ(static_cast<float>(parse_number(f["lr"])), r.lr);
     EXPECT_EQ(static_cast<float>(parse_number(f["max_attn_logit"])), r.max_attn_logit);
+    // The block holding the step's largest logit: the first of the per-layer maxima equal to it.
+    ASSERT_EQ(r.max_attn_logit_layers.size(), 2u);
+    const int layer = std::stoi(f["max_attn_logit_layer"]);
+    EXPECT_EQ(layer, r.max_attn_logit_layer);
+    ASSERT_TRUE(layer == 0 || layer == 1) << layer;
+    EXPECT_EQ(r.max_attn_logit_layers[layer], r.max_attn_logit);
+    EXPECT_LE(r.max_attn_logit_layers[1 - layer], r.max_attn_logit);
+    EXPECT_GT(r.max_attn_logit_layers[1 - layer], 0.0f);
     EXPECT_EQ(std::stoll(f["tokens"]), step * manual->tokens_per_step());
     EXPECT_EQ(f["tokens"], std::to_string(step * 8 * 16));
     // Samples read over windows per epoch (8 sequences a step).

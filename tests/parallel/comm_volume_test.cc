@@ -39,9 +39,9 @@
 //   zero_stage 1: reduce-scatter of the whole arena + all-gather of the whole arena:
 //     DP bytes = 2 x 4 x total_elems (the arena padded to a multiple of 16 dp floats), 2 calls.
 //
-// World group (world > 1), per step: 16 bytes (cross-entropy and z-loss sums, two doubles)
-//   + 4 (max attention logit, one float) + 8 when zero_stage = 1 (the squared gradient norm over
-//   TP and DP shards together).
+// World group (world > 1), per step: 24 bytes (cross-entropy, z-loss and log Z sums, three
+//   doubles) + 4L (each layer's max attention logit) + 8 when zero_stage = 1 (the squared gradient
+//   norm over TP and DP shards together).
 //
 // The modern blocks add no TP term: RoPE rotates whole heads on their rank; the gated MLP's gate
 // and up projections are both column-parallel from the same input, so their input gradients add
@@ -336,7 +336,8 @@ Volume expected_volume(const Case& c, Terms* t) {
     t->buckets = v.dp_calls;
   }
   if (c.tp * c.dp > 1) {
-    v.world_bytes = 24 + 4 + (zero ? 8 : 0);  // loss, z-loss and log Z sums; max logit
+    // loss, z-loss and log Z sums; each layer's max attention logit
+    v.world_bytes = 24 + 4 * kLayers + (zero ? 8 : 0);
     v.world_calls = 2 + (zero ? 1 : 0);
   }
   return v;

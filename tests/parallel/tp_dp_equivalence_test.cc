@@ -445,6 +445,15 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
         << "step " << s << ": gradient norm " << rp.grad_norm << " vs single-process "
         << rr.grad_norm;
     EXPECT_NEAR(rp.max_attn_logit, rr.max_attn_logit, 1e-4 * std::abs(rr.max_attn_logit));
+    // Each layer's, over the TP ranks' heads and the DP ranks' data, and the same on every rank.
+    EXPECT_EQ(rp.max_attn_logit_layers.size(), rr.max_attn_logit_layers.size());
+    for (size_t l = 0;
+         l < std::min(rp.max_attn_logit_layers.size(), rr.max_attn_logit_layers.size()); ++l) {
+      EXPECT_NEAR(rp.max_attn_logit_layers[l], rr.max_attn_logit_layers[l],
+                  1e-4 * std::abs(rr.max_attn_logit_layers[l]))
+          << "step " << s << " layer " << l;
+      EXPECT_TRUE(same_on_all_ranks(rp.max_attn_logit_layers[l])) << "step " << s << " layer " << l;
+    }
     worst_loss = std::max({worst_loss, rel(rp.loss, rr.loss), rel(rp.z_loss, rr.z_loss)});
     worst_norm = std::max(worst_norm, rel(rp.grad_norm, rr.grad_norm));
     // Every rank decides alike: the values the spike guard and the clip see carry the same bits.
