@@ -683,8 +683,9 @@ StepResult Trainer::compute_gradients() {
     stats[1] += st.z_loss;
     stats[2] += st.log_z;
     r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
-    if (r.max_attn_logit_layers.empty())
+    if (r.max_attn_logit_layers.empty()) {
       r.max_attn_logit_layers.assign(st.max_attn_logit_layers.size(), 0.0f);
+    }
     for (size_t l = 0; l < st.max_attn_logit_layers.size(); ++l) {
       r.max_attn_logit_layers[l] =
           std::max(r.max_attn_logit_layers[l], st.max_attn_logit_layers[l]);
