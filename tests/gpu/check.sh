@@ -1,21 +1,25 @@
-#!/ usr / bin / env bash
-#tests / gpu / check.sh : the GPU check, run on a GPU machine from a copy of the repository that
-#carries build - gpu / pack(made here by tests / gpu / pack.sh).Points the loader at the pack and at
-#the CUDA pip wheels ' libraries, prints the GPU and library versions, runs the CUDA backend' s
-#tests against the CPU kernels(and whole training steps against the CPU), then the GEMM
-#benchmark and the training benchmark(keel - bench's GPU configs: tokens/s, TFLOP/s, MFU). Every
-#step is under `timeout` and the whole check ends within ~340 s.Output also goes to
-#$OUT / gpu_check.log when $OUT is set.
+#!/usr/bin/env bash
+# tests/gpu/check.sh: the GPU check, run on a GPU machine from a copy of the repository that
+# carries build-gpu/pack (made here by tests/gpu/pack.sh). Points the loader at the pack and at
+# the CUDA pip wheels' libraries, prints the GPU and library versions, runs the CUDA backend's
+# tests against the CPU kernels (and whole training steps against the CPU), then the GEMM
+# benchmark and the training benchmark (keel-bench's GPU configs: tokens/s, TFLOP/s, MFU). Every
+# step is under `timeout` and the whole check ends within ~340 s. Output also goes to
+# $OUT/gpu_check.log when $OUT is set.
 #
-#Exit : 0 when the tests pass(or skip on a machine without a GPU) and the benchmark ran;
+# Exit: 0 when the tests pass (or skip on a machine without a GPU) and the benchmark ran;
 # 1 otherwise.
-set - uo pipefail cd "$(dirname " $0 ")/../.." || exit 1
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
 
-    PACK = ${KEEL_GPU_PACK : -build - gpu / pack} LOG = / dev / null if[[-n "${OUT:-}"]]; then
+PACK=${KEEL_GPU_PACK:-build-gpu/pack}
+LOG=/dev/null
+if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT" && LOG="$OUT/gpu_check.log"
 fi
 DEADLINE=340 # seconds from the start for everything (the issue: under 6 minutes)
-#min(want, time left before the deadline minus `reserve` for later steps), at least 5
+
+# min(want, time left before the deadline minus `reserve` for later steps), at least 5
 budget() {
   local want=$1 reserve=$2
   local left=$((DEADLINE - SECONDS - reserve))
@@ -24,14 +28,18 @@ budget() {
   echo "$want"
 }
 
-#Library directories of the NVIDIA pip wheels(nvidia / <lib> / lib and nvidia / cu13 / lib layouts).
+# Library directories of the NVIDIA pip wheels (nvidia/<lib>/lib and nvidia/cu13/lib layouts).
 wheel_lib_dirs() {
-  local py py =
-      $(command - v python3 || true)[[-z "$py" && -x / opt / torch /.venv / bin / python3]]&& py =
-          / opt / torch /.venv / bin / python3 if[[-n "$py"]];
-  then timeout 30 "$py" - << 'EOF' ||
-      echo "check.sh: wheel discovery with $py failed" > &2 import glob,
-      os, sys roots = [] try : import nvidia roots += [p for p in nvidia.__path__]
+  local py
+  py=$(command -v python3 || true)
+  [[ -z "$py" && -x /opt/torch/.venv/bin/python3 ]] && py=/opt/torch/.venv/bin/python3
+  if [[ -n "$py" ]]; then
+    timeout 30 "$py" - <<'EOF' || echo "check.sh: wheel discovery with $py failed" >&2
+import glob, os, sys
+roots = []
+try:
+    import nvidia
+    roots += [p for p in nvidia.__path__]
 except Exception as e:
     print("check.sh: import nvidia failed: %s" % e, file=sys.stderr)
 for p in sys.path:  # namespace packages can hide a root; also look in every site directory
@@ -49,59 +57,61 @@ EOF
   fi
 }
 
-#Directories holding `lib` under any site - packages / nvidia(the fallback when Python cannot say).
-find_wheel_libs(){
-  timeout 30 find / -xdev -
-          path '*/nvidia/*' \(-name 'libcudart.so.1*' - o - name 'libcublasLt.so.1*' - o -
-                              name 'libcudnn.so.9*' - o - name 'libnccl.so.2*' \)2 >
-      / dev / null |
-  xargs - r - n1 dirname | sort - u | paste - sd : -
+# Directories holding `lib` under any site-packages/nvidia (the fallback when Python cannot say).
+find_wheel_libs() {
+  timeout 30 find / -xdev -path '*/nvidia/*' \( -name 'libcudart.so.1*' -o -name 'libcublasLt.so.1*' \
+    -o -name 'libcudnn.so.9*' -o -name 'libnccl.so.2*' \) 2>/dev/null | xargs -r -n1 dirname |
+    sort -u | paste -sd: -
 }
 
 main() {
-  echo "== keel GPU check: $(date -u +%FT%TZ) on $(hostname) ($(uname -m)), pack $PACK"[
-      [-f "$PACK/MANIFEST.txt"]] &&
-      cat "$PACK/MANIFEST.txt" if[[!-x "$PACK/keel_gpu_tests"]];
-  then echo "FAIL: $PACK/keel_gpu_tests missing (run tests/gpu/pack.sh and carry $PACK)" return 1 fi
-              echo "== machine" ldd-- version 2 > & 1 |
-      head - 1 local gpus = 0 if command - v nvidia - smi > / dev / null;
-  then timeout 20 nvidia - smi -
-      L gpus = $(timeout 20 nvidia - smi - L 2 > / dev / null | grep - c '^GPU' || true)
-                   timeout 20 nvidia -
-               smi-- query - gpu = name,
-        driver_version, memory.total, clocks.max.sm,
-        power.limit-- format =
-            csv else echo "nvidia-smi: not installed" fi echo "GPUs listed by nvidia-smi: $gpus"
+  echo "== keel GPU check: $(date -u +%FT%TZ) on $(hostname) ($(uname -m)), pack $PACK"
+  [[ -f "$PACK/MANIFEST.txt" ]] && cat "$PACK/MANIFEST.txt"
+  if [[ ! -x "$PACK/keel_gpu_tests" ]]; then
+    echo "FAIL: $PACK/keel_gpu_tests missing (run tests/gpu/pack.sh and carry $PACK)"
+    return 1
+  fi
+  echo "== machine"
+  ldd --version 2>&1 | head -1
+  local gpus=0
+  if command -v nvidia-smi >/dev/null; then
+    timeout 20 nvidia-smi -L
+    gpus=$(timeout 20 nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit \
+      --format=csv
+  else
+    echo "nvidia-smi: not installed"
+  fi
+  echo "GPUs listed by nvidia-smi: $gpus"
 
-        echo "== libraries" local wheels wheels = $(wheel_lib_dirs) if[[-z "$wheels"]];
-  then echo "no wheel directories from Python; searching the file system" wheels =
-      $(find_wheel_libs) fi echo
-              "wheel library directories:" tr ':' '\n' < < <"$wheels" | sed 's/^/  /' local ldpath =
-                                                                "$PACK${wheels:+:$wheels}${LD_"
-                                                                "LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-#The machine 's own C++ runtime when it serves the binaries; else the pack' s(gcc /).
-                                                            if LD_LIBRARY_PATH =
-                                                                "$ldpath" timeout 20 ldd
-                                                            "$PACK/keel_gpu_tests" 2> &
-          1 |
-      grep - qE "GLIBCXX|CXXABI|GCC_[0-9]|libstdc\+\+.*not found|libgcc_s.*not found"; then
+  echo "== libraries"
+  local wheels
+  wheels=$(wheel_lib_dirs)
+  if [[ -z "$wheels" ]]; then
+    echo "no wheel directories from Python; searching the file system"
+    wheels=$(find_wheel_libs)
+  fi
+  echo "wheel library directories:"
+  tr ':' '\n' <<<"$wheels" | sed 's/^/  /'
+  local ldpath="$PACK${wheels:+:$wheels}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The machine's own C++ runtime when it serves the binaries; else the pack's (gcc/).
+  if LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/keel_gpu_tests" 2>&1 |
+    grep -qE "GLIBCXX|CXXABI|GCC_[0-9]|libstdc\+\+.*not found|libgcc_s.*not found"; then
     echo "the system libstdc++/libgcc_s do not serve the binaries: using $PACK/gcc"
     ldpath="$PACK/gcc:$ldpath"
   else
     echo "using the system libstdc++ and libgcc_s"
   fi
-#libcudnn.so .9 : cuDNN fused attention, in builds with the cuDNN frontend(MANIFEST.txt's needs)
-  for lib in libcudart.so.13 libcublasLt.so.13 libcudnn.so.9;
-  do
+  # libcudnn.so.9: cuDNN fused attention, in builds with the cuDNN frontend (MANIFEST.txt's needs)
+  for lib in libcudart.so.13 libcublasLt.so.13 libcudnn.so.9; do
     local hit=""
     for d in ${ldpath//:/ }; do [[ -e "$d/$lib" ]] && hit="$d/$lib" && break; done
     echo "  $lib: ${hit:-NOT FOUND in the pack or the wheels}"
   done
-  for b in keel_gpu_tests keel-gpu-gemm-bench keel-gpu-train-bench cuda_backend_test;
-      do
-        local missing missing = $(LD_LIBRARY_PATH = "$ldpath" timeout 20 ldd "$PACK/$b" 2 > &1 |
-                                                    grep 'not found') if[[-n "$missing"]];
-      then
+  for b in keel_gpu_tests keel-gpu-gemm-bench keel-gpu-train-bench cuda_backend_test; do
+    local missing
+    missing=$(LD_LIBRARY_PATH="$ldpath" timeout 20 ldd "$PACK/$b" 2>&1 | grep 'not found')
+    if [[ -n "$missing" ]]; then
       echo "  $b: unresolved libraries:"
       echo "$missing"
     else
@@ -125,8 +135,8 @@ main() {
   [[ -n "${OUT:-}" ]] && json_job=(--gtest_output="json:$OUT/gpu_default_job.json")
   local out
   out=$(mktemp)
-#The 200 - step default - job comparisons run last and apart, so their time(a CPU run on every
-#core plus two GPU runs) cannot cost the kernel tests their results.
+  # The 200-step default-job comparisons run last and apart, so their time (a CPU run on every
+  # core plus two GPU runs) cannot cost the kernel tests their results.
   LD_LIBRARY_PATH="$ldpath" timeout -k 10 "$(budget 110 190)" "$PACK/keel_gpu_tests" \
     --gtest_brief=1 --gtest_filter='-*DefaultJob*' "${json[@]}" 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
@@ -140,16 +150,13 @@ main() {
   echo "keel_gpu_tests: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
   if ((rc != 0)); then
     status=1
-#A fault in one kernel poisons the process for the tests after it : rerun each failed test
-#alone, synchronising after every launch, so each reports its own first error.
+    # A fault in one kernel poisons the process for the tests after it: rerun each failed test
+    # alone, synchronising after every launch, so each reports its own first error.
     local failed
     failed=$(grep -o '^\[  FAILED  \] [A-Za-z0-9_]*\.[A-Za-z0-9_]*' "$out" | awk '{print $4}' |
       sort -u)
-    for t in $failed;
-      do ((DEADLINE - SECONDS < 90))&& {
-          echo "(no time left for more reruns)";
-          break;
-        }
+    for t in $failed; do
+      ((DEADLINE - SECONDS < 90)) && { echo "(no time left for more reruns)"; break; }
       echo "-- rerun alone with KEEL_CUDA_SYNC_CHECK=1: $t"
       LD_LIBRARY_PATH="$ldpath" KEEL_CUDA_SYNC_CHECK=1 timeout -k 5 30 "$PACK/keel_gpu_tests" \
         --gtest_filter="$t" 2>&1 | grep -vE '^\[ *(RUN|OK|----------|==========) *\]|^$' |
@@ -162,14 +169,18 @@ main() {
   LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 30 60)" "$PACK/keel-gpu-gemm-bench" --quick
   rc=$?
   echo "keel-gpu-gemm-bench: exit $rc"
-  if ((rc == 77));
-      then if ((gpus > 0));
-      then echo "FAIL: nvidia-smi lists $gpus GPU(s) but the CUDA runtime finds none" status =
-          1 else echo "no GPU on this machine: GPU tests and benchmark skipped" fi elif ((rc != 0));
-      then status = 1 fi
+  if ((rc == 77)); then
+    if ((gpus > 0)); then
+      echo "FAIL: nvidia-smi lists $gpus GPU(s) but the CUDA runtime finds none"
+      status=1
+    else
+      echo "no GPU on this machine: GPU tests and benchmark skipped"
+    fi
+  elif ((rc != 0)); then
+    status=1
+  fi
 
-          if ((rc != 77));
-      then
+  if ((rc != 77)); then
     echo "== keel-gpu-train-bench (keel-bench's GPU configs in BF16; MFU against the bf16 peak)"
     LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget 60 0)" "$PACK/keel-gpu-train-bench" --nccl \
       --profile --steps 5 --warmup 2
@@ -178,19 +189,18 @@ main() {
     ((rc != 0)) && status=1
   fi
   echo "== multi-GPU checks (tests/gpu/multi_gpu.sh)"
-  if ((gpus < 2));
-      then echo "skipped: $gpus GPU(s) here; run tests/gpu/multi_gpu.sh on a node with 2 or more "
-                "GPUs" elif !command -
-                  v mpirun >
-              / dev / null ||
-          [[!-x build / launch / keel - train]];
-      then echo
-          "skipped: needs mpirun and keel built on this machine "
-          "(build/launch/keel-train)" else timeout -
-          k 5 "$(budget 120 0)" tests / gpu / multi_gpu.sh-- device CUDA rc =
-          $ ? ((rc != 0 && rc != 77))&& status = 1 fi echo
-              "== GPU check done in ${SECONDS}s: $( ((status == 0)) && echo PASS || echo "
-              "FAIL)" return $status
-    }
+  if ((gpus < 2)); then
+    echo "skipped: $gpus GPU(s) here; run tests/gpu/multi_gpu.sh on a node with 2 or more GPUs"
+  elif ! command -v mpirun >/dev/null || [[ ! -x build/launch/keel-train ]]; then
+    echo "skipped: needs mpirun and keel built on this machine (build/launch/keel-train)"
+  else
+    timeout -k 5 "$(budget 120 0)" tests/gpu/multi_gpu.sh --device CUDA
+    rc=$?
+    ((rc != 0 && rc != 77)) && status=1
+  fi
+  echo "== GPU check done in ${SECONDS}s: $( ((status == 0)) && echo PASS || echo FAIL)"
+  return $status
+}
 
-  main "$@" 2 > &1 | tee "$LOG" exit "${PIPESTATUS[0]}"
+main "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
