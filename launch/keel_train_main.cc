@@ -72,11 +72,14 @@ keel::MemoryEstimate check_memory(const keel::config::KeelConfig& cfg, const kee
                             ? std::min<int64_t>(cfg.train().micro_batch(), per_rank)
                             : per_rank;
   const Device device = kernels::resolve_device(cfg.train().device());
-  const MemoryEstimate need =
+  MemoryEstimate need =
       estimate_memory(cfg, topo.tp, topo.dp, std::max<int64_t>(1, micro), threads, device);
   // A GPU run keeps its model on the GPU: the host's memory is not what limits it (the device's
   // caching allocator names the request it cannot serve).
   if (device != Device::kCpu) return need;
+  // What the process holds before the model exists (libraries, MPI) replaces the fixed baseline
+  // when it is more: about 200 MiB more in a CUDA-enabled build.
+  need.overhead += std::max(0.0, resident_memory_bytes() - kProcessBaselineBytes);
   const double ram = physical_memory_bytes();
   if (ram <= 0 || micro < 1) return need;
   const double share = ram / std::max(1, local_ranks);

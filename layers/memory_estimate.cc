@@ -21,9 +21,6 @@ constexpr double kFloat = 4.0;  // bytes of an fp32 (and of an int32 token)
 // A parameter tensor in the arena is padded to a multiple of 16 floats (64-byte aligned).
 double padded(double elems) { return std::ceil(elems / 16.0) * 16.0; }
 
-// Process baseline measured on a tiny job (C++/MPI/OpenBLAS runtime, thread stacks, page
-// tables): about 21 MiB of peak RSS with parameters and activations of well under 1 MiB.
-constexpr double kBaselineBytes = 24.0 * 1024 * 1024;
 // Per block: about 14 ParamInfo records (name, two shapes), 4 layer objects holding some 25
 // Tensor handles, and their allocations' headers and 64-byte rounding.
 constexpr double kPerLayerBytes = 16.0 * 1024;
@@ -125,7 +122,8 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   if (cfg.data().format() == config::BUILTIN) {
     e.data = static_cast<double>(cfg.data().builtin_bytes());
   }
-  e.overhead = kBaselineBytes + L * kPerLayerBytes;
+  // kProcessBaseline: about 21 MiB of peak RSS measured on a tiny job of a CPU-only build.
+  e.overhead = kProcessBaselineBytes + L * kPerLayerBytes;
   return e;
 }
 
@@ -134,6 +132,17 @@ std::string MemoryEstimate::describe() const {
          format_bytes(gradients) + ", AdamW state " + format_bytes(optimizer) + ", activations " +
          format_bytes(activations) + ", MPI buffers " + format_bytes(communication) + ", data " +
          format_bytes(data) + ", runtime and bookkeeping " + format_bytes(overhead) + ")";
+}
+
+double resident_memory_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  long size = 0, resident = 0;
+  const int got = std::fscanf(f, "%ld %ld", &size, &resident);
+  std::fclose(f);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (got != 2 || resident <= 0 || page_size <= 0) return 0;
+  return static_cast<double>(resident) * static_cast<double>(page_size);
 }
 
 double physical_memory_bytes() {

@@ -50,6 +50,16 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp, int dp, in
 // Physical memory of this machine in bytes (sysconf), 0 when it cannot be told.
 double physical_memory_bytes();
 
+// The estimate's fixed process baseline (C++/MPI/OpenBLAS runtime, thread stacks, page tables),
+// part of MemoryEstimate::overhead. What a process already holds can be more: a CUDA-enabled
+// build maps about 200 MiB of CUDA libraries (cuBLASLt, cuDNN) even when it trains on the CPU.
+// keel-train measures it (resident_memory_bytes, before the model exists) and counts that instead
+// when it is larger.
+inline constexpr double kProcessBaselineBytes = 24.0 * 1024 * 1024;
+
+// This process's resident set now, in bytes (/proc/self/statm), 0 when it cannot be told.
+double resident_memory_bytes();
+
 // Three significant digits, or whole units from 1000 up: "512 B", "146 MiB", "3.25 GiB",
 // "1010 KiB", "2000000 TiB".
 std::string format_bytes(double bytes);

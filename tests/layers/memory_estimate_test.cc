@@ -138,6 +138,19 @@ TEST(MemoryEstimate, OptimizerStateFollowsTheLayout) {
 
 // 2^31 - 1 in any size field gives a finite estimate far beyond any machine, never a wrapped
 // (negative or small) one.
+// keel-train counts what the process already holds (resident_memory_bytes) instead of the fixed
+// baseline when it is more; the reading follows memory the process touches.
+TEST(MemoryEstimate, ResidentMemoryFollowsTouchedPages) {
+  const double before = resident_memory_bytes();
+  ASSERT_GT(before, 1024.0 * 1024.0);  // a running test binary holds more than 1 MiB
+  std::vector<char> block(64 << 20);
+  for (size_t i = 0; i < block.size(); i += 4096) block[i] = static_cast<char>(i);
+  const double after = resident_memory_bytes();
+  EXPECT_GE(after - before, 60.0 * 1024 * 1024) << "before " << before << ", after " << after;
+  EXPECT_EQ(block[4096], static_cast<char>(4096));
+  EXPECT_EQ(kProcessBaselineBytes, 24.0 * 1024 * 1024);
+}
+
 TEST(MemoryEstimate, HugeSizesDoNotOverflow) {
   for (const char* set :
        {"model.n_layers=2147483647", "model.vocab_size=2147483647", "model.d_ff=2147483647",
