@@ -667,6 +667,7 @@ StepResult Trainer::compute_gradients() {
   const float loss_weight = inject_nan ? std::numeric_limits<float>::quiet_NaN()
                                        : 1.0f / static_cast<float>(accum_ * topo_.dp);
   double stats[3] = {0.0, 0.0, 0.0};  // ce, z, log Z summed over micro-batches
+  r.max_attn_logit_layers.assign(static_cast<size_t>(model_->dims().L), 0.0f);
   for (int64_t m = 0; m < accum_; ++m) {
     sampler_.fill_samples(rank_first + m * micro_, micro_, inputs_.data(), targets_.data());
     const LossStats st = model_->forward(inputs_.data(), targets_.data(), micro_, loss_weight);
@@ -682,10 +683,6 @@ StepResult Trainer::compute_gradients() {
     stats[0] += st.ce;
     stats[1] += st.z_loss;
     stats[2] += st.log_z;
-    r.max_attn_logit = std::max(r.max_attn_logit, st.max_attn_logit);
-    if (r.max_attn_logit_layers.empty()) {
-      r.max_attn_logit_layers.assign(st.max_attn_logit_layers.size(), 0.0f);
-    }
     for (size_t l = 0; l < st.max_attn_logit_layers.size(); ++l) {
       r.max_attn_logit_layers[l] =
           std::max(r.max_attn_logit_layers[l], st.max_attn_logit_layers[l]);
@@ -720,19 +717,16 @@ StepResult Trainer::compute_gradients() {
   if (topo_.world_comm) {
     topo_.world_comm->all_reduce(stats, 3, ReduceOp::kSum);
     for (double& s : stats) s /= topo_.world_size;  // TP ranks of one replica hold the same values
-    // Each layer's largest logit over the ranks' heads (TP) and data (DP); the step's is theirs.
-    std::vector<float>& layers = r.max_attn_logit_layers;
-    topo_.world_comm->all_reduce(layers.data(), static_cast<int64_t>(layers.size()),
+    // Each layer's largest logit over the ranks' heads (TP) and data (DP).
+    topo_.world_comm->all_reduce(r.max_attn_logit_layers.data(),
+                                 static_cast<int64_t>(r.max_attn_logit_layers.size()),
                                  ReduceOp::kMax);
-    r.max_attn_logit = 0.0f;
-    for (float m : layers) r.max_attn_logit = std::max(r.max_attn_logit, m);
   }
-  for (size_t l = 0; l < r.max_attn_logit_layers.size(); ++l) {
-    if (r.max_attn_logit_layers[l] == r.max_attn_logit) {
-      r.max_attn_logit_layer = static_cast<int>(l);
-      break;
-    }
-  }
+  // The step's largest logit and the first block holding it.
+  const std::vector<float>& layers = r.max_attn_logit_layers;
+  for (float m : layers) r.max_attn_logit = std::max(r.max_attn_logit, m);
+  const auto top = std::find(layers.begin(), layers.end(), r.max_attn_logit);
+  if (top != layers.end()) r.max_attn_logit_layer = static_cast<int>(top - layers.begin());
   r.loss = stats[0] / static_cast<double>(accum_);
   r.z_loss = stats[1] / static_cast<double>(accum_);
   r.log_z = stats[2] / static_cast<double>(accum_);

@@ -32,7 +32,9 @@ float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps)
   // The decay runs over [start, total_steps): after the warmup, or for WSD its last decay_steps.
   int64_t start = warmup;
   if (wsd) {
-    const int64_t decay = cfg.decay_steps() > 0 ? cfg.decay_steps() : total_steps / 5;
+    // 0: a fifth of the run, as config validation resolves it (for configs built without it).
+    const int64_t decay =
+        cfg.decay_steps() > 0 ? cfg.decay_steps() : std::max<int64_t>(1, total_steps / 5);
     start = std::max(warmup, total_steps - decay);
     if (step < start) return static_cast<float>(peak);  // the stable phase
   }
