@@ -232,7 +232,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     const int recompute = cfg.train().recompute_layers();
     std::printf("keel-train: device %s, %s matmuls%s%s\n", trainer.exec().describe().c_str(),
                 kernels::precision_name(trainer.exec().precision()),
-                d.tp < 2         ? ""
+                d.tp < 2 ? ""
+                : d.sp   ? ", sequence parallel (TP all-gathers and reduce-scatters in FP32)"
                 : d.tp_bf16_wire ? ", TP all-reduces in BF16"
                                  : ", TP all-reduces in FP32",
                 recompute == 0 ? ""

@@ -213,7 +213,7 @@ void Attention::forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* m
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
     ctx_.exec->linear_forward(y, kernels::act(att_), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
-  {
+  if (!d.sp) {  // under SP the block reduce-scatters y (Note [sequence parallel])
     ProfileScope p(prof, "tp.all_reduce");
     tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
   }
@@ -308,7 +308,7 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
     ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
                                ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
-  {
+  if (!d.sp) {  // under SP the block reduce-scatters dx (Note [sequence parallel])
     // Column-parallel input: each rank's dx covers its heads only.
     ProfileScope p(prof, "tp.all_reduce");
     tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);

@@ -41,8 +41,14 @@ struct ModelDims {
   // and their readers widen them (tp > 1 and bf16 activations: Note [act-dtype]), instead of
   // rounding and widening fp32 buffers around the all-reduce. Set by GPT.
   bool tp_bf16_act = false;
+  // Note [sequence parallel] (layers/gpt.h): parallel.sequence_parallel with tp > 1. The residual
+  // stream and the block and final norms hold rows(B) = B T / tp token rows on each rank. Set by
+  // GPT from the config.
+  bool sp = false;
   static ModelDims from(const config::Model& m, int64_t micro_batch, const Topology& topo);
   int64_t BT() const { return B * T; }
+  // Token rows of a micro-batch of B sequences this rank holds in the residual stream.
+  int64_t rows(int64_t B_) const { return sp ? B_ * T / tp : B_ * T; }
   bool gated_mlp() const { return mlp == config::SWIGLU || mlp == config::GEGLU; }
 };
 
@@ -65,6 +71,11 @@ struct Scratch {
   Tensor attn_ws;  // attention backward workspace, sized for attn_threads (CPU: OpenMP threads)
   int attn_threads = 1;
   Tensor dscale;  // [Hl] per-head gradient of the attention scale
+  // Note [sequence parallel] (layers/gpt.h), fp32, shared by all blocks:
+  Tensor sp_x;     // [BT, C] a sublayer's all-gathered input (forward, and again in backward)
+  Tensor sp_dy;    // [BT, C] a sublayer's all-gathered output gradient
+  Tensor sp_part;  // [BT, C] a sublayer's partial output or input gradient, before reduce-scatter
+  Tensor sp_norm;  // [2 C] a norm's partial weight (and bias) gradient, before its all-reduce
 };
 
 struct LayerContext {

@@ -65,7 +65,7 @@ Block::Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
       mlp_(prefix + ".mlp", ps, ctx) {}
 
 void Block::allocate(const LayerContext& ctx, const Block* share) {
-  const Shape s{ctx.dims.BT(), ctx.dims.C};
+  const Shape s{ctx.dims.rows(ctx.dims.B), ctx.dims.C};
   out_ = ctx.zeros(s);
   if (share != nullptr) {
     ln1_.allocate(ctx, &share->ln1_);
@@ -82,14 +82,19 @@ void Block::allocate(const LayerContext& ctx, const Block* share) {
   attn_.allocate(ctx);
   mlp_.allocate(ctx);
   // Note [act-dtype]: with pre-sublayer norms n1_ and n2_ hold the norm outputs, which only the
-  // sublayers' input projections read; post-sublayer, the norms' fp32 inputs.
-  const DType norm_out = ctx.dims.post_norm ? DType::kF32 : ctx.exec->act_dtype();
+  // sublayers' input projections read; post-sublayer, the norms' fp32 inputs. Under SP (Note
+  // [sequence parallel]) fp32 rows, which the fp32 all-gathers read.
+  const DType norm_out = ctx.dims.post_norm || ctx.dims.sp ? DType::kF32 : ctx.exec->act_dtype();
   n1_ = ctx.zeros(s, norm_out);
   r1_ = ctx.zeros(s);
   n2_ = ctx.zeros(s, norm_out);
 }
 
 void Block::forward(const float* x, int64_t B, float* max_logit) {
+  if (ctx_.dims.sp) {
+    forward_sp(x, B, max_logit);
+    return;
+  }
   const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
   if (ctx_.dims.post_norm) {
     // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)). n1_, n2_ keep the sublayer outputs (the
@@ -121,6 +126,10 @@ void Block::forward(const float* x, int64_t B, float* max_logit) {
 }
 
 void Block::backward(const float* x, float* dres, int64_t B) {
+  if (ctx_.dims.sp) {
+    backward_sp(x, dres, B);
+    return;
+  }
   float* dn = ctx_.scratch->dn.f32();
   if (ctx_.dims.post_norm) {
     // A sublayer's input gradient is all-reduced over TP before it joins the residual gradient,
@@ -141,9 +150,96 @@ void Block::backward(const float* x, float* dres, int64_t B) {
   ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
 }
 
+namespace {
+
+// Note [sequence parallel]: the collectives around a sublayer, profiled apart.
+void gather_rows(const LayerContext& ctx, const float* mine, float* all, int64_t n) {
+  ProfileScope p(ctx.profiler, "tp.all_gather");
+  tp_region::gather_rows(ctx.topo->tp_tensors(), mine, all, n);
+}
+void scatter_rows(const LayerContext& ctx, const float* partial, float* mine, int64_t n) {
+  ProfileScope p(ctx.profiler, "tp.reduce_scatter");
+  tp_region::scatter_rows(ctx.topo->tp_tensors(), partial, mine, n);
+}
+
+}  // namespace
+
+// The same block as forward() with each sublayer between an all-gather of its input rows (into
+// sp_x) and a reduce-scatter of its partial output (from sp_part) back to this rank's rows.
+void Block::forward_sp(const float* x, int64_t B, float* max_logit) {
+  const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
+  float* all = ctx_.scratch->sp_x.f32();
+  float* part = ctx_.scratch->sp_part.f32();
+  kernels::ExecContext& ex = *ctx_.exec;
+  if (ctx_.dims.post_norm) {
+    // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)); n1_, n2_ keep the norms' inputs.
+    gather_rows(ctx_, x, all, n);
+    attn_.forward(all, kernels::ActOut(part), B, max_logit);
+    scatter_rows(ctx_, part, n1_.f32(), n);
+    ln1_.forward(n1_.f32(), kernels::ActOut(out_.f32()), B);
+    ex.add(r1_.f32(), x, out_.f32(), n);
+    gather_rows(ctx_, r1_.f32(), all, n);
+    mlp_.forward(all, kernels::ActOut(part), B);
+    scatter_rows(ctx_, part, n2_.f32(), n);
+    ln2_.forward(n2_.f32(), kernels::ActOut(out_.f32()), B);
+    ex.add_inplace(out_.f32(), r1_.f32(), n);
+    return;
+  }
+  // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)); n1_, n2_ keep the norms' output rows.
+  ln1_.forward(x, kernels::ActOut(n1_.f32()), B);
+  gather_rows(ctx_, n1_.f32(), all, n);
+  attn_.forward(all, kernels::ActOut(part), B, max_logit);
+  scatter_rows(ctx_, part, out_.f32(), n);
+  ex.add(r1_.f32(), x, out_.f32(), n);
+  ln2_.forward(r1_.f32(), kernels::ActOut(n2_.f32()), B);
+  gather_rows(ctx_, n2_.f32(), all, n);
+  mlp_.forward(all, kernels::ActOut(part), B);
+  scatter_rows(ctx_, part, out_.f32(), n);
+  ex.add_inplace(out_.f32(), r1_.f32(), n);
+}
+
+// backward() under SP: a sublayer's output gradient is all-gathered (sp_dy), its input gathered
+// again (sp_x), and its partial input gradient (sp_part) reduce-scattered to this rank's rows.
+void Block::backward_sp(const float* x, float* dres, int64_t B) {
+  const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
+  Scratch& sc = *ctx_.scratch;
+  float* all = sc.sp_x.f32();
+  float* dy = sc.sp_dy.f32();
+  float* part = sc.sp_part.f32();
+  float* dn = sc.dn.f32();
+  if (ctx_.dims.post_norm) {
+    float* dsub = sc.dsub.f32();
+    ln2_.backward(n2_.f32(), dres, dn, /*accumulate=*/false, B);
+    gather_rows(ctx_, dn, dy, n);
+    gather_rows(ctx_, r1_.f32(), all, n);
+    mlp_.backward(all, dy, part, B);
+    scatter_rows(ctx_, part, dsub, n);
+    ctx_.exec->add_inplace(dres, dsub, n);
+    ln1_.backward(n1_.f32(), dres, dn, /*accumulate=*/false, B);
+    gather_rows(ctx_, dn, dy, n);
+    gather_rows(ctx_, x, all, n);
+    attn_.backward(all, dy, part, B);
+    scatter_rows(ctx_, part, dsub, n);
+    ctx_.exec->add_inplace(dres, dsub, n);
+    return;
+  }
+  gather_rows(ctx_, dres, dy, n);
+  gather_rows(ctx_, n2_.f32(), all, n);
+  mlp_.backward(all, dy, part, B);
+  scatter_rows(ctx_, part, dn, n);
+  ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
+  gather_rows(ctx_, dres, dy, n);
+  gather_rows(ctx_, n1_.f32(), all, n);
+  attn_.backward(all, dy, part, B);
+  scatter_rows(ctx_, part, dn, n);
+  ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
+}
+
 // ---- GPT ---------------------------------------------------------------------------------------
 
 bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision) {
+  // Note [sequence parallel]: its all-gathers and reduce-scatters move fp32.
+  if (p.sequence_parallel()) return false;
   const std::string w = upper_ascii(p.tp_comm_dtype());
   if (w == "BF16") return true;
   if (w == "FP32") return false;
@@ -153,6 +249,10 @@ bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision) {
 GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batch,
          kernels::ExecContext& exec) {
   ctx_.dims = ModelDims::from(cfg.model(), micro_batch, topo);
+  ctx_.dims.sp = cfg.parallel().sequence_parallel() && topo.tp > 1;
+  KEEL_CHECK(!ctx_.dims.sp || ctx_.dims.T % topo.tp == 0, kLayout,
+             "parallel.sequence_parallel: parallel.tp=", topo.tp,
+             " does not divide model.seq_len=", ctx_.dims.T);
   ctx_.dims.tp_bf16_wire = tp_comm_bf16(cfg.parallel(), exec.precision());
   ctx_.dims.tp_bf16_act = ctx_.dims.tp_bf16_wire && topo.tp > 1 && exec.act_dtype() == DType::kBF16;
   ctx_.exec = &exec;
@@ -195,25 +295,32 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
     blocks_[l]->allocate(ctx_, l > 0 && l < recompute_ ? blocks_[0].get() : nullptr);
   }
   ln_f_->allocate(ctx_);
-  const int64_t BT = d.BT(), C = d.C, HD = d.Hl * d.D;
+  const int64_t BT = d.BT(), C = d.C, HD = d.Hl * d.D, rows = d.rows(d.B);
   tokens_ = ctx_.zeros({BT}, DType::kI32);
   targets_ = ctx_.zeros({BT}, DType::kI32);
-  x0_ = ctx_.zeros({BT, C});
-  // Note [act-dtype]: only the LM head's GEMMs read the final norm's output.
-  xf_ = ctx_.zeros({BT, C}, exec.act_dtype());
+  x0_ = ctx_.zeros({rows, C});
+  // Note [act-dtype]: only the LM head's GEMMs read the final norm's output (all-gathered in fp32
+  // under SP: Note [sequence parallel]).
+  xf_ = ctx_.zeros({BT, C}, d.sp ? DType::kF32 : exec.act_dtype());
   // Note [act-dtype]: bf16 under BF16 on a device (only the head's GEMMs and the loss read it).
   logits_ = ctx_.zeros({BT, d.Vl}, exec.act_dtype());
   row_max_ = ctx_.zeros({BT});
   lse_ = ctx_.zeros({BT});
   tl_ = ctx_.zeros({BT});
-  dres_ = ctx_.zeros({BT, C});
-  scratch_.dn = ctx_.zeros({BT, C});
+  dres_ = ctx_.zeros({rows, C});
+  scratch_.dn = ctx_.zeros({rows, C});
   scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());  // Note [act-dtype]
   scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({2, BT, HD});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
-  if (d.post_norm) scratch_.dsub = ctx_.zeros({BT, C});
+  if (d.post_norm) scratch_.dsub = ctx_.zeros({rows, C});
+  if (d.sp) {
+    scratch_.sp_x = ctx_.zeros({BT, C});
+    scratch_.sp_dy = ctx_.zeros({BT, C});
+    scratch_.sp_part = ctx_.zeros({BT, C});
+    scratch_.sp_norm = ctx_.zeros({2 * C});
+  }
   if (d.tp_bf16_act) scratch_.tp_bf16 = ctx_.zeros({BT, C}, DType::kBF16);
   scratch_.attn_threads = exec.threads();
   const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0, scratch_.attn_threads};
@@ -252,7 +359,21 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
   ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
   if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
   Communicator& tp = ctx_.topo->tp_tensors();
-  {
+  const int64_t rows = d.rows(B);
+  if (d.sp) {
+    // Note [sequence parallel]: the partial lookups of all BT rows, plus the position table once
+    // (TP rank 0, as a row-parallel bias), reduce-scattered to this rank's rows.
+    float* part = scratch_.sp_part.f32();
+    {
+      ProfileScope p(&profiler_, "embedding");
+      ctx_.exec->embedding_forward(part, tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
+      if (wpe_ >= 0 && d.tp_rank == 0) {
+        ctx_.exec->position_forward(part, ps_.param(wpe_), B, d.T, C);
+      }
+    }
+    ProfileScope p(&profiler_, "tp.reduce_scatter");
+    tp_region::scatter_rows(tp, part, x0_.f32(), rows * C);
+  } else {
     ProfileScope p(&profiler_, "embedding");
     ctx_.exec->embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
     // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
@@ -272,7 +393,15 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
     max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
     for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
   }
-  ln_f_->forward(x, kernels::act(xf_), B);
+  if (d.sp) {
+    // Note [sequence parallel]: the vocab-parallel LM head reads every row.
+    float* mine = scratch_.sp_part.f32();  // free until the head's backward
+    ln_f_->forward(x, kernels::ActOut(mine), B);
+    ProfileScope p(&profiler_, "tp.all_gather");
+    tp_region::gather_rows(tp, mine, xf_.f32(), rows * C);
+  } else {
+    ln_f_->forward(x, kernels::act(xf_), B);
+  }
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
     ctx_.exec->linear_forward(kernels::act(logits_), kernels::act(xf_), head_weight(), nullptr, BT,
@@ -335,12 +464,19 @@ void GPT::backward(float loss_weight) {
     ProfileScope p(&profiler_, "matmul.lm_head");
     // On the bf16 TP wire the partial dxf is written in bf16 for the all-reduce, then widened
     // (Note [bf16 wire]).
-    const kernels::ActOut dxo =
-        d.tp_bf16_act ? kernels::act(scratch_.tp_bf16) : kernels::ActOut(dxf);
+    // Under SP the partial gradient of all BT rows goes to sp_part, to be reduce-scattered.
+    const kernels::ActOut dxo = d.tp_bf16_act ? kernels::act(scratch_.tp_bf16)
+                                : d.sp        ? kernels::ActOut(scratch_.sp_part.f32())
+                                              : kernels::ActOut(dxf);
     ctx_.exec->linear_backward(dxo, false, head_grad(), nullptr, kernels::act(logits_),
                                kernels::act(xf_), head_weight(), BT, C, d.Vl);
     // The LM head is column-parallel over vocab: its input gradient is a partial sum.
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * C, d.tp_bf16_wire);
+    if (d.sp) {
+      ProfileScope p(&profiler_, "tp.reduce_scatter");
+      tp_region::scatter_rows(ctx_.topo->tp_tensors(), scratch_.sp_part.f32(), dxf, d.rows(B) * C);
+    } else {
+      tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * C, d.tp_bf16_wire);
+    }
     if (d.tp_bf16_act) ctx_.exec->copy_to_f32(dxf, dxo, BT * C);
   }
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
@@ -353,11 +489,18 @@ void GPT::backward(float loss_weight) {
     blocks_[l]->backward(x, dres_.f32(), B);
     notify(block_params_[l].first, block_params_[l].second);
   }
+  const float* dx0 = dres_.f32();
+  if (d.sp) {
+    // Note [sequence parallel]: the embedding's backward reads every row's gradient.
+    ProfileScope p(&profiler_, "tp.all_gather");
+    tp_region::gather_rows(ctx_.topo->tp_tensors(), dres_.f32(), scratch_.sp_dy.f32(),
+                           d.rows(B) * C);
+    dx0 = scratch_.sp_dy.f32();
+  }
   {
     ProfileScope p(&profiler_, "embedding");
-    ctx_.exec->embedding_backward(ps_.grad(wte_), dres_.f32(), tokens_.i32(), BT, d.v_begin, d.Vl,
-                                  C);
-    if (wpe_ >= 0) ctx_.exec->position_backward(ps_.grad(wpe_), dres_.f32(), B, d.T, C);
+    ctx_.exec->embedding_backward(ps_.grad(wte_), dx0, tokens_.i32(), BT, d.v_begin, d.Vl, C);
+    if (wpe_ >= 0) ctx_.exec->position_backward(ps_.grad(wpe_), dx0, B, d.T, C);
   }
   notify(wte_, wte_ + 1);
   if (wpe_ >= 0) notify(wpe_, wpe_ + 1);

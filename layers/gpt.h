@@ -35,12 +35,16 @@ class Block {
   const float* out() const { return out_.f32(); }
 
  private:
+  // Note [sequence parallel]: x, dres and the saved activations are this rank's token rows.
+  void forward_sp(const float* x, int64_t B, float* max_logit);
+  void backward_sp(const float* x, float* dres, int64_t B);
+
   const LayerContext& ctx_;
   Norm ln1_, ln2_;
   Attention attn_;
   Mlp mlp_;
   // [BT, C] each. Pre-norm: n1 = ln1(x), n2 = ln2(r1); post-norm: n1 = attn(x), n2 = mlp(r1);
-  // r1 = the residual stream between the sublayers.
+  // r1 = the residual stream between the sublayers. Under SP: [rows(B), C] each, all fp32.
   Tensor n1_, r1_, n2_, out_;
 };
 
@@ -68,6 +72,35 @@ struct LossStats {
 // gradients equal those without recomputation bit for bit (tests/layers/device_neutral_test and,
 // on a GPU, tests/gpu/train_step_test assert it).
 // N = 1 changes nothing.
+
+// Note [sequence parallel]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// parallel.sequence_parallel (tp > 1) is Megatron-LM's sequence parallelism (Korthikanti et al.
+// 2022, "Reducing Activation Recomputation in Large Transformer Models"). Without it every TP rank
+// holds the whole micro-batch in the regions between the tensor-parallel sublayers: the residual
+// stream, the block and final norms and their outputs, 4 [BT, C] tensors a block, which TP does not
+// shrink. With it, each rank holds rows(B) = BT / tp of the token rows there (rank r: rows
+// [r BT / tp, (r + 1) BT / tp) of the [B, T] batch, so model.seq_len must divide by tp), and:
+// - each sublayer's input is all-gathered into the shared [BT, C] scratch sp_x before its
+//   column-parallel projection, and its row-parallel partial output is reduce-scattered to the
+//   rank's rows instead of all-reduced (tp_region::gather_rows / scatter_rows);
+// - in backward the output gradient is all-gathered (sp_dy) and the partial input gradient
+//   reduce-scattered; the sublayer's input is all-gathered again rather than kept whole (as
+//   Megatron does), so a block saves 4 [BT / tp, C] tensors instead of 4 [BT, C];
+// - the embedding's vocab-parallel partial sums (plus, on TP rank 0, the position table) are
+//   reduce-scattered; the final norm's rows are all-gathered for the vocab-parallel LM head, whose
+//   partial input gradient is reduce-scattered; the residual gradient is all-gathered for the
+//   embedding's backward, so every rank computes the whole position-table gradient as before;
+// - a norm's weight and bias gradients from its rows are partial: all-reduced over TP per
+//   micro-batch (C or 2C floats) before they are accumulated.
+// Attention, QK-norm (any scope) and the loss act on all BT rows as before. Bytes on the wire:
+// per block forward 2 all-gathers and 2 reduce-scatters, backward 4 and 2, each counted as the
+// whole [BT, C] buffer (Communicator::bytes_moved), against 2 + 2 all-reduces without SP; in a
+// ring an all-reduce moves twice a reduce-scatter's bytes, so SP's forward costs what the
+// all-reduces did and its backward 1.5 times (the two re-gathers). The collectives move fp32
+// (AUTO resolves to FP32; BF16 is refused): bf16 all-gathers and reduce-scatters are future work.
+// The same model to fp32 rounding: tests/parallel/tp_dp_equivalence_test (SP cases) and
+// tests/parallel/comm_volume_test (the bytes).
 
 // parallel.tp_comm_dtype resolved: whether the TP activation all-reduces move bf16 (Note [bf16
 // wire] in parallel/communicator.h); AUTO means under the BF16 precision.

@@ -86,20 +86,26 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
   if (qk_on) attn += act * 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
-  const double norms = 2 * 2 * BT;  // ln1, ln2: mean and rstd
+  // Note [sequence parallel] (layers/gpt.h): the residual stream and the norms hold rows = BT / tp
+  // token rows (fp32) on each rank; each sublayer's input is all-gathered into shared scratch.
+  const bool sp = cfg.parallel().sequence_parallel() && tp_size > 1;
+  const double rows = sp ? BT / tp : BT;
+  const double norms = 2 * 2 * rows;  // ln1, ln2: mean and rstd
   // GELU: pre-activation and output; gated: up, gate and their product.
   const double mlp = (gated ? 2 : 1) * BT * Fl + act * BT * Fl;
   // n1, n2 (norm outputs before the sublayers, or post-sublayer the norms' fp32 inputs), r1, out
-  const double block = (post_norm ? 2 : 2 * act) * BT * C + 2 * BT * C + norms + attn + mlp;
-  // tokens, targets; x0, xf, dres; logits; max, lse, target logit
-  double model = 2 * BT + (2 + act) * BT * C + act * BT * Vl + 3 * BT;
-  model += 2 * BT;           // ln_f mean and rstd
-  if (rope) model += T * D;  // the cos/sin table: [T, D / 2] each
+  const double block =
+      (post_norm || sp ? 2 : 2 * act) * rows * C + 2 * rows * C + norms + attn + mlp;
+  // tokens, targets; x0, dres; xf (all-gathered fp32 under SP); logits; max, lse, target logit
+  double model = 2 * BT + 2 * rows * C + (sp ? 1 : act) * BT * C + act * BT * Vl + 3 * BT;
+  model += 2 * rows;                    // ln_f mean and rstd
+  if (sp) model += 3 * BT * C + 2 * C;  // sp_x, sp_dy, sp_part; sp_norm
+  if (rope) model += T * D;             // the cos/sin table: [T, D / 2] each
   // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated; bf16
   // too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
-  model += BT * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
+  model += rows * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
   if (gated) model += act * BT * Fl;
-  if (post_norm) model += BT * C;
+  if (post_norm) model += rows * C;
   // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.
   if (bf16 && tp_size > 1 && tp_comm_bf16(cfg.parallel(), kernels::Precision::kBf16)) {
     model += 0.5 * BT * C;
@@ -109,7 +115,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // Note [recompute] (layers/gpt.h): the first N blocks share one block's saved activations and
   // keep only their outputs.
   const double shared = std::max(0, cfg.train().recompute_layers() - 1);
-  const double blocks = L * block - shared * (block - BT * C);
+  const double blocks = L * block - shared * (block - rows * C);
   e.activations = (blocks + model + trainer) * kFloat;
 
   // MPI's temporaries for the DP gradient reduction (measured with Open MPI 4: a 2-rank job's

@@ -62,7 +62,7 @@ void Mlp::forward(kernels::ActIn x, kernels::ActOut y, int64_t B) {
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
     ctx_.exec->linear_forward(y, kernels::act(g_), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
-  {
+  if (!d.sp) {  // under SP the block reduce-scatters y (Note [sequence parallel])
     ProfileScope p(prof, "tp.all_reduce");
     tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
   }
@@ -106,7 +106,7 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
                                  BT, d.C, d.Fl);
     }
   }
-  {
+  if (!d.sp) {  // under SP the block reduce-scatters dx (Note [sequence parallel])
     ProfileScope p(prof, "tp.all_reduce");
     tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);
     if (bf16_dx) ctx_.exec->copy_to_f32(dx, dxo, BT * d.C);

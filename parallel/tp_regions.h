@@ -42,4 +42,18 @@ inline void reduce_from_tp_forward(Communicator& tp, kernels::ActOut out, int64_
 // reduce_from_tp: nothing to do backward.
 inline void reduce_from_tp_backward(Communicator&, float*, int64_t) {}
 
+// Sequence parallelism (Note [sequence parallel] in layers/gpt.h) replaces the pair above with
+// Megatron's other two (mappings.py), conjugate in the same way, over token rows in fp32:
+//   gather_from_sp:      forward all-gather,     backward reduce-scatter (entering a sublayer)
+//   reduce_scatter_to_sp: forward reduce-scatter, backward all-gather    (leaving a sublayer)
+// In keel's explicit backward each direction is a call of one of these two. `n` is the element
+// count of one rank's rows (rows(B) x C); `all` holds tp x n, rank r's rows at [r n, (r + 1) n).
+inline void gather_rows(Communicator& tp, const float* mine, float* all, int64_t n) {
+  tp.all_gather(mine, all, n);
+}
+// mine[n] = the sum over TP ranks of their partial[rank() n, (rank() + 1) n).
+inline void scatter_rows(Communicator& tp, const float* partial, float* mine, int64_t n) {
+  tp.reduce_scatter(partial, mine, n);
+}
+
 }  // namespace keel::tp_region

@@ -61,6 +61,7 @@ parallel {
   bucket_mb: 25
   timeout_s: 300
   tp_comm_dtype: "AUTO"
+  sequence_parallel: false
 }
 train {
   steps: 400
@@ -718,6 +719,15 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(heads % tp == 0, kLayout, "parallel.tp=", tp,
              " does not divide model.n_heads=", heads);
   KEEL_CHECK(d_ff % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d_ff);
+  if (par.sequence_parallel() && tp > 1) {
+    // Note [sequence parallel] (layers/gpt.h): each rank holds B x seq_len / tp token rows.
+    const int64_t seq = cfg.model().seq_len();
+    KEEL_CHECK(seq % tp == 0, kLayout, "parallel.sequence_parallel: parallel.tp=", tp,
+               " does not divide model.seq_len=", seq, " (each rank holds seq_len / tp rows)");
+    KEEL_CHECK(wire != "BF16", kConfig,
+               "parallel.tp_comm_dtype=BF16: the all-gathers and reduce-scatters of "
+               "parallel.sequence_parallel move fp32 (use AUTO or FP32)");
+  }
   KEEL_CHECK(cfg.debug().kill_at_step() >= 0, kConfig, "debug.kill_at_step must be >= 0");
   const config::FaultPoint point = cfg.debug().fault_point();
   KEEL_CHECK(cfg.debug().kill_rank() == 0 ||

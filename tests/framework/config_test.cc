@@ -380,6 +380,9 @@ TEST(Config, ValidationErrorsNameTheField) {
       {{"optim.schedule=WSD", "optim.decay_steps=-1"}, "optim.decay_steps=-1 must be >= 0"},
       {{"optim.schedule=WSD_SQRT", "optim.decay_steps=361"},
        "optim.warmup_steps=40 + optim.decay_steps=361 exceed train.steps=400"},
+      {{"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_dtype=BF16"},
+       "parallel.tp_comm_dtype=BF16: the all-gathers and reduce-scatters of "
+       "parallel.sequence_parallel move fp32 (use AUTO or FP32)"},
       {{"optim.schedule=STEP"},
        "invalid value for enum field (choose one of COSINE, LINEAR, WSD, WSD_SQRT, CONSTANT)"},
   };
@@ -392,6 +395,10 @@ TEST(Config, ValidationErrorsNameTheField) {
   EXPECT_NO_THROW(load_config("", {"optim.beta1=0", "loss.z_loss=0", "optim.grad_clip=0"}));
   EXPECT_NO_THROW(load_config("", {"model.seq_len=256", "model.max_positions=256"}));
   EXPECT_NO_THROW(load_config("", {"train.recompute_layers=4"}));
+  // Sequence parallelism moves fp32; at tp = 1 it changes nothing, so any wire is accepted.
+  EXPECT_NO_THROW(load_config("", {"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  EXPECT_NO_THROW(
+      load_config("", {"parallel.sequence_parallel=true", "parallel.tp_comm_dtype=BF16"}));
   EXPECT_NO_THROW(load_config("", {"optim.schedule=WSD", "optim.decay_steps=360"}));
   // WSD's decay_steps 0 resolves to a fifth of train.steps (at least 1).
   EXPECT_EQ(load_config("", {"optim.schedule=WSD"}).optim().decay_steps(), 80);

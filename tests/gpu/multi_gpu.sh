@@ -2,10 +2,11 @@
 # tests/gpu/multi_gpu.sh: the multi-GPU checks, for a node with 2 or more GPUs (4 for TP2 x DP2)
 # and mpirun, with keel built there (build/launch/keel-train). check.sh runs it when the machine
 # qualifies; the lent single-GPU machine does not.
-#   - layouts: a tiny job at TP2, DP2, DP2 + ZeRO-1 and TP2 x DP2 logs the losses of the same job
-#     on one GPU, step by step, within 1e-5 relative (fp32; NCCL's and cuBLAS's sums differ from
-#     one GPU's by rounding only); with --device CUDA also TP2 and DP2 in BF16 against one GPU in
-#     BF16 (the bf16 TP wire, BF16's default, and the fp32 one; an OLMo 2-like block too), within
+#   - layouts: a tiny job at TP2, DP2, DP2 + ZeRO-1, TP2 with sequence parallelism and TP2 x DP2
+#     logs the losses of the same job on one GPU, step by step, within 1e-5 relative (fp32;
+#     NCCL's and cuBLAS's sums differ from one GPU's by rounding only); with --device CUDA also
+#     TP2 (with and without sequence parallelism) and DP2 in BF16 against one GPU in BF16 (the
+#     bf16 TP wire, BF16's default, and the fp32 one; an OLMo 2-like block too), within
 #     1e-4; TP2 with bf16 on the TP wire (parallel.tp_comm_dtype=BF16) in FP32 against one GPU's
 #     (or the CPU's) fp32 run, within 1e-4;
 #   - a rank killed at step 3 ends the job, with a line naming the collective that did not
@@ -126,9 +127,13 @@ layouts() {
 
 run 1 one
 verdict one "rc == 0" "1 rank on $DEVICE (exit $rc, ${secs}s)"
-fp32=("2 tp2 --set parallel.tp=2" "2 dp2" "2 dp2_zero1 --set parallel.zero_stage=1")
+fp32=("2 tp2 --set parallel.tp=2" "2 dp2" "2 dp2_zero1 --set parallel.zero_stage=1"
+  "2 tp2_sp --set parallel.tp=2 --set parallel.sequence_parallel=true")
 ((ranks >= 4)) && fp32+=("4 tp2xdp2 --set parallel.tp=2")
 layouts one 1e-5 "${fp32[@]}"
+# Sequence parallelism (Note [sequence parallel] in layers/gpt.h): keel-train's banner says so.
+verdict tp2_sp "$(grep -c 'sequence parallel (TP all-gathers' "$work/tp2_sp.log")" \
+  "keel-train's banner names sequence parallelism"
 # bf16 on the TP wire (parallel.tp_comm_dtype=BF16, Note [bf16 wire]): the TP all-reduces round
 # activations and gradients to bf16, so TP2 tracks one rank's fp32 run to bf16 rounding, not 1e-5
 # (measured: 5.2e-6 on the CPU, 4.9e-6 on 4 emulated GPUs); keel-train's banner says which wire
@@ -150,6 +155,7 @@ if [[ $DEVICE == CUDA ]]; then
   # write bf16, NCCL sums it, the residual adds read it); tp2_bf16_fp32_wire keeps fp32.
   layouts one_bf16 1e-4 "2 tp2_bf16 --set parallel.tp=2 --set train.precision=BF16" \
     "2 dp2_bf16 --set train.precision=BF16" \
+    "2 tp2_bf16_sp --set parallel.tp=2 --set train.precision=BF16 --set parallel.sequence_parallel=true" \
     "2 tp2_bf16_fp32_wire --set parallel.tp=2 --set train.precision=BF16 --set parallel.tp_comm_dtype=FP32"
   verdict tp2_bf16 "$(grep -c 'TP all-reduces in BF16' "$work/tp2_bf16.log")" \
     "keel-train's banner names the bf16 TP wire, BF16's default"

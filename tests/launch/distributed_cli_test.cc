@@ -105,6 +105,19 @@ TEST(DistributedCli, TpNotDividingDff) {
   EXPECT_EQ(count(r.output, "parallel.tp=4 does not divide model.d_ff=66"), 1) << r.output;
 }
 
+// Note [sequence parallel]: each rank holds seq_len / tp rows of every sequence.
+TEST(DistributedCli, SequenceParallelNeedsTpDividingSeqLen) {
+  const JobResult r = run_job(4, std::string(kTiny) +
+                                     " --set model.n_heads=4 --set model.seq_len=18 "
+                                     "--set parallel.tp=4 --set parallel.sequence_parallel=true");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "parallel.sequence_parallel: parallel.tp=4 does not divide "
+                  "model.seq_len=18"),
+            1)
+      << r.output;
+}
+
 TEST(DistributedCli, TwoRanksTrain) {
   const JobResult r = run_job(2, std::string(kTiny) + " --set parallel.tp=2");
   EXPECT_EQ(r.code, 0) << r.output;

@@ -28,6 +28,11 @@
 //   With train.recompute_layers = N, R = max(N - 1, 0) block forwards run again in backward
 //   (Note [recompute] in layers/gpt.h), repeating their collectives: (2 + 4L) becomes
 //   (2 + 4L + 2R), PROJ 8 L BT becomes PROJ (8L + 4R) BT, and the calls grow by A (2R + PROJ 2R).
+//   With parallel.sequence_parallel (Note [sequence parallel] in layers/gpt.h) all-gathers and
+//   reduce-scatters of the whole [BT, C] replace the activation all-reduces: (2 + 4L + 2R) becomes
+//   (4 + 10L + 4R) (fp32 always), and each micro-batch adds one all-reduce per block and final
+//   norm of its weight (and bias) gradient: 4 (2L + 1) NB C bytes, NB = 2 for LAYERNORM with
+//   model.bias, else 1; TP calls = A [(8 + 12L + 4R) + PROJ (4L + 2R)] + (tensors in G) + [zero 0].
 //
 // Data parallel group (dp > 1), per step:
 //   zero_stage 0: each gradient bucket all-reduced once. A bucket is a run of consecutive
@@ -94,6 +99,7 @@ struct Case {
   BlockKind block{};       // the GPT-2 block unless set
   bool bf16_wire = false;  // parallel.tp_comm_dtype=BF16
   int recompute = 0;       // train.recompute_layers
+  bool sp = false;         // parallel.sequence_parallel
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -106,6 +112,7 @@ struct Case {
     if (!block.tag.empty()) s += "_" + block.tag;
     if (bf16_wire) s += "_bf16_wire";
     if (recompute) s += "_recompute" + std::to_string(recompute);
+    if (sp) s += "_sp";
     return s;
   }
 };
@@ -209,6 +216,29 @@ std::vector<Case> cases() {
   Case rc_dp{1, 2, rms_shared, 0, 0};
   rc_dp.recompute = kLayers;
   out.push_back(rc_dp);
+  // Sequence parallelism: LayerNorm with biases (2C per norm gradient) with accumulation, the
+  // OLMo 2 block (RMSNorm, post-sublayer) at TP4, TP x DP with ZeRO-1 and recomputation, and a
+  // DP layout, where it changes nothing.
+  Case sp2{2, 1, {config::LAYER, config::HEAD_SHARED}, 0, 2};
+  sp2.sp = true;
+  out.push_back(sp2);
+  Case sp4{4, 1, rms_projection, 0, 0, false};
+  sp4.block = testing::olmo2_block();
+  sp4.sp = true;
+  out.push_back(sp4);
+  Case sp22{2, 2, rms_projection, 1, 2};
+  sp22.block = testing::rope_geglu_bias_block();
+  sp22.recompute = kLayers;
+  sp22.sp = true;
+  out.push_back(sp22);
+  Case sp_olmo_rc{2, 1, rms_projection, 0, 0, false};
+  sp_olmo_rc.block = testing::olmo2_block();
+  sp_olmo_rc.recompute = kLayers;
+  sp_olmo_rc.sp = true;
+  out.push_back(sp_olmo_rc);
+  Case sp_dp{1, 2, rms_shared, 0, 0};
+  sp_dp.sp = true;
+  out.push_back(sp_dp);
   return out;
 }
 
@@ -270,6 +300,7 @@ struct Volume {
 
 struct Terms {  // the formula's pieces, for the printout
   int64_t A = 1, B = 0, act = 0, loss = 0, proj = 0, partial = 0, partial_tensors = 0;
+  int64_t norms = 0;  // sequence parallelism: the block and final norms' gradients per micro-batch
   int64_t arena = 0, span = 0, buckets = 0;
 };
 
@@ -301,9 +332,23 @@ Volume expected_volume(const Case& c, Terms* t) {
       t->partial = L;
     }
     const int64_t w = c.bf16_wire ? 2 : 4;  // bytes per activation element on the wire
-    v.tp_bytes = t->A * (w * t->act + 4 * (t->loss + t->proj)) + 4 * t->partial + (zero ? 0 : 8);
-    v.tp_calls = t->A * ((5 + 4 * L + 2 * R) + (proj ? 4 * L + 2 * R : 0)) + t->partial_tensors +
-                 (zero ? 0 : 1);
+    int64_t act_calls = 2 + 4 * L + 2 * R, norm_calls = 0;
+    if (c.sp) {
+      // Note [sequence parallel]: the embedding's reduce-scatter, per block 2 all-gathers and 2
+      // reduce-scatters forward (again for each recomputed block) and 4 and 2 backward, the LM
+      // head's all-gather and reduce-scatter, the all-gather for the embedding's backward: each
+      // counted as the whole [BT, C]. Then one all-reduce per norm of its weight (and bias)
+      // gradient.
+      act_calls = 4 + 10 * L + 4 * R;
+      t->act = act_calls * BT * C;
+      norm_calls = 2 * L + 1;
+      const bool ln_bias = c.block.norm == config::LAYERNORM && c.block.bias;
+      t->norms = norm_calls * (ln_bias ? 2 : 1) * C;
+    }
+    v.tp_bytes =
+        t->A * (w * t->act + 4 * (t->loss + t->proj + t->norms)) + 4 * t->partial + (zero ? 0 : 8);
+    v.tp_calls = t->A * (act_calls + 3 + norm_calls + (proj ? 4 * L + 2 * R : 0)) +
+                 t->partial_tensors + (zero ? 0 : 1);
   }
   // The arena: every tensor starts at a multiple of 16 floats; the total is padded to 16 dp.
   const auto params = local_params(c);
@@ -393,7 +438,9 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
   config::KeelConfig cfg = tiny_config(job);
   if (c.bf16_wire) cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
   cfg.mutable_train()->set_recompute_layers(c.recompute);
+  cfg.mutable_parallel()->set_sequence_parallel(c.sp);
   Trainer trainer(cfg, topo, opts);
+  EXPECT_EQ(trainer.model().dims().sp, c.sp && c.tp > 1);
   EXPECT_EQ(trainer.model().dims().tp_bf16_wire, c.bf16_wire);
 
   // The formula's parameter list is the model's.
@@ -421,15 +468,15 @@ TEST_P(CommVolume, OneStepMatchesFormula) {
   if (topo.world_rank == 0) {
     std::printf(
         "[ %s ] A=%lld B=%lld BT=%lld | TP %lld B = A %lld x (%d x act %lld + 4 x (loss %lld + "
-        "qk-stats %lld)) + 4 x partial %lld + %d, %lld calls | DP %lld B (%s: arena %lld floats, "
-        "span %lld, "
-        "%lld calls) | world %lld B, %lld calls\n",
+        "qk-stats %lld + norms %lld)) + 4 x partial %lld + %d, %lld calls | DP %lld B (%s: arena "
+        "%lld floats, span %lld, %lld calls) | world %lld B, %lld calls\n",
         c.name().c_str(), static_cast<long long>(t.A), static_cast<long long>(t.B),
         static_cast<long long>(t.B * kSeqLen), static_cast<long long>(got.tp_bytes),
         static_cast<long long>(t.A), c.bf16_wire ? 2 : 4, static_cast<long long>(t.act),
         static_cast<long long>(t.loss), static_cast<long long>(t.proj),
-        static_cast<long long>(t.partial), c.tp > 1 && !(c.zero_stage && c.dp > 1) ? 8 : 0,
-        static_cast<long long>(got.tp_calls), static_cast<long long>(got.dp_bytes),
+        static_cast<long long>(t.norms), static_cast<long long>(t.partial),
+        c.tp > 1 && !(c.zero_stage && c.dp > 1) ? 8 : 0, static_cast<long long>(got.tp_calls),
+        static_cast<long long>(got.dp_bytes),
         c.dp == 1 ? "none" : (c.zero_stage ? "ZeRO-1 reduce-scatter + all-gather" : "buckets"),
         static_cast<long long>(t.arena), static_cast<long long>(t.span),
         static_cast<long long>(got.dp_calls), static_cast<long long>(got.world_bytes),

@@ -22,7 +22,9 @@
 // all-reduces norm statistics over TP; HEAD_SHARED gains and the shared L2 scale have TP-partial
 // gradients), with Qwen3 and OLMo 2 blocks (RoPE, SwiGLU), RoPE + GEGLU with biases, gradient
 // accumulation, untied embeddings and a binding clip mixed in; TP2 and TP2xDP2 with ZeRO-1 with
-// bf16 on the TP wire (parallel.tp_comm_dtype=BF16: StagingCommunicator::all_reduce_bf16).
+// bf16 on the TP wire (parallel.tp_comm_dtype=BF16: StagingCommunicator::all_reduce_bf16);
+// TP2, TP4 (OLMo 2) and TP2xDP2 with ZeRO-1 with sequence parallelism (the staged all-gathers and
+// reduce-scatters of token rows).
 // Each case runs only where tp x dp equals the world size.
 #include <gtest/gtest.h>
 
@@ -70,6 +72,7 @@ struct Case {
   double grad_clip = 1e9;
   BlockKind block{};       // the GPT-2 block unless set
   bool bf16_wire = false;  // parallel.tp_comm_dtype=BF16 (both runs)
+  bool sp = false;         // parallel.sequence_parallel (both runs)
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -80,6 +83,7 @@ struct Case {
     if (grad_clip < 1e8) s += "_clip";
     if (!block.tag.empty()) s += "_" + block.tag;
     if (bf16_wire) s += "_bf16_wire";
+    if (sp) s += "_sp";
     return s;
   }
 };
@@ -121,6 +125,19 @@ std::vector<Case> cases() {
   Case wire22{2, 2, {config::RMS, config::PROJECTION}, 1};
   wire22.bf16_wire = true;
   out.push_back(wire22);
+  // Sequence parallelism (Note [sequence parallel]): the all-gathers and reduce-scatters of token
+  // rows and the norms' gradient all-reduces, staged. TP2 with accumulation, the OLMo 2 block at
+  // TP4, and TP2xDP2 with ZeRO-1 and LayerNorm biases.
+  Case sp2{2, 1, {config::RMS, config::HEAD_SHARED}, 0, 2};
+  sp2.sp = true;
+  out.push_back(sp2);
+  Case sp_olmo{4, 1, {config::RMS, config::PROJECTION}, 0, 0, false};
+  sp_olmo.block = testing::olmo2_block();
+  sp_olmo.sp = true;
+  out.push_back(sp_olmo);
+  Case sp22{2, 2, {config::LAYER, config::HEAD_SHARED}, 1, 2};
+  sp22.sp = true;
+  out.push_back(sp22);
   return out;
 }
 
@@ -186,6 +203,7 @@ RunResult train(const Case& c, const Topology& topo, const std::string& device) 
   cfg.mutable_train()->set_precision("FP32");
   cfg.mutable_train()->set_eval_batches(1);
   if (c.bf16_wire) cfg.mutable_parallel()->set_tp_comm_dtype("BF16");
+  cfg.mutable_parallel()->set_sequence_parallel(c.sp);
   TrainerOptions opts;
   opts.progress = false;
 

@@ -115,6 +115,7 @@ struct TinyJob {
   double bucket_mb = 25;
   BlockKind block;
   int recompute = 0;  // train.recompute_layers
+  bool sp = false;    // parallel.sequence_parallel
 };
 
 inline constexpr int kVocab = 130;
@@ -141,6 +142,7 @@ inline config::KeelConfig tiny_config(const TinyJob& j) {
       "parallel.tp=" + std::to_string(j.tp),
       "parallel.zero_stage=" + std::to_string(j.zero_stage),
       "parallel.bucket_mb=" + std::to_string(j.bucket_mb),
+      std::string("parallel.sequence_parallel=") + (j.sp ? "true" : "false"),
       "train.global_batch=" + std::to_string(kGlobalBatch),
       "train.micro_batch=" + std::to_string(j.micro_batch),
       "train.recompute_layers=" + std::to_string(j.recompute),

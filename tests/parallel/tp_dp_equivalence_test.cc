@@ -24,7 +24,8 @@
 // RMSNorm) and a RoPE + GEGLU block with biases; the OLMo 2 and Qwen3 configurations as such run
 // under DP, TP and TP x DP layouts. Each case runs only where tp x dp equals the world size
 // (mpiexec -n 1, 2, 4). Activation recomputation (train.recompute_layers) runs in one case of each
-// layout kind. Rank 0 prints the worst relative and absolute differences per case.
+// layout kind, sequence parallelism (parallel.sequence_parallel) in nine cases of every block kind
+// and layout. Rank 0 prints the worst relative and absolute differences per case.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -72,6 +73,7 @@ struct Case {
   double grad_clip = 1e9;
   BlockKind block{};  // the GPT-2 block unless set
   int recompute = 0;  // train.recompute_layers of the parallel job (the reference keeps all)
+  bool sp = false;    // parallel.sequence_parallel of the parallel job
 
   std::string name() const {
     std::string s = "TP" + std::to_string(tp) + "xDP" + std::to_string(dp);
@@ -82,6 +84,7 @@ struct Case {
     if (grad_clip < 1e8) s += "_clip";
     if (!block.tag.empty()) s += "_" + block.tag;
     if (recompute) s += "_recompute" + std::to_string(recompute);
+    if (sp) s += "_sp";
     return s;
   }
 };
@@ -176,6 +179,35 @@ std::vector<Case> cases() {
   olmo_rc.block = testing::olmo2_block();
   olmo_rc.recompute = testing::kLayers;
   out.push_back(olmo_rc);
+  // Sequence parallelism (Note [sequence parallel] in layers/gpt.h) in the parallel job only:
+  // pre- and post-sublayer norms, LayerNorm with biases (2C norm gradients) and RMSNorm without,
+  // learned positions and RoPE, every QK-norm scope, accumulation down to one sequence per
+  // micro-batch (4 rows a rank at TP4), ZeRO-1 and recomputation; at tp = 1 it changes nothing.
+  struct SpCase {
+    int tp, dp, zero_stage, micro_batch;
+    QkMode qk;
+    BlockKind block;
+    bool tied;
+    int recompute;
+  };
+  const SpCase sp_cases[] = {
+      {1, 2, 0, 0, rms_shared, {}, true, 0},
+      {2, 1, 0, 2, {config::LAYER, config::HEAD}, {}, true, 0},
+      {4, 1, 0, 0, rms_projection, {}, false, 0},
+      {2, 2, 1, 0, {config::L2, config::HEAD_SHARED}, {}, false, 0},
+      {2, 1, 0, 0, rms_projection, testing::olmo2_block(), false, 0},
+      {4, 1, 0, 1, {config::LAYER, config::HEAD_SHARED}, testing::rope_geglu_bias_block(), true, 0},
+      {2, 2, 0, 2, rms_projection, testing::olmo2_block(), false, testing::kLayers},
+      {2, 1, 0, 4, {config::RMS, config::HEAD}, {}, true, testing::kLayers},
+      {2, 2, 1, 0, {config::NONE, config::HEAD_SHARED}, testing::rope_geglu_bias_block(), true, 0},
+  };
+  for (const SpCase& k : sp_cases) {
+    Case c{k.tp, k.dp, k.qk, k.zero_stage, k.micro_batch, k.tied};
+    c.block = k.block;
+    c.recompute = k.recompute;
+    c.sp = true;
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -418,6 +450,7 @@ TEST_P(TpDpEquivalence, MatchesSingleProcess) {
   job.zero_stage = c.zero_stage;
   job.micro_batch = c.micro_batch;
   job.recompute = c.recompute;
+  job.sp = c.sp;
   Distributed dist(mpi_env(), c.tp, 60.0);
   const Topology& topo = dist.topology();
   ASSERT_EQ(topo.dp, c.dp);  // the same on every rank, so no rank is left in a collective
