@@ -23,16 +23,21 @@ NVLINK_BYTES_S = 450e9    # NVLink 4: 900 GB/s per GPU in both directions togeth
 IB_BYTES_S = 50e9         # 400 Gb/s NDR, one NIC per GPU
 HBM_BYTES_S = 3.35e12     # H100 SXM HBM3 (H200: 4.8e12)
 
-# name, vocab, d_model, layers, seq, global batch (sequences), micro-batch, tp, dp
+# name, vocab, d_model, layers, heads, seq, global batch (sequences), micro-batch, tp, dp.
+# TP splits whole heads (keel-train refuses parallel.tp not dividing model.n_heads), so the 124M
+# row at TP8 uses 16 heads of 48 (GPT-2 small's 12 split 1, 2, 3, 4, 6 or 12 ways); the FLOPs and
+# bytes do not depend on the head count.
 CONFIGS = [
-    ("124M", 50304, 768, 12, 1024, 512, 16, 8, 16),
-    ("124M", 50304, 768, 12, 1024, 512, 4, 1, 128),
-    ("1.3B", 50304, 2048, 24, 2048, 512, 8, 8, 16),
-    ("1.3B", 50304, 2048, 24, 2048, 512, 4, 2, 64),
+    ("124M", 50304, 768, 12, 16, 1024, 512, 16, 8, 16),
+    ("124M", 50304, 768, 12, 12, 1024, 512, 4, 1, 128),
+    ("1.3B", 50304, 2048, 24, 16, 2048, 512, 8, 8, 16),
+    ("1.3B", 50304, 2048, 24, 16, 2048, 512, 4, 2, 64),
 ]
 
 
-def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2):
+def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2):
+    if C % heads or heads % tp:
+        raise SystemExit(f"{name}: {heads} heads must divide d_model {C} and divide by tp {tp}")
     F = 4 * C
     n_matmul = L * (4 * C * C + 2 * C * F) + V * C
     params = n_matmul + T * C  # tied embeddings, learned positions; norms and biases < 0.1%
@@ -54,7 +59,7 @@ def plan(name, V, C, L, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2):
     dp_s = 2 * (dp - 1) / dp * dp_bytes / IB_BYTES_S
     step_s = compute_s + tp_s + dp_s
     return {
-        "name": name, "params": params, "layout": f"TP{tp} x DP{dp}", "tokens": tokens,
+        "name": name, "heads": heads, "params": params, "layout": f"TP{tp} x DP{dp}", "tokens": tokens,
         "compute_s": compute_s, "tp_bytes": tp_bytes, "tp_s": tp_s, "dp_bytes": dp_bytes,
         "dp_s": dp_s, "step_s": step_s, "tokens_s": tokens / step_s, "A": A, "micro": micro,
     }
@@ -74,7 +79,8 @@ def main():
               f"{a.mfu:.0%} MFU | TP bytes/rank | TP time | DP bytes/rank | DP time | step | tokens/s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['name']} ({r['params'] / 1e6:.0f}M params) | {r['layout']}, {r['micro']} x "
+            print(f"| {r['name']} ({r['params'] / 1e6:.0f}M params, {r['heads']} heads) | "
+                  f"{r['layout']}, {r['micro']} x "
                   f"{r['A']} | {r['tokens']:,} | {r['compute_s'] * 1e3:.0f} ms | "
                   f"{r['tp_bytes'] / 1e9:.2f} GB | {r['tp_s'] * 1e3:.0f} ms | "
                   f"{r['dp_bytes'] / 1e6:.0f} MB | {r['dp_s'] * 1e3:.1f} ms | "

@@ -1,5 +1,6 @@
-// README's "Sizing a GPU run" table is what launch/plan_step_time.py prints, line for line, and the
-// script's arithmetic holds for one row recomputed here (124M at TP8 x DP16).
+// README's "Sizing a GPU run" table is what launch/plan_step_time.py prints, line for line, the
+// script's arithmetic holds for one row recomputed here (124M at TP8 x DP16), and every row's
+// head count divides by its tp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -35,6 +36,29 @@ TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
     }
     EXPECT_EQ(rows, 6) << flags;  // header, rule, four layouts
   }
+}
+
+// Every row is a layout keel-train accepts: TP splits whole heads (the 124M row at TP8 has 16).
+TEST(PlanStepTime, EveryRowSplitsWholeHeads) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string line;
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    auto field = [&](const std::string& key) {
+      const size_t at = line.find(" " + key + "=");
+      EXPECT_NE(at, std::string::npos) << key << " in " << line;
+      return at == std::string::npos ? 0 : std::stoi(line.substr(at + key.size() + 2));
+    };
+    const size_t tp_at = line.find("layout=TP");
+    ASSERT_NE(tp_at, std::string::npos) << line;
+    const int tp = std::stoi(line.substr(tp_at + 9));
+    EXPECT_EQ(field("heads") % tp, 0) << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 4);
 }
 
 // 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: README's TP formula
