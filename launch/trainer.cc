@@ -1,6 +1,8 @@
 // Training loop, evaluation, metrics and sampling.
 #include "launch/trainer.h"
 
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/text_format.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -142,6 +144,41 @@ void Trainer::say(const std::string& line) const {
   std::fflush(stdout);
 }
 
+namespace {
+
+// Model fields a resumed run may change: the sequence length and the RoPE base, as context
+// extension does, and the init scale (used only before step 1). max_positions (resolved to
+// seq_len when 0) is the learned position table's shape, which the shape check covers, and means
+// nothing under RoPE. Every other model field decides what the parameters compute.
+bool may_change_on_resume(const std::string& field) {
+  return field == "seq_len" || field == "max_positions" || field == "rope_theta" ||
+         field == "init_std";
+}
+
+// "" when `now` builds the model `then` did, up to the fields above; else the reason, naming the
+// first field that differs. A checkpoint's tensor shapes cannot tell: a smaller vocabulary still
+// finds its rows, RMSNORM reads a LayerNorm's gain, and a post-sublayer block a pre-norm one's
+// weights.
+std::string changed_model_field(const config::Model& then, const config::Model& now) {
+  const google::protobuf::Descriptor* d = config::Model::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (may_change_on_resume(f->name())) continue;
+    std::string a, b;
+    google::protobuf::TextFormat::PrintFieldValueToString(then, f, -1, &a);
+    google::protobuf::TextFormat::PrintFieldValueToString(now, f, -1, &b);
+    if (a != b) {
+      return "it was written with model." + f->name() + "=" + a + " and this config has model." +
+             f->name() + "=" + b +
+             " (of the model fields only seq_len, max_positions, rope_theta and init_std may " +
+             "change on resume)";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 std::string Trainer::check_checkpoint(const std::string& dir) const {
   verify_checkpoint(dir);  // corrupt: throws
   const ckpt::Manifest m = read_manifest(dir);
@@ -165,6 +202,7 @@ std::string Trainer::check_checkpoint(const std::string& dir) const {
              " in this config (a shape-determining model field changed)";
     }
   }
+  if (m.has_config()) return changed_model_field(m.config().model(), cfg_.model());
   return "";
 }
 

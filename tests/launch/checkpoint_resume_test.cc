@@ -312,6 +312,41 @@ TEST_F(CheckpointResume, AChangedModelOrOtherDataIsRefused) {
   EXPECT_NE(data.err.find("it was trained on other data (xxh3:"), std::string::npos) << data.err;
 }
 
+// Model fields that keep every tensor's shape but change what the parameters compute: a smaller
+// vocabulary still finds its rows in the stored table, RMSNORM would read a LayerNorm's gain, a
+// post-sublayer block a pre-norm one's weights. Each exits 2 naming the field and both values.
+TEST_F(CheckpointResume, AChangedModelFieldThatKeepsTheShapesIsRefused) {
+  ASSERT_NE(
+      train("run", 1, {"--set", "debug.kill_at_step=7", "--set", "model.vocab_size=300"}).exit_code,
+      0);
+  const CommandResult vocab = train("run", 1);  // the default vocabulary, 256
+  EXPECT_EQ(vocab.exit_code, 2) << vocab.out << vocab.err;
+  EXPECT_NE(vocab.err.find("cannot resume from it: it was written with model.vocab_size=300 and "
+                           "this config has model.vocab_size=256"),
+            std::string::npos)
+      << vocab.err;
+  for (const char* set : {"model.norm=RMSNORM", "model.norm_placement=POST_SUBLAYER"}) {
+    const CommandResult r = train("run", 1, {"--set", "model.vocab_size=300", "--set", set});
+    EXPECT_EQ(r.exit_code, 2) << set << ": " << r.out << r.err;
+    const std::string field = std::string(set).substr(0, std::string(set).find('='));
+    EXPECT_NE(r.err.find("it was written with " + field + "="), std::string::npos) << r.err;
+  }
+}
+
+// Context extension: a run may resume with a longer model.seq_len (RoPE: no position table) and
+// another model.rope_theta.
+TEST_F(CheckpointResume, SeqLenAndRopeThetaMayChange) {
+  ASSERT_NE(
+      train("run", 1, {"--set", "debug.kill_at_step=7", "--set", "model.position=ROPE"}).exit_code,
+      0);
+  const CommandResult r = train("run", 1,
+                                {"--set", "model.position=ROPE", "--set", "model.seq_len=32",
+                                 "--set", "model.rope_theta=40000"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("resuming from " + ckpt("run", 5) + " at step 5"), std::string::npos)
+      << r.out;
+}
+
 TEST_F(CheckpointResume, NoResumeRefusesToClobberUnlessOverwrite) {
   ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=7"}).exit_code, 0);
   const CommandResult refused = train("run", 1, {"--no-resume"});
