@@ -93,6 +93,9 @@ keel::MemoryEstimate check_memory(const keel::config::KeelConfig& cfg, const kee
              "(parallel.tp, parallel.zero_stage=1)",
              cfg.train().recompute_layers() < cfg.model().n_layers()
                  ? ", or recompute activations (train.recompute_layers)"
+                 : "",
+             cfg.parallel().tp() > 1 && !cfg.parallel().sequence_parallel()
+                 ? ", or split them over TP (parallel.sequence_parallel)"
                  : "");
   return need;
 }

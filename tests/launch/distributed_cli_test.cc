@@ -118,6 +118,20 @@ TEST(DistributedCli, SequenceParallelNeedsTpDividingSeqLen) {
       << r.output;
 }
 
+// A TP job no machine holds is refused with the hint to split activations over TP, which the
+// same job with sequence parallelism no longer gets.
+TEST(DistributedCli, MemoryRefusalUnderTpSuggestsSequenceParallelism) {
+  const std::string huge = std::string(kTiny) + " --set parallel.tp=2 --set train.global_batch=2147483646";
+  const JobResult r = run_job(2, huge);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "this job needs about"), 1) << r.output;
+  EXPECT_EQ(count(r.output, ", or split them over TP (parallel.sequence_parallel)"), 1) << r.output;
+  const JobResult sp = run_job(2, huge + " --set parallel.sequence_parallel=true");
+  EXPECT_EQ(sp.code, 2) << sp.output;
+  EXPECT_EQ(count(sp.output, "this job needs about"), 1) << sp.output;
+  EXPECT_EQ(count(sp.output, "parallel.sequence_parallel"), 0) << sp.output;
+}
+
 TEST(DistributedCli, TwoRanksTrain) {
   const JobResult r = run_job(2, std::string(kTiny) + " --set parallel.tp=2");
   EXPECT_EQ(r.code, 0) << r.output;
