@@ -529,6 +529,12 @@ TEST(Sampler, FromDatasetAndConfig) {
   // The default job: 3,800,000 training tokens hold 29687 windows of 128 + 1.
   const config::KeelConfig defaults = load_config("", {});
   EXPECT_EQ(Sampler(Dataset::open(defaults), defaults).windows_per_epoch(), 29687);
+  // README ("Data"): the default job (launch/configs/default.pbtxt: 600 steps of 16 sequences)
+  // reads 32.3% of an epoch.
+  const config::KeelConfig job =
+      load_config(std::string(KEEL_SOURCE_DIR) + "/launch/configs/default.pbtxt", {});
+  const double windows = static_cast<double>(Sampler(Dataset::open(job), job).windows_per_epoch());
+  EXPECT_NEAR(100.0 * job.train().steps() * job.train().global_batch() / windows, 32.3, 0.05);
 }
 
 // ---- built-in corpus ---------------------------------------------------------------------------
