@@ -78,6 +78,7 @@ train {
   device: "AUTO"
   precision: "AUTO"
   recompute_layers: 0
+  keep_denormals: false
 }
 optim {
   lr: 3e-3
@@ -583,6 +584,8 @@ void validate_data(config::Data& d, const config::Train& t) {
 }
 
 }  // namespace
+
+std::string default_config_text() { return kDefaultsText; }
 
 KeelConfig default_config() {
   KeelConfig cfg;

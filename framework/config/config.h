@@ -47,4 +47,8 @@ std::string upper_ascii(std::string s);
 // over default_config() reproduces `cfg` exactly (config.pbtxt in the run directory).
 std::string to_text(const config::KeelConfig& cfg);
 
+// The built-in defaults as text (every field, zeros and falses included): what default_config()
+// parses.
+std::string default_config_text();
+
 }  // namespace keel

@@ -3,6 +3,8 @@
 #include "framework/config/config.h"
 
 #include <fcntl.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,12 +12,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -490,6 +494,103 @@ TEST(Config, ReadmeDocumentsEveryField) {
     pos = cell_end;
   }
   EXPECT_EQ(named, static_cast<int>(fields.size()));
+}
+
+// Every default the "Config fields" table prints is the built-in default (kDefaultsText), and
+// kDefaultsText sets every field explicitly (so it is the one place the defaults live). A cell
+// naming several fields lists their defaults in the same order; "0 (auto: ...)" compares its 0.
+TEST(Config, ReadmeDefaultsAreTheDefaults) {
+  namespace pb = google::protobuf;
+  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in) << "cannot read README.md";
+  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = readme.find("### Config fields");
+  ASSERT_NE(begin, std::string::npos);
+  const std::string table = readme.substr(begin, readme.find("\n### ", begin + 1) - begin);
+  const KeelConfig cfg = default_config();
+  auto trim = [](std::string t) {
+    const size_t paren = t.find(" (");
+    if (paren != std::string::npos) t.resize(paren);
+    while (!t.empty() && t.back() == ' ') t.pop_back();
+    while (!t.empty() && t.front() == ' ') t.erase(0, 1);
+    return t;
+  };
+  int checked = 0;
+  std::istringstream lines(table);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("| `", 0) != 0) continue;
+    const size_t c1 = line.find(" | "), c2 = line.find(" | ", c1 + 3);
+    ASSERT_NE(c2, std::string::npos) << line;
+    const std::string names = line.substr(2, c1 - 2), values = line.substr(c1 + 3, c2 - c1 - 3);
+    std::vector<std::string> fields, defaults;
+    for (size_t q = names.find('`'); q != std::string::npos; q = names.find('`', q + 1)) {
+      const size_t close = names.find('`', q + 1);
+      fields.push_back(names.substr(q + 1, close - q - 1));
+      q = close;
+    }
+    // Values split at ", " only outside parentheses ("0 (auto: a, b)" is one value).
+    std::string cur;
+    int depth = 0;
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (values[i] == '(') ++depth;
+      if (values[i] == ')') --depth;
+      if (depth == 0 && values.compare(i, 2, ", ") == 0) {
+        defaults.push_back(trim(cur));
+        cur.clear();
+        ++i;
+        continue;
+      }
+      cur += values[i];
+    }
+    defaults.push_back(trim(cur));
+    ASSERT_EQ(fields.size(), defaults.size()) << line;
+    for (size_t k = 0; k < fields.size(); ++k) {
+      const std::string& name = fields[k];
+      const size_t dot = name.find('.');
+      const pb::FieldDescriptor* sf = cfg.GetDescriptor()->FindFieldByName(name.substr(0, dot));
+      ASSERT_NE(sf, nullptr) << name;
+      const pb::Message& section = cfg.GetReflection()->GetMessage(cfg, sf);
+      const pb::FieldDescriptor* f = section.GetDescriptor()->FindFieldByName(name.substr(dot + 1));
+      ASSERT_NE(f, nullptr) << name;
+      std::string actual;
+      pb::TextFormat::PrintFieldValueToString(section, f, -1, &actual);
+      std::string want = defaults[k];
+      if (f->type() == pb::FieldDescriptor::TYPE_STRING) {
+        if (want.size() < 2 || want.front() != '"') want = "\"" + want + "\"";
+      }
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT ||
+          f->cpp_type() == pb::FieldDescriptor::CPPTYPE_DOUBLE) {
+        EXPECT_NEAR(std::stod(actual), std::stod(want), 1e-6 * std::abs(std::stod(want)))
+            << name << ": README says " << want << ", the default is " << actual;
+      } else {
+        EXPECT_EQ(actual, want) << name << ": README says " << want << ", the default is "
+                                << actual;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, [&] {
+    int n = 0;
+    for (int i = 0; i < cfg.GetDescriptor()->field_count(); ++i) {
+      n += cfg.GetDescriptor()->field(i)->message_type()->field_count();
+    }
+    return n;
+  }());
+  // The built-in defaults set every field, zeros and falses included: each section's block names
+  // each of its fields.
+  const std::string text = default_config_text();
+  for (int i = 0; i < cfg.GetDescriptor()->field_count(); ++i) {
+    const std::string section = cfg.GetDescriptor()->field(i)->name();
+    const size_t open = text.find("\n" + section + " {");
+    ASSERT_NE(open, std::string::npos) << section;
+    const std::string block = text.substr(open, text.find("\n}", open) - open);
+    const pb::Descriptor* d = cfg.GetDescriptor()->field(i)->message_type();
+    for (int j = 0; j < d->field_count(); ++j) {
+      EXPECT_NE(block.find("\n  " + d->field(j)->name() + ":"), std::string::npos)
+          << section << "." << d->field(j)->name() << " is not set in the built-in defaults";
+    }
+  }
 }
 
 TEST(Config, ToTextRoundTripsIncludingZerosAndFalses) {
