@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/launch/launch_test_util.h"
@@ -289,6 +290,17 @@ TEST_F(KeelTrainCli, ThreadsFarAboveTheCores) {
   for (const char* set : {"train.threads=2147483647", "train.threads=100000"}) {
     SCOPED_TRACE(set);
     expect_refused(train({"--set", set}), "config", {set});
+  }
+  // README's two caps: OpenBLAS's compiled limit (64 in Debian's build) and 4 x the machine's
+  // hardware threads, each named with its number.
+  expect_refused(train({"--set", "train.threads=65"}), "config",
+                 {"train.threads=65 exceeds OpenBLAS's limit of 64 threads"});
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (4 * hw + 1 <= 64) {
+    const std::string set = "train.threads=" + std::to_string(4 * hw + 1);
+    expect_refused(
+        train({"--set", set}), "config",
+        {set + " is more than 4 x this machine's " + std::to_string(hw) + " hardware threads"});
   }
 }
 
