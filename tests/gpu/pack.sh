@@ -4,8 +4,11 @@
 # non-CUDA shared libraries they load into build-gpu/pack/, which tests/gpu/check.sh runs on a GPU
 # machine. The CUDA libraries (runtime, cuBLAS(Lt), cuDNN, NCCL) and the driver are not copied:
 # there they come from the pip wheels and the driver. glibc is not copied either (it must match
-# the machine's loader). Fails when a binary needs the driver stub libcuda or the pack exceeds
-# 60 MiB (the device machine takes 64 MiB of carried files).
+# the machine's loader). The pack travels as build-gpu/pack.tar.gz (check.sh unpacks it): the
+# device machine takes 64 MiB of carried files together with the working tree's tracked files,
+# and the pack itself is about 57 MiB (OpenBLAS alone is 36 MB), its archive about 19 MiB. Fails
+# when a binary needs the driver stub libcuda or MPI, the training benchmark was built without
+# NCCL (check.sh runs it with --nccl), or the archive and the tracked files exceed 60 MiB.
 #
 # Usage: tests/gpu/pack.sh        (env: JOBS=2 parallel compile jobs, BUILD=build-gpu)
 set -euo pipefail
@@ -14,7 +17,7 @@ cd "$(dirname "$0")/../.."
 build=${BUILD:-build-gpu}
 pack="$build/pack"
 jobs=${JOBS:-2}
-limit_mib=60
+limit_mib=60 # archive + tracked files, against the device machine's 64 MiB
 bins=(keel_gpu_tests keel-gpu-gemm-bench keel-gpu-train-bench cuda_backend_test)
 
 gen=()
@@ -47,6 +50,11 @@ for b in "${bins[@]}"; do
   cp "$src" "$pack/$b"
   strip --strip-unneeded "$pack/$b"
 done
+if ! readelf -d "$build/tests/keel-gpu-train-bench" | grep -q 'NEEDED.*\[libnccl'; then
+  echo "pack.sh: keel-gpu-train-bench was built without NCCL (check.sh runs it with --nccl):" \
+    "point NCCL_ROOT at NCCL" >&2
+  exit 1
+fi
 
 # Shared libraries: everything ldd resolves except the CUDA libraries, the driver and glibc.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libresolv\.so|libutil\.so|libcuda\.so|libcudart\.so|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink|libcufft|libcurand|libcusparse|libcusolver)'
@@ -87,8 +95,13 @@ bytes=$(du -sb "$pack" | cut -f1)
   find "$pack" -type f ! -name MANIFEST.txt -printf '%s %P\n' | sort -k2
 } >"$pack/MANIFEST.txt"
 cat "$pack/MANIFEST.txt"
-echo "pack: $pack, $((bytes / 1024 / 1024)) MiB ($bytes bytes)"
-if ((bytes > limit_mib * 1024 * 1024)); then
-  echo "pack.sh: $pack is larger than $limit_mib MiB" >&2
+archive="$build/pack.tar.gz"
+tar -C "$build" -czf "$archive" pack
+archive_bytes=$(stat -c %s "$archive")
+tracked_bytes=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+echo "pack: $pack, $((bytes / 1024 / 1024)) MiB ($bytes bytes); $archive, $((archive_bytes / 1024 / 1024)) MiB ($archive_bytes bytes), to carry"
+echo "carried with the tracked files ($((tracked_bytes / 1024 / 1024)) MiB): $(((archive_bytes + tracked_bytes) / 1024 / 1024)) MiB of the device machine's 64"
+if ((archive_bytes + tracked_bytes > limit_mib * 1024 * 1024)); then
+  echo "pack.sh: $archive and the tracked files are more than $limit_mib MiB" >&2
   exit 1
 fi

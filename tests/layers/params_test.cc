@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -154,6 +155,29 @@ std::map<std::string, ParamInfo> model_params(const std::vector<std::string>& se
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// README ("QK-norm and z-loss"): L2 QK-norm's learned logit scale g starts at
+// log2(seq_len^2 - seq_len) (Henry et al. 2020), one per head with HEAD scope, else one.
+TEST(ModelParams, L2ScaleStartsAtLog2OfSeqLenSquaredMinusSeqLen) {
+  for (const char* scope : {"HEAD_SHARED", "HEAD", "PROJECTION"}) {
+    SCOPED_TRACE(scope);
+    const config::KeelConfig cfg = load_config(
+        "", {"model.seq_len=32", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+             "model.qk_norm=L2", std::string("model.qk_norm_scope=") + scope});
+    std::unique_ptr<Communicator> tp_holder, dp_holder;
+    const Topology topo = Topology::single(tp_holder, dp_holder);
+    GPT model(cfg, topo, 2);
+    model.init(7);
+    ParamStore& ps = model.params();
+    const int id = ps.find("blocks.1.attn.qk_scale");
+    ASSERT_GE(id, 0);
+    const int64_t n = ps.info(id).numel();
+    EXPECT_EQ(n, std::string(scope) == "HEAD" ? 4 : 1);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_FLOAT_EQ(ps.param(id)[i], std::log2(32.0f * 32.0f - 32.0f)) << i;  // 9.9773
+    }
+  }
 }
 
 TEST(ModelParams, RopeHasNoPositionTableAndNothingElseChanges) {

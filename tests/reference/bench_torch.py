@@ -103,7 +103,7 @@ found; it warns if it is not the OpenMP one.
 
 OpenBLAS 0.3.21 (bookworm) is DYNAMIC_ARCH: it picks its kernels from CPUID at
 load time, and on CPUs it does not know (e.g. Intel family 6 model 207) it
-falls back to "Prescott", SSE3 kernels, ~4.5x slower than its SkylakeX ones on
+falls back to "Prescott", SSE3 kernels, ~4.7x slower than its SkylakeX ones on
 an AVX-512 core (31 against 147 GFLOP/s for a 2048x384x1536 sgemm on one
 thread). The script warns when that happens. keel-bench loads the same library
 and gets the same kernels, so compare the two with the same OPENBLAS_CORETYPE
@@ -394,7 +394,7 @@ def print_blas(info):
     if (info["openblas_core"] or "").lower() == "prescott" and "avx2" in flags:
         want = "SkylakeX" if "avx512f" in flags else "Haswell"
         print(f"WARNING: OpenBLAS did not recognise this CPU and fell back to its SSE3 "
-              f"'Prescott' kernels (~4x slower sgemm here). keel-bench loads the same "
+              f"'Prescott' kernels (~4.7x slower sgemm here). keel-bench loads the same "
               f"library: run both with OPENBLAS_CORETYPE={want} for numbers that mean "
               f"anything.", file=sys.stderr)
 
