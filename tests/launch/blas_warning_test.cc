@@ -1,7 +1,8 @@
 // keel-train warns, once, with its start-up banner, when OpenBLAS runs its generic Prescott
 // kernels on a CPU with AVX2 or AVX-512 (README "BLAS and threads"), naming the
-// OPENBLAS_CORETYPE that fixes it; with that setting it says nothing. OPENBLAS_CORETYPE forces
-// OpenBLAS's choice, so both cases are provoked on any AVX2 machine.
+// OPENBLAS_CORETYPE that fixes it; with that setting it says nothing. keel-bench says the same on
+// stderr. OPENBLAS_CORETYPE forces OpenBLAS's choice, so both cases are provoked on any AVX2
+// machine.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -54,6 +55,17 @@ TEST(BlasWarningTest, PrescottOnAModernCpuIsNamedWithItsFix) {
       "env OPENBLAS_CORETYPE=" + std::string(fix) + " " + command_line(KEEL_TRAIN_BIN, args2), dir);
   ASSERT_EQ(fast.exit_code, 0) << fast.out << fast.err;
   EXPECT_EQ(fast.out.find("keel-train: warning"), std::string::npos) << fast.out;
+
+  // keel-bench says the same on stderr (its stdout is the figures).
+  const std::vector<std::string> bench = {"--config", "S", "--steps",   "1",
+                                          "--warmup", "0", "--threads", "1"};
+  const auto bench_slow =
+      run_command("env OPENBLAS_CORETYPE=Prescott " + command_line(KEEL_BENCH_BIN, bench), dir);
+  ASSERT_EQ(bench_slow.exit_code, 0) << bench_slow.out << bench_slow.err;
+  std::string bench_want = want;
+  bench_want.replace(0, std::string("keel-train").size(), "keel-bench");
+  EXPECT_EQ(count(bench_slow.err, bench_want), 1u) << bench_slow.err;
+  EXPECT_EQ(bench_slow.out.find("warning"), std::string::npos) << bench_slow.out;
 }
 
 }  // namespace
