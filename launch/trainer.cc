@@ -155,29 +155,53 @@ bool may_change_on_resume(const std::string& field) {
          field == "init_std";
 }
 
-// "" when `now` builds the model `then` did, up to the fields above; else the reason, naming the
-// first field that differs. A checkpoint's tensor shapes cannot tell: a smaller vocabulary still
-// finds its rows, RMSNORM reads a LayerNorm's gain, and a post-sublayer block a pre-norm one's
-// weights.
-std::string changed_model_field(const config::Model& then, const config::Model& now) {
-  const google::protobuf::Descriptor* d = config::Model::descriptor();
-  for (int i = 0; i < d->field_count(); ++i) {
-    const google::protobuf::FieldDescriptor* f = d->field(i);
-    if (may_change_on_resume(f->name())) continue;
-    std::string a, b;
-    google::protobuf::TextFormat::PrintFieldValueToString(then, f, -1, &a);
-    google::protobuf::TextFormat::PrintFieldValueToString(now, f, -1, &b);
-    if (a != b) {
-      return "it was written with model." + f->name() + "=" + a + " and this config has model." +
-             f->name() + "=" + b +
-             " (of the model fields only seq_len, max_positions, rope_theta and init_std may " +
-             "change on resume)";
-    }
-  }
-  return "";
+// proto3's zero value, as TextFormat prints it: what a field reads as in a config written before
+// the field existed.
+bool zero_value(const std::string& printed) {
+  const std::string unspecified = "_UNSPECIFIED";
+  return printed == "0" || printed == "false" || printed == "\"\"" ||
+         (printed.size() >= unspecified.size() &&
+          printed.compare(printed.size() - unspecified.size(), unspecified.size(), unspecified) ==
+              0);
 }
 
 }  // namespace
+
+std::string changed_model_field(const config::Model& then, const config::Model& now) {
+  namespace pb = google::protobuf;
+  const pb::Descriptor* d = config::Model::descriptor();
+  auto printed = [](const config::Model& m, const pb::FieldDescriptor* f) {
+    std::string s;
+    pb::TextFormat::PrintFieldValueToString(m, f, -1, &s);
+    return s;
+  };
+  // Every config written since the model's enums all existed has each resolved to a named value;
+  // one at UNSPECIFIED marks a checkpoint from before some fields were added, whose zero-valued
+  // fields are then unknown, not different.
+  bool legacy = false;
+  for (int i = 0; i < d->field_count(); ++i) {
+    if (d->field(i)->type() == pb::FieldDescriptor::TYPE_ENUM &&
+        then.GetReflection()->GetEnumValue(then, d->field(i)) == 0) {
+      legacy = true;
+    }
+  }
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (may_change_on_resume(f->name())) continue;
+    // Without QK-norm its scope means nothing.
+    if (f->name() == "qk_norm_scope" && then.qk_norm() == config::NONE &&
+        now.qk_norm() == config::NONE) {
+      continue;
+    }
+    const std::string a = printed(then, f), b = printed(now, f);
+    if (a == b || (legacy && zero_value(a))) continue;
+    return "it was written with model." + f->name() + "=" + a + " and this config has model." +
+           f->name() + "=" + b +
+           " (of the model fields only seq_len, max_positions, rope_theta and init_std may " +
+           "change on resume)";
+  }
+  return "";
+}
 
 std::string Trainer::check_checkpoint(const std::string& dir) const {
   verify_checkpoint(dir);  // corrupt: throws

@@ -31,6 +31,16 @@
 
 namespace keel {
 
+// Resume's check of the model a checkpoint was written with (`then`, its stored resolved config)
+// against this run's (`now`): "" when they build the same model, else the reason naming the first
+// model field that differs and both values. A checkpoint's tensor shapes cannot tell these: a
+// smaller vocabulary still finds its rows, RMSNORM reads a LayerNorm's gain, a post-sublayer block
+// a pre-norm one's weights. model.seq_len, max_positions, rope_theta and init_std may change
+// (context extension; the shape check covers the position table), as may qk_norm_scope without a
+// QK-norm. A config stored before some model fields existed (an enum reads UNSPECIFIED) has its
+// zero-valued fields skipped: unknown, not different.
+std::string changed_model_field(const config::Model& then, const config::Model& now);
+
 struct StepResult {
   int64_t step = 0;     // 1-based optimizer step just taken
   double loss = 0.0;    // mean cross-entropy over the global batch, nats/token

@@ -123,6 +123,48 @@ TEST(TrainerTest, WsdRunsShareTheirStablePhase) {
   EXPECT_NEAR(a->last().lr, 2e-3 * (0.1 + 0.9 * 0.25), 1e-9);  // a quarter of the way up
 }
 
+// Resume's model check (changed_model_field): the same resolved model passes; any other model
+// field differing is named with both values, except those that may change (context extension)
+// and qk_norm_scope without a QK-norm; a config stored before some fields existed (an enum at
+// UNSPECIFIED) is checked on the fields it has.
+TEST(TrainerTest, ResumeModelCheckNamesTheChangedField) {
+  const config::Model base = load_config("", {}).model();
+  EXPECT_EQ(changed_model_field(base, base), "");
+  auto with = [](std::vector<std::string> sets) { return load_config("", sets).model(); };
+  EXPECT_EQ(changed_model_field(with({"model.vocab_size=300"}), base),
+            "it was written with model.vocab_size=300 and this config has model.vocab_size=256 (of "
+            "the model fields only seq_len, max_positions, rope_theta and init_std may change on "
+            "resume)");
+  for (const char* set : {"model.norm=RMSNORM", "model.norm_placement=POST_SUBLAYER",
+                          "model.mlp=SWIGLU", "model.bias=false", "model.qk_norm=L2",
+                          "model.tie_embeddings=false", "model.position=ROPE"}) {
+    const std::string field = std::string(set).substr(0, std::string(set).find('='));
+    // d_ff explicit: SWIGLU's automatic d_ff differs from GELU's, and d_ff comes first.
+    EXPECT_EQ(changed_model_field(with({set, "model.d_ff=512"}), base)
+                  .rfind("it was written with " + field + "=", 0),
+              0u)
+        << set;
+  }
+  EXPECT_EQ(changed_model_field(with({"model.seq_len=64", "model.rope_theta=5e5",
+                                      "model.init_std=0.01", "model.max_positions=512"}),
+                                base),
+            "");
+  EXPECT_EQ(changed_model_field(with({"model.qk_norm=NONE", "model.qk_norm_scope=HEAD"}),
+                                with({"model.qk_norm=NONE", "model.qk_norm_scope=PROJECTION"})),
+            "");
+  EXPECT_NE(changed_model_field(with({"model.qk_norm_scope=HEAD"}), base), "");
+  // Stored before position, mlp, bias and norm_placement existed: they read as UNSPECIFIED and
+  // false, and are not compared; vocab_size still is.
+  config::Model legacy = base;
+  legacy.clear_position();
+  legacy.clear_mlp();
+  legacy.clear_bias();
+  legacy.clear_norm_placement();
+  EXPECT_EQ(changed_model_field(legacy, base), "");
+  legacy.set_vocab_size(300);
+  EXPECT_NE(changed_model_field(legacy, base), "");
+}
+
 TEST(TrainerTest, DifferentSeedGivesDifferentLosses) {
   TrainerRun a(tiny_config()), b(tiny_config({"train.seed=4321"}));
   int differ = 0;
