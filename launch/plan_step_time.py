@@ -14,7 +14,8 @@ the embedding's fp32 output rounded and widened (12 bytes an element) and each o
 gradients widened after its all-reduce (6 bytes); the row-parallel outputs cost nothing extra (the
 GEMMs write bf16, the residual adds read it).
 
-usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype BF16|FP32] [--markdown]
+usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype BF16|FP32] [--sequence-parallel]
+                                [--markdown]
 """
 import argparse
 
@@ -35,7 +36,7 @@ CONFIGS = [
 ]
 
 
-def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2):
+def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_bytes=2, sp=False):
     if C % heads or heads % tp:
         raise SystemExit(f"{name}: {heads} heads must divide d_model {C} and divide by tp {tp}")
     F = 4 * C
@@ -55,6 +56,16 @@ def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_byte
     cast_bytes = A * BT * C * (12 + 6 * (1 + 2 * L)) if w == 2 and tp > 1 else 0
     cast_s = cast_bytes / HBM_BYTES_S
     tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S + cast_s
+    if sp and tp > 1:
+        # Sequence parallelism (README "Sequence parallelism"): fp32 all-gathers and
+        # reduce-scatters of [BT, C], each counted as the whole buffer and moving (n - 1) / n of it
+        # per rank in a ring, replace the activation all-reduces; the loss statistics and each
+        # block and final LayerNorm's weight and bias gradients (2C floats) stay all-reduces.
+        gather_bytes = 4 * A * (4 + 10 * L) * BT * C
+        reduce_bytes = 4 * A * (3 * BT + (2 * L + 1) * 2 * C) + 8
+        tp_bytes = gather_bytes + reduce_bytes
+        cast_s = 0.0
+        tp_s = ((tp - 1) / tp * gather_bytes + 2 * (tp - 1) / tp * reduce_bytes) / NVLINK_BYTES_S
     dp_bytes = 4 * params / tp  # this rank's fp32 gradient arena
     dp_s = 2 * (dp - 1) / dp * dp_bytes / IB_BYTES_S
     step_s = compute_s + tp_s + dp_s
@@ -70,10 +81,12 @@ def main():
     p.add_argument("--mfu", type=float, default=0.45)
     p.add_argument("--tp-comm-dtype", choices=["BF16", "FP32"], default="BF16",
                    help="parallel.tp_comm_dtype (BF16: its default under train.precision=BF16)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="parallel.sequence_parallel=true (its collectives move fp32)")
     p.add_argument("--markdown", action="store_true", help="print README's table")
     a = p.parse_args()
-    wire = 2 if a.tp_comm_dtype == "BF16" else 4
-    rows = [plan(*c, mfu=a.mfu, tp_wire_bytes=wire) for c in CONFIGS]
+    wire = 2 if a.tp_comm_dtype == "BF16" and not a.sequence_parallel else 4
+    rows = [plan(*c, mfu=a.mfu, tp_wire_bytes=wire, sp=a.sequence_parallel) for c in CONFIGS]
     if a.markdown:
         print(f"| config | layout, micro-batch x accumulation | tokens/step | compute at "
               f"{a.mfu:.0%} MFU | TP bytes/rank | TP time | DP bytes/rank | DP time | step | tokens/s |")

@@ -23,7 +23,7 @@ const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_ti
 TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
   TempDir dir("keel_plan_step_time_test");
   const std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  for (const std::string flags : {"", " --tp-comm-dtype FP32"}) {
+  for (const std::string flags : {"", " --tp-comm-dtype FP32", " --sequence-parallel"}) {
     const auto r = run_command("python3 " + kScript + " --markdown" + flags, dir);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     std::istringstream lines(r.out);
@@ -96,6 +96,28 @@ INSTANTIATE_TEST_SUITE_P(Wire, PlanStepTimeWire, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return i.param == 2 ? std::string("BF16") : std::string("FP32");
                          });
+
+// --sequence-parallel, 124M at TP8 x DP16 (16 x 2 of 1024 tokens): README's formula with
+// sequence parallelism, fp32 all-gathers and reduce-scatters of (4 + 10L) BT C per micro-batch
+// moving 7/8 of each buffer per rank in a ring, plus all-reduces (2 (7/8)) of the loss statistics,
+// the 2L + 1 LayerNorms' weight and bias gradients and the 8-byte norm; no bf16 casts.
+TEST(PlanStepTime, SequenceParallelArithmeticOfOneRow) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript + " --sequence-parallel", dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string first = r.out.substr(0, r.out.find('\n'));
+  auto field = [&](const std::string& key) {
+    const size_t at = first.find(" " + key + "=");
+    EXPECT_NE(at, std::string::npos) << key << " in " << first;
+    return std::stod(first.substr(at + key.size() + 2));
+  };
+  const double L = 12, C = 768, BT = 16 * 1024, A = 2;
+  const double gather = 4 * A * (4 + 10 * L) * BT * C;
+  const double reduce = 4 * A * (3 * BT + (2 * L + 1) * 2 * C) + 8;
+  EXPECT_EQ(field("tp_bytes"), gather + reduce);
+  const double want_s = (7.0 / 8 * gather + 2 * 7.0 / 8 * reduce) / 450e9;
+  EXPECT_LE(std::abs(field("tp_s") - want_s), 1e-8 * want_s);
+}
 
 // The default is parallel.tp_comm_dtype's under train.precision=BF16 (a GPU's default): BF16.
 TEST(PlanStepTime, DefaultIsTheBf16Wire) {
