@@ -121,7 +121,8 @@ TEST(DistributedCli, SequenceParallelNeedsTpDividingSeqLen) {
 // A TP job no machine holds is refused with the hint to split activations over TP, which the
 // same job with sequence parallelism no longer gets.
 TEST(DistributedCli, MemoryRefusalUnderTpSuggestsSequenceParallelism) {
-  const std::string huge = std::string(kTiny) + " --set parallel.tp=2 --set train.global_batch=2147483646";
+  const std::string huge =
+      std::string(kTiny) + " --set parallel.tp=2 --set train.global_batch=2147483646";
   const JobResult r = run_job(2, huge);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_EQ(count(r.output, "this job needs about"), 1) << r.output;

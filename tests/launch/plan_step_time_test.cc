@@ -18,6 +18,13 @@ using testing::TempDir;
 
 const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_time.py";
 
+// The number after " key=" in one of the script's "key=value ..." lines.
+double value_of(const std::string& line, const std::string& key) {
+  const size_t at = line.find(" " + key + "=");
+  EXPECT_NE(at, std::string::npos) << key << " in " << line;
+  return at == std::string::npos ? 0.0 : std::stod(line.substr(at + key.size() + 2));
+}
+
 // Both tables: the default (bf16 on the TP wire) and --tp-comm-dtype FP32 (whose TP1 row, the
 // same as the first table's, README leaves out).
 TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
@@ -47,15 +54,10 @@ TEST(PlanStepTime, EveryRowSplitsWholeHeads) {
   std::string line;
   int rows = 0;
   while (std::getline(lines, line)) {
-    auto field = [&](const std::string& key) {
-      const size_t at = line.find(" " + key + "=");
-      EXPECT_NE(at, std::string::npos) << key << " in " << line;
-      return at == std::string::npos ? 0 : std::stoi(line.substr(at + key.size() + 2));
-    };
     const size_t tp_at = line.find("layout=TP");
     ASSERT_NE(tp_at, std::string::npos) << line;
     const int tp = std::stoi(line.substr(tp_at + 9));
-    EXPECT_EQ(field("heads") % tp, 0) << line;
+    EXPECT_EQ(static_cast<int>(value_of(line, "heads")) % tp, 0) << line;
     ++rows;
   }
   EXPECT_EQ(rows, 4);
@@ -74,11 +76,7 @@ TEST_P(PlanStepTimeWire, ArithmeticOfOneRow) {
       "python3 " + kScript + (w == 4 ? " --tp-comm-dtype FP32" : " --tp-comm-dtype BF16"), dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::string first = r.out.substr(0, r.out.find('\n'));
-  auto field = [&](const std::string& key) {
-    const size_t at = first.find(" " + key + "=");
-    EXPECT_NE(at, std::string::npos) << key << " in " << first;
-    return std::stod(first.substr(at + key.size() + 2));
-  };
+  auto field = [&](const std::string& key) { return value_of(first, key); };
   const double L = 12, C = 768, T = 1024, V = 50304, BT = 16 * T, A = 2;
   EXPECT_EQ(field("tp_bytes"), A * (w * (2 + 4 * L) * BT * C + 4 * 3 * BT) + 8);
   const double params = L * 12 * C * C + V * C + T * C;
@@ -106,11 +104,7 @@ TEST(PlanStepTime, SequenceParallelArithmeticOfOneRow) {
   const auto r = run_command("python3 " + kScript + " --sequence-parallel", dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::string first = r.out.substr(0, r.out.find('\n'));
-  auto field = [&](const std::string& key) {
-    const size_t at = first.find(" " + key + "=");
-    EXPECT_NE(at, std::string::npos) << key << " in " << first;
-    return std::stod(first.substr(at + key.size() + 2));
-  };
+  auto field = [&](const std::string& key) { return value_of(first, key); };
   const double L = 12, C = 768, BT = 16 * 1024, A = 2;
   const double gather = 4 * A * (4 + 10 * L) * BT * C;
   const double reduce = 4 * A * (3 * BT + (2 * L + 1) * 2 * C) + 8;
