@@ -28,12 +28,6 @@ namespace {
 
 constexpr ckpt::TensorKind kKinds[] = {ckpt::PARAM, ckpt::ADAM_M, ckpt::ADAM_V};
 
-std::string step_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 std::string shard_name(int rank) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "shard_%05d.bin", rank);
@@ -44,19 +38,6 @@ std::string index_name(int rank) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "shard_%05d.idx", rank);
   return buf;
-}
-
-// "step_00000120" -> 120; nullopt for anything else.
-std::optional<int64_t> parse_step_name(const std::string& name) {
-  // step_%08lld: at least 8 digits (more from step 10^8 on).
-  if (name.size() < 13 || name.size() > 24 || name.rfind("step_", 0) != 0) return std::nullopt;
-  int64_t v = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-    v = v * 10 + (name[i] - '0');
-  }
-  if (step_name(v) != name) return std::nullopt;  // only the canonical spelling
-  return v;
 }
 
 void fsync_path(const std::string& path) {
@@ -445,6 +426,23 @@ ckpt::Manifest manifest_header(const TrainState& state, const config::KeelConfig
   return m;
 }
 
+// The checkpoint a commit of `step` descends from (Note [checkpoint lineage]): the step LATEST
+// names when that is older; for a re-save of LATEST's own step (a rewind's), the parent of the
+// save it replaces; -1 otherwise.
+int64_t parent_of(const CheckpointStore& store, int64_t step) {
+  const std::optional<int64_t> latest = store.latest();
+  if (latest && *latest < step) return *latest;
+  if (latest && *latest == step) {
+    try {
+      const ckpt::Manifest replaced = read_manifest(store.path_of(step));
+      if (replaced.has_parent_step()) return replaced.parent_step();
+    } catch (const Error&) {
+      // An unreadable earlier save of this step has no parent to pass on.
+    }
+  }
+  return -1;
+}
+
 // Rank 0: merges every rank's index into the manifest and commits (Note [checkpoint commit]).
 void commit(ckpt::Manifest m, int world_size, const config::Checkpoint& policy,
             const CheckpointStore& store, const std::string& tmp, const SaveHook& on_phase,
@@ -465,7 +463,8 @@ void commit(ckpt::Manifest m, int world_size, const config::Checkpoint& policy,
     for (const ckpt::ShardFile& f : index.files()) *m.add_files() = f;
     fs::remove(path);
   }
-  write_file_atomic(tmp + "/manifest.pb", m.SerializeAsString());
+  m.set_parent_step(parent_of(store, m.step()));
+  write_file_atomic(tmp + "/manifest.pb", serialize_manifest(m));
   fsync_path(tmp);
   const int64_t step = m.step();
   const std::string final_dir = store.path_of(step);
@@ -658,20 +657,6 @@ double AsyncCheckpointWriter::now() {
 }
 
 // ---- load and verify -------------------------------------------------------------------------
-
-ckpt::Manifest read_manifest(const std::string& dir) {
-  const std::string path = dir + "/manifest.pb";
-  std::error_code ec;
-  KEEL_CHECK(fs::exists(path, ec), kData, path, ": missing (an incomplete or damaged checkpoint)");
-  const std::string bytes = read_whole(path);
-  ckpt::Manifest m;
-  KEEL_CHECK(m.ParseFromString(bytes) && m.format_version() > 0, kData, path,
-             ": cannot parse (corrupt, or not a keel checkpoint manifest)");
-  KEEL_CHECK(m.format_version() <= kCheckpointFormatVersion, kData, path, ": format version ",
-             m.format_version(), " is newer than this keel's ", kCheckpointFormatVersion,
-             " (written by a newer keel)");
-  return m;
-}
 
 void verify_checkpoint(const std::string& dir) {
   const ckpt::Manifest m = read_manifest(dir);

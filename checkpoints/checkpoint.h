@@ -26,13 +26,12 @@
 #include <vector>
 
 #include "checkpoints/manifest.pb.h"
+#include "checkpoints/manifest_io.h"
 #include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
 #include "parallel/communicator.h"
 
 namespace keel {
-
-inline constexpr uint32_t kCheckpointFormatVersion = 1;
 
 // A directory of checkpoints (RUN/checkpoints): names, LATEST, listing and retention. Only rank 0
 // changes it.
@@ -135,9 +134,7 @@ class AsyncCheckpointWriter {
 // for a vocab-padded parameter (spec.valid_rows > 0), one that differs only in its padded rows.
 bool loadable_shape(const ParamSpec& spec, const Shape& stored);
 
-// Reads `dir`/manifest.pb. Throws kData naming the file when it is missing, unreadable, not a
-// manifest, or of a format version newer than kCheckpointFormatVersion.
-ckpt::Manifest read_manifest(const std::string& dir);
+// read_manifest(dir) and parse_manifest(bytes, path): checkpoints/manifest_io.h.
 
 // Checks every shard file's size and every slice's checksum and coverage. Throws kData naming the
 // file, the tensor and the reason.
