@@ -27,34 +27,12 @@
 
 #include "checkpoints/manifest.pb.h"
 #include "checkpoints/manifest_io.h"
+#include "checkpoints/store.h"
 #include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
 #include "parallel/communicator.h"
 
 namespace keel {
-
-// A directory of checkpoints (RUN/checkpoints): names, LATEST, listing and retention. Only rank 0
-// changes it.
-class CheckpointStore {
- public:
-  explicit CheckpointStore(std::string root) : root_(std::move(root)) {}
-  const std::string& root() const { return root_; }
-  std::string path_of(int64_t step) const;  // root/step_NNNNNNNN
-  // Committed checkpoints (step_NNNNNNNN directories), newest first.
-  std::vector<int64_t> steps() const;
-  // The step LATEST names, when it names a committed checkpoint.
-  std::optional<int64_t> latest() const;
-  void set_latest(int64_t step) const;  // atomic replace
-  // Removes step_*.tmp (and step_*.old) directories a crash left behind; returns how many.
-  int remove_stale() const;
-  // Keeps the newest `keep`, every step that is a multiple of `keep_every` (0: none) and every
-  // step `pinned` says to keep; removes the others. Returns the removed steps.
-  std::vector<int64_t> retain(int keep, int keep_every,
-                              const std::function<bool(int64_t)>& pinned = {}) const;
-
- private:
-  std::string root_;
-};
 
 // Collective (every rank calls it): saves `state` as store.path_of(state.step) and points LATEST
 // at it (Note [checkpoint commit]). Throws kIo naming the file and the OS reason; a failed save

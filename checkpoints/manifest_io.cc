@@ -147,8 +147,8 @@ void check_tensor(const ckpt::TensorRecord& rec, int t, const std::map<std::stri
   }
   // Coverage: the blocks tile the sharded dimension, and each block's flat ranges tile it.
   std::sort(refs.begin(), refs.end(), [](const SliceRef& a, const SliceRef& b) {
-    return std::tie(a.block_begin, a.block_len, a.flat_begin) <
-           std::tie(b.block_begin, b.block_len, b.flat_begin);
+    return std::tie(a.block_begin, a.block_len, a.flat_begin, a.index) <
+           std::tie(b.block_begin, b.block_len, b.flat_begin, b.index);
   });
   const int64_t extent = dim < 0 ? numel : rec.shape(dim);
   const int64_t per_row = numel / extent;  // elements per unit of the sharded dimension
@@ -196,7 +196,8 @@ void check_file_bytes(const ckpt::Manifest& m, const std::string& path) {
     }
   }
   std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
-    return std::tie(*a.file, a.offset) < std::tie(*b.file, b.offset);
+    return std::tie(*a.file, a.offset, a.tensor, a.slice) <
+           std::tie(*b.file, b.offset, b.tensor, b.slice);
   });
   for (size_t i = 1; i < extents.size(); ++i) {
     const Extent& a = extents[i - 1];
@@ -349,9 +350,7 @@ ckpt::Manifest read_manifest(const std::string& dir) {
     const std::string file = dir + "/" + f.name();
     struct stat st {};
     if (::stat(file.c_str(), &st) != 0) {
-      const int err = errno;
-      KEEL_CHECK(err != ENOENT, kData, file, ": missing (a shard the manifest lists)");
-      KEEL_FAIL(kData, file, ": cannot stat (a shard the manifest lists): ", std::strerror(err));
+      KEEL_FAIL(kData, file, ": ", std::strerror(errno), " (a shard the manifest lists)");
     }
     KEEL_CHECK(S_ISREG(st.st_mode), kData, file, ": is ", file_type_name(st.st_mode),
                ", not a regular file (a shard the manifest lists)");
