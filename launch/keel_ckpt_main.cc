@@ -8,11 +8,14 @@
 //                           (GPT-2, OLMo 2, Qwen3) with OUT_DIR/config.json, under keel's names
 //                           otherwise (checkpoints/EXPORT.md)
 // PATH is a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN, in
-// which case LATEST picks it. Exit codes: 0 fine; 2 bad usage or a bad checkpoint (one line
-// naming the file, the tensor and the reason); 1 anything else (an I/O failure writing OUT_DIR).
+// which case the current checkpoint is taken: the first on LATEST's lineage whose manifest reads
+// (Note [lineage], checkpoints/store.h), with a line on stdout for each one skipped. Exit codes:
+// 0 fine; 2 bad usage or a bad checkpoint (one line naming the file, the tensor and the reason);
+// 1 anything else (an I/O failure writing OUT_DIR).
 // Export writes each file under a temporary name in OUT_DIR and renames it into place, so a
 // failure part-way leaves the previous export (or nothing) behind.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
@@ -44,7 +47,7 @@ using keel::HfConfig;
 const char* kUsage =
     "usage: keel-ckpt info PATH | keel-ckpt verify PATH | keel-ckpt export PATH OUT_DIR\n"
     "  PATH  a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN\n"
-    "        (then LATEST names the checkpoint)\n"
+    "        (then the current one: the first on LATEST's lineage that reads)\n"
     "  info    step, tokens, writer layout, data fingerprints, tensors and their slices\n"
     "  verify  every file size and every slice checksum; exit 0 when all hold, 2 otherwise\n"
     "  export  every parameter, whole and f32, into OUT_DIR/model.safetensors (created if\n"
@@ -54,18 +57,60 @@ const char* kUsage =
     "          and a line per architecture saying which options prevent it\n"
     "          (checkpoints/EXPORT.md)\n";
 
+std::string step_list(const std::vector<int64_t>& steps) {
+  std::string s;
+  for (int64_t step : steps) s += (s.empty() ? "" : ", ") + std::to_string(step);
+  return s;
+}
+
+bool present(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The current checkpoint of the store at `root` (Note [lineage]): the first on LATEST's lineage
+// whose manifest reads. Says on stdout what it skipped and what it ignored.
+std::string current_of(const keel::CheckpointStore& store) {
+  const std::string& root = store.root();
+  const std::vector<int64_t> line = store.lineage();
+  const std::vector<int64_t> off = store.off_lineage();
+  KEEL_CHECK(!line.empty(), kData, root, ": no committed checkpoint (step_NNNNNNNN directory)");
+  if (!store.latest() && present(root + "/LATEST")) {
+    std::printf(
+        "note: %s/LATEST does not name a committed checkpoint: trying every checkpoint, "
+        "newest first\n",
+        root.c_str());
+  }
+  if (!off.empty()) {
+    std::printf(
+        "note: ignored %zu checkpoint(s) newer than LATEST and not on its lineage "
+        "(steps %s)\n",
+        off.size(), step_list(off).c_str());
+  }
+  std::string last;
+  for (int64_t step : line) {
+    const std::string dir = store.path_of(step);
+    try {
+      keel::read_manifest(dir);
+      return dir;
+    } catch (const keel::Error& e) {
+      std::printf("skipped %s: %s\n", dir.c_str(), e.what());
+      last = e.what();
+    }
+  }
+  KEEL_FAIL(kData, root, ": none of the ", line.size(),
+            " checkpoint(s) on LATEST's lineage reads (the oldest: ", last, ")");
+}
+
 // A checkpoint directory from what the user typed.
 std::string resolve(const std::string& path) {
-  std::error_code ec;
-  if (fs::exists(path + "/manifest.pb", ec)) return path;
+  if (present(path + "/manifest.pb")) return path;
   for (const std::string& root : {path, path + "/checkpoints"}) {
-    if (!fs::exists(root + "/LATEST", ec)) continue;
     const keel::CheckpointStore store(root);
-    const auto latest = store.latest();
-    KEEL_CHECK(latest.has_value(), kData, root, "/LATEST: does not name a checkpoint that exists");
-    return store.path_of(*latest);
+    if (present(root + "/LATEST") || !store.steps().empty()) return current_of(store);
   }
   // Not a checkpoint: let read_manifest name what is missing.
+  std::error_code ec;
   KEEL_CHECK(fs::is_directory(path, ec), kUsage, path,
              fs::exists(path, ec) ? ": not a directory" : ": no such directory",
              " (expected a checkpoint directory or a run directory)");

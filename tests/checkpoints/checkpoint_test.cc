@@ -339,6 +339,40 @@ TEST(Checkpoint, SavesAreRetainedAndASameStepSaveReplacesTheOld) {
   EXPECT_EQ(back->state->step, 3);
 }
 
+TEST(Checkpoint, ACommitRecordsItsParentAndAnInterruptedOneStaysOnTheLineage) {
+  const TempDir td;
+  const CheckpointStore store(td.path() + "/checkpoints");
+  const config::KeelConfig cfg = test_config(/*keep=*/10);
+  const auto r = make_rank(base_specs());
+  std::unique_ptr<Communicator> tp, dp;
+  const Topology topo = Topology::single(tp, dp);
+  auto save = [&](int64_t step, const SaveHook& hook = {}) {
+    r->state->step = step;
+    save_checkpoint(*r->state, cfg, topo, store, hook);
+  };
+  auto parent = [&](int64_t step) { return read_manifest(store.path_of(step)).parent_step(); };
+  save(1);
+  save(2);
+  EXPECT_EQ(parent(1), -1);  // the first of the run
+  EXPECT_EQ(parent(2), 1);
+  save(2);  // a re-save (a rewind's) keeps the parent of the save it replaces
+  EXPECT_EQ(parent(2), 1);
+  // A crash between the rename into place and LATEST's update: step 3 is whole, LATEST says 2.
+  const SaveHook crash = [](SavePhase phase, int64_t) {
+    if (phase == SavePhase::kBeforeLatest) KEEL_FAIL(kIo, "killed before LATEST");
+  };
+  EXPECT_EQ(error_of(ErrorKind::kIo, [&] { save(3, crash); }), "killed before LATEST");
+  EXPECT_EQ(store.latest(), std::optional<int64_t>(2));
+  EXPECT_EQ(parent(3), 2);
+  EXPECT_EQ(store.lineage(), (std::vector<int64_t>{3, 2, 1}));
+  verify_checkpoint(store.path_of(3));
+  // --resume-from 1 starts a new lineage: 2 and 3 go, and the next commit descends from 1.
+  EXPECT_EQ(store.remove_newer_than(1), (std::vector<int64_t>{3, 2}));
+  save(4);
+  EXPECT_EQ(parent(4), 1);
+  EXPECT_EQ(store.lineage(), (std::vector<int64_t>{4, 1}));
+}
+
 // ---- damage is named
 // -----------------------------------------------------------------------------
 
