@@ -2,15 +2,17 @@
 // layout. Layout on disk (checkpoints/README.md):
 //
 //   RUN/checkpoints/LATEST                   "step_NNNNNNNN\n", replaced atomically after a commit
-//   RUN/checkpoints/step_NNNNNNNN/manifest.pb   written last, by rank 0
+//   RUN/checkpoints/step_NNNNNNNN/manifest.pb   written last, by rank 0, ending with its checksum
+//                                               (checkpoints/manifest_io.h)
 //   RUN/checkpoints/step_NNNNNNNN/shard_RRRRR.bin   what world rank R owns, slice after slice
 //
 // Note [checkpoint commit]: every rank writes its shard into step_NNNNNNNN.tmp/ and fsyncs it, with
 // an index of its slices beside it; after a barrier rank 0 merges the indexes into manifest.pb,
 // fsyncs it and the directory, renames step_NNNNNNNN.tmp to step_NNNNNNNN, fsyncs the parent,
-// then replaces LATEST (temporary file + rename). A crash at any point leaves the previous
-// checkpoint whole and LATEST naming it (or naming nothing newer than what exists); a stale .tmp
-// is removed at the next start. Who writes what: a parameter's TP slice is written by DP rank 0
+// then replaces LATEST (temporary file + rename). The manifest's parent_step is the step LATEST
+// named before (Note [lineage] in store.h). A crash at any point leaves the previous checkpoint
+// whole and LATEST naming it (or naming nothing newer than what exists); a stale .tmp is removed
+// at the next start. Who writes what: a parameter's TP slice is written by DP rank 0
 // of its TP rank (a replicated parameter by TP rank 0 only), and AdamW's moments by the rank that
 // holds them (under ZeRO-1, each DP rank its slice), so no byte is written twice and nothing is
 // gathered to one rank.
@@ -126,7 +128,9 @@ void verify_checkpoint(const std::string& dir);
 ckpt::Manifest load_checkpoint(const std::string& dir, TrainState& state);
 
 // The whole logical tensor `name` of `kind` (row-major, its global shape), assembled from every
-// slice of the checkpoint in `dir` (manifest `m`) and checked. Throws kData as load_checkpoint.
+// slice of the checkpoint in `dir` and checked. `m` is that checkpoint's manifest as
+// read_manifest(dir) returned it (validated: the slices' geometry is trusted here). Throws kData
+// as load_checkpoint.
 std::vector<float> read_logical_tensor(const std::string& dir, const ckpt::Manifest& m,
                                        const std::string& name, ckpt::TensorKind kind);
 
