@@ -156,4 +156,13 @@ void JsonlWriter::write(const JsonObject& obj) {
   append_whole(fd_, path_, obj.str() + "\n", size_);
 }
 
+void JsonlWriter::sync() {
+  if (fd_ < 0) return;
+  int rc;
+  do {
+    rc = ::fsync(fd_);
+  } while (rc != 0 && errno == EINTR);
+  KEEL_CHECK(rc == 0, kIo, path_, ": fsync failed: ", std::strerror(errno));
+}
+
 }  // namespace keel

@@ -44,6 +44,8 @@ class JsonlWriter {
   // Appends obj as one line. On failure (disk full, file-size limit) the partial line is cut
   // off again and kIo names the file and the OS reason.
   void write(const JsonObject& obj);
+  // fsync: every line written so far survives a crash of the machine. Throws kIo naming the file.
+  void sync();
   bool is_open() const { return fd_ >= 0; }
 
  private:

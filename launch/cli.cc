@@ -1,5 +1,5 @@
 // keel-train command line: keel-train [CONFIG.pbtxt] [--set path=value]... [--run-dir DIR]
-// [--no-resume [--overwrite] | --resume-from PATH]
+// [--no-resume [--overwrite] | --resume-from PATH [--overwrite]]
 #include "launch/cli.h"
 
 #include <cstring>
@@ -11,7 +11,7 @@ namespace keel {
 
 const char* train_usage() {
   return "usage: keel-train [CONFIG.pbtxt] [--set path.to.field=value]... [--run-dir DIR]\n"
-         "                  [--no-resume [--overwrite] | --resume-from PATH]\n"
+         "                  [--no-resume [--overwrite] | --resume-from PATH [--overwrite]]\n"
          "  CONFIG.pbtxt        Protobuf text-format config (framework/config/keel.proto); "
          "optional\n"
          "  --set k=v           override one field by its dotted path, e.g. --set "
@@ -21,7 +21,10 @@ const char* train_usage() {
          "  --no-resume         start fresh even if DIR/checkpoints holds checkpoints (refused\n"
          "                      unless --overwrite, which deletes them); default: resume from\n"
          "                      DIR/checkpoints/LATEST\n"
-         "  --resume-from PATH  load this checkpoint directory (exit 2 if it is unusable)\n";
+         "  --resume-from PATH  load this checkpoint directory (exit 2 if it is unusable); one of\n"
+         "                      DIR/checkpoints starts a new lineage there (the newer ones are\n"
+         "                      deleted); one from elsewhere needs DIR/checkpoints empty, or\n"
+         "                      --overwrite to delete what it holds\n";
 }
 
 TrainArgs parse_train_args(int argc, char** argv) {
@@ -71,8 +74,9 @@ TrainArgs parse_train_args(int argc, char** argv) {
     }
   }
   KEEL_CHECK(!a.run_dir.empty(), kUsage, "--run-dir must not be empty");
-  KEEL_CHECK(!a.resume.overwrite || a.resume.mode == ResumeMode::kFresh, kUsage,
-             "--overwrite only goes with --no-resume (it deletes the run's checkpoints)");
+  KEEL_CHECK(!a.resume.overwrite || a.resume.mode != ResumeMode::kAuto, kUsage,
+             "--overwrite only goes with --no-resume or --resume-from (it deletes the run's "
+             "checkpoints)");
   KEEL_CHECK(a.resume.mode != ResumeMode::kFrom || !a.resume.path.empty(), kUsage,
              "--resume-from needs a checkpoint directory");
   return a;

@@ -21,6 +21,8 @@ config::FaultPoint config_point(FaultPoint p) {
       return config::SAVE_BEFORE_MANIFEST;
     case FaultPoint::kSaveBeforeLatest:
       return config::SAVE_BEFORE_LATEST;
+    case FaultPoint::kAfterRewind:
+      return config::AFTER_REWIND;
   }
   return config::FAULT_POINT_UNSPECIFIED;
 }

@@ -17,6 +17,7 @@ enum class FaultPoint {
   kSaveMidShard,        // the save of step `step`: this rank's shard half written
   kSaveBeforeManifest,  // ... every shard written, before the manifest (rank 0)
   kSaveBeforeLatest,    // ... renamed into place, before LATEST (rank 0)
+  kAfterRewind,         // a rewind at step `step`, its rewound state committed
 };
 
 class FaultInjector {

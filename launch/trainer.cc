@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -127,7 +128,7 @@ Trainer::Trainer(const config::KeelConfig& cfg, const Topology& topo, TrainerOpt
     std::filesystem::create_directories(opts_.run_dir, ec);
     KEEL_CHECK(!ec, kIo, opts_.run_dir, ": cannot create run directory: ", ec.message());
     write_file_atomic(opts_.run_dir + "/config.pbtxt", to_text(cfg_));
-    open_metrics(resumed_from_);
+    open_logs(resumed_from_);
   }
   if (!opts_.run_dir.empty() && topo_.world_rank == 0 && cfg_.train().tensorboard()) {
     tensorboard_ = std::make_unique<TensorBoardWriter>(opts_.run_dir + "/tensorboard");
@@ -230,6 +231,28 @@ std::string Trainer::check_checkpoint(const std::string& dir) const {
   return "";
 }
 
+namespace {
+
+std::string step_list(std::vector<int64_t> steps) {
+  std::sort(steps.begin(), steps.end());
+  std::string s;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (i == 6 && steps.size() > 8)
+      return s + ", ... (" + std::to_string(steps.size()) + " in all)";
+    s += (i ? ", " : "") + std::to_string(steps[i]);
+  }
+  return s;
+}
+
+// Whether checkpoint directory `dir` is one of `root`'s (the run's own store).
+bool inside_store(const std::string& dir, const std::string& root) {
+  std::error_code ec;
+  const std::filesystem::path parent = std::filesystem::path(dir).lexically_normal().parent_path();
+  return std::filesystem::equivalent(parent.empty() ? "." : parent, root, ec) && !ec;
+}
+
+}  // namespace
+
 std::optional<int64_t> Trainer::resume() {
   const ResumeOptions& ro = opts_.resume;
   if (!store_ && ro.mode != ResumeMode::kFrom) return std::nullopt;
@@ -240,6 +263,13 @@ std::optional<int64_t> Trainer::resume() {
   if (topo_.world_rank == 0) {
     try {
       if (store_) {
+        // Before anything in the run directory is read or changed (Note [run-directory lock]).
+        lock_ = std::make_unique<RunDirLock>(opts_.run_dir);
+        if (!lock_->unsupported().empty()) {
+          say("warning: " + lock_->path() + ": this file system cannot lock (" +
+              lock_->unsupported() +
+              "): nothing stops a second job from using this run directory at the same time");
+        }
         if (const int n = store_->remove_stale()) {
           say("removed " + std::to_string(n) + " unfinished checkpoint(s) (a save was cut short)");
         }
@@ -247,6 +277,7 @@ std::optional<int64_t> Trainer::resume() {
       if (ro.mode == ResumeMode::kFrom) {
         const std::string why = check_checkpoint(ro.path);
         KEEL_CHECK(why.empty(), kData, ro.path, ": cannot resume from it: ", why);
+        if (store_) start_lineage_at(ro.path, read_manifest(ro.path).step());
         verdict[0] = 0.0;
       } else if (ro.mode == ResumeMode::kFresh) {
         const std::vector<int64_t> steps = store_->steps();
@@ -261,9 +292,11 @@ std::optional<int64_t> Trainer::resume() {
               store_->root());
         }
       } else {
-        // Newest committed first: a step_N directory is complete once renamed into place (its
-        // manifest is written last, inside the .tmp), even if a crash kept LATEST behind.
-        const std::vector<int64_t> candidates = store_->steps();
+        // Note [lineage]: LATEST's checkpoint (or a whole one committed after it whose LATEST
+        // update a crash cut off), then older ones; never a newer one of an abandoned branch.
+        const std::vector<int64_t> candidates = store_->lineage();
+        const std::vector<int64_t> off = store_->off_lineage();
+        std::vector<int64_t> unusable;
         for (size_t i = 0; i < candidates.size(); ++i) {
           const std::string dir = store_->path_of(candidates[i]);
           std::string why;
@@ -272,6 +305,7 @@ std::optional<int64_t> Trainer::resume() {
           } catch (const Error& e) {
             say("checkpoint " + dir + " is unusable: " + e.what() +
                 (i + 1 < candidates.size() ? "; trying the previous one" : ""));
+            unusable.push_back(candidates[i]);
             continue;
           }
           KEEL_CHECK(why.empty(), kData, dir, ": cannot resume from it: ", why);
@@ -282,6 +316,19 @@ std::optional<int64_t> Trainer::resume() {
                    candidates.size(),
                    " checkpoint(s) is usable (see above); pass --no-resume --overwrite to start "
                    "over");
+        if (verdict[0] >= 0) {
+          // The run goes on from here: what is newer (unusable, or off the lineage) goes.
+          const auto step = static_cast<int64_t>(verdict[0]);
+          const std::vector<int64_t> removed = store_->remove_newer_than(step);
+          if (store_->latest() != step) store_->set_latest(step);
+          if (!removed.empty()) {
+            say("deleted " + std::to_string(removed.size()) + " checkpoint(s) newer than step " +
+                std::to_string(step) + " (steps " + step_list(removed) + "; " +
+                std::to_string(off.size()) + " not on LATEST's lineage, " +
+                std::to_string(unusable.size()) + " unusable): the run continues from step " +
+                std::to_string(step));
+          }
+        }
       }
     } catch (const Error& e) {
       verdict[0] = -2.0;
@@ -311,23 +358,93 @@ std::optional<int64_t> Trainer::resume() {
   return m.step();
 }
 
-void Trainer::open_metrics(std::optional<int64_t> resumed_step) {
+void Trainer::start_lineage_at(const std::string& dir, int64_t step) {
+  if (inside_store(dir, store_->root())) {
+    // One of this run's own: the run's history continues from it, and the branch it abandons
+    // (every newer checkpoint) goes, as after a rewind. LATEST names it until the next save.
+    const std::vector<int64_t> removed = store_->remove_newer_than(step);
+    store_->set_latest(step);
+    if (!removed.empty()) {
+      say("--resume-from " + dir + ": a new lineage from step " + std::to_string(step) +
+          "; deleted the " + std::to_string(removed.size()) +
+          " newer checkpoint(s) of the branch it abandons (steps " + step_list(removed) + ")");
+    }
+    return;
+  }
+  // Another run's checkpoint: this run directory's own checkpoints belong to another history.
+  const std::vector<int64_t> steps = store_->steps();
+  if (steps.empty()) return;
+  KEEL_CHECK(opts_.resume.overwrite, kUsage, store_->root(), " holds ", steps.size(),
+             " checkpoint(s) of another history (the newest at step ", steps.front(),
+             "): --resume-from ", dir,
+             " there would mix two runs; use another --run-dir, or add --overwrite to delete them");
+  std::error_code ec;
+  std::filesystem::remove_all(store_->root(), ec);
+  KEEL_CHECK(!ec, kIo, store_->root(), ": cannot delete: ", ec.message());
+  say("--overwrite: deleted " + std::to_string(steps.size()) + " checkpoint(s) in " +
+      store_->root());
+}
+
+namespace {
+
+// Keeps the lines of `path` (JSON objects with a "step" field; see `key`) of steps <= `step`;
+// returns how many it dropped. A missing file is left missing.
+int64_t trim_jsonl(const std::string& path, int64_t step, const char* key) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return 0;
+  std::ifstream in(path, std::ios::binary);
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    // The step is the first field of a metrics line and follows "time" in an alert's.
+    const size_t at = line.find(key);
+    long long s = -1;
+    if (at == std::string::npos ||
+        std::sscanf(line.c_str() + at + std::strlen(key), "%lld", &s) != 1 || s > step) {
+      ++dropped;  // a later step's, or a line cut off by a crash
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (dropped > 0) write_file_atomic(path, kept);
+  return dropped;
+}
+
+}  // namespace
+
+void Trainer::open_logs(std::optional<int64_t> resumed_step) {
   const std::string path = opts_.run_dir + "/metrics.jsonl";
   if (!resumed_step) {
     metrics_ = std::make_unique<JsonlWriter>(path);
     return;
   }
-  // Keep what the checkpoint's steps logged; drop lines of steps the resumed run repeats.
-  std::ifstream in(path, std::ios::binary);
-  std::string kept, line;
-  while (std::getline(in, line)) {
-    long long step = -1;
-    if (std::sscanf(line.c_str(), "{\"step\": %lld", &step) == 1 && step <= *resumed_step) {
-      kept += line + "\n";
-    }
-  }
-  write_file_atomic(path, kept);
+  // Keep what the checkpoint's steps logged; drop the lines, alerts and TensorBoard events of
+  // the steps the resumed run repeats (logged by a run that died, or by an abandoned branch), so
+  // that each step is in each log once.
+  trim_jsonl(path, *resumed_step, "{\"step\": ");
   metrics_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
+  // The alerts that led to the resumed state stay: a checkpoint committed by a rewind (Note
+  // [durable rewind]) is of an earlier step than the rewind's own alerts.
+  const std::vector<int64_t>& rewinds = state_->guard.rewinds;
+  const int64_t alerts_up_to =
+      std::max(*resumed_step,
+               rewinds.empty() ? int64_t{0} : *std::max_element(rewinds.begin(), rewinds.end()));
+  trim_jsonl(opts_.run_dir + "/alerts.jsonl", alerts_up_to, "\"step\": ");
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(opts_.run_dir + "/tensorboard", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("events.out.tfevents.", 0) != 0 || !e.is_regular_file(ec)) continue;
+    trim_tensorboard_events(e.path().string(), *resumed_step, "alerts/", alerts_up_to);
+  }
+}
+
+void Trainer::sync_logs() {
+  // Rank 0, once a checkpoint has committed: the logs are durable up to its step at least.
+  if (metrics_) metrics_->sync();
+  if (tensorboard_) {
+    tensorboard_->sync();
+    flush_tensorboard();  // reports a failure, once
+  }
 }
 
 SaveHook Trainer::save_hook() const {
@@ -354,11 +471,16 @@ void Trainer::save_checkpoint() {
     async_->begin(*state_);
     return;
   }
+  save_now();
+}
+
+void Trainer::save_now() {
   const double t0 = omp_get_wtime();
   keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook(),
                         [this](int64_t s) { return pinned_for_rewind(s); });
   saved_step_ = state_->step;
   failed_save_.reset();
+  sync_logs();
   char line[256];
   std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
                 store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);
@@ -388,6 +510,7 @@ void Trainer::finish_checkpoint() {
   }
   saved_step_ = step;
   failed_save_.reset();
+  sync_logs();
   char line[320];
   std::snprintf(line, sizeof(line),
                 "saved checkpoint %s (async: snapshot %.3f s, written in the background in "
@@ -513,6 +636,20 @@ StepResult Trainer::step() {
 StepDecision Trainer::decide(StepResult& r) {
   // Every input of this decision is all-reduced, so every rank decides alike (DESIGN.md 5).
   r.guard = guard_.observe(state_->guard, state_->step + 1, r.first_sample, r.loss, r.grad_norm);
+  // Bounded: a streak of skipped updates that no rewind ends (none possible, or every rewind
+  // lands back in it) halts rather than skip forever and end "done".
+  const int64_t max_skipped = cfg_.spike().max_skipped_steps();
+  if (r.guard.action != GuardAction::kApply && state_->guard.streak > max_skipped) {
+    halt_reason_ = std::to_string(state_->guard.streak) +
+                   " consecutive anomalous steps, more than spike.max_skipped_steps=" +
+                   std::to_string(max_skipped) + " (from step " +
+                   std::to_string(state_->guard.streak_first) + "; no rewind ended them)";
+    return StepDecision::kHalt;
+  }
+  halt_reason_ =
+      "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
+      " rewinds within spike.rewind_window=" + std::to_string(cfg_.spike().rewind_window()) +
+      " steps";
   switch (r.guard.action) {
     case GuardAction::kApply:
       return StepDecision::kApply;
@@ -562,10 +699,7 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
   if (!target) {
     if (halt) {
       report(r, "halt", "halt", "", -1,
-             "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
-                 " rewinds within spike.rewind_window=" +
-                 std::to_string(cfg_.spike().rewind_window()) +
-                 " steps; no checkpoint to restore: halting with the state of step " +
+             halt_reason_ + "; no checkpoint to restore: halting with the state of step " +
                  std::to_string(state_->step) + " (every anomalous update skipped)" +
                  (store_ ? ", saved" : ", not saved (no run directory)") + " (exit 3)");
     } else if (!said_cannot_rewind_) {
@@ -609,27 +743,20 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
     }
   }
   // Checkpoints newer than the target belong to the abandoned timeline: a resume must not pick
-  // them up.
+  // them up (Note [lineage]). Oldest first and LATEST last, so that a crash part-way resumes
+  // from the pre-rewind state (which the guard then rewinds again), never from a half-abandoned
+  // branch.
   int discarded = 0;
   if (topo_.world_rank == 0) {
-    for (int64_t s : store_->steps()) {
-      if (s <= *target) continue;
-      std::error_code ec;
-      std::filesystem::remove_all(store_->path_of(s), ec);
-      if (!ec) ++discarded;
-    }
+    discarded = static_cast<int>(store_->remove_newer_than(*target).size());
     store_->set_latest(*target);
   }
-  saved_step_ = *target;
   const std::string where = " to " + dir + " (step " + std::to_string(*target) + ")";
   const std::string also =
       discarded ? "; discarded " + std::to_string(discarded) + " newer checkpoint(s)" : "";
   if (halt) {
-    report(
-        r, "halt", "halt", dir, *target,
-        "more than spike.max_rewinds=" + std::to_string(cfg_.spike().max_rewinds()) +
-            " rewinds within spike.rewind_window=" + std::to_string(cfg_.spike().rewind_window()) +
-            " steps: restored" + where + also + "; halting (exit 3)");
+    report(r, "halt", "halt", dir, *target,
+           halt_reason_ + ": restored" + where + also + "; halting (exit 3)");
   } else {
     report(r, "rewind", "rewind", dir, *target,
            std::string(anomaly_name(r.guard.anomaly)) + " for " + std::to_string(before.streak) +
@@ -637,6 +764,15 @@ bool Trainer::rewind(const StepResult& r, bool halt) {
                ", skipping " + std::to_string(batches) + " batches of data" + also + " (rewind " +
                std::to_string(g.rewinds.size()) + ")");
   }
+  // Note [durable rewind]: the rewound state (the target's parameters with the guard's new
+  // record: the skipped range, the rewind count, the cool-down) is committed before training
+  // goes on, over the target's own directory; a crash or a stop signal from here on resumes into
+  // it, so spike.max_rewinds holds across restarts and the bad data stays skipped. The alert
+  // comes first: a crash before the commit resumes from the target as it was, drops the alert
+  // with the steps after it (they are replayed) and rewinds again; after the commit, the resumed
+  // run keeps the alerts up to the rewind's step.
+  save_now();
+  faults_.at(FaultPoint::kAfterRewind, r.step);
   return true;
 }
 
@@ -692,11 +828,15 @@ StepResult Trainer::compute_gradients() {
   const int64_t step = state_->step + 1;
   const auto& dbg = cfg_.debug();
   // Each injection fires once per step number: a step replayed after a rewind is not hit again
-  // (a real bad batch would have been skipped).
+  // (a real bad batch would have been skipped), also in a process resumed after the rewind (the
+  // rewinds are part of the run state).
+  const std::vector<int64_t>& rewinds = state_->guard.rewinds;
+  const int64_t replayed_up_to =
+      rewinds.empty() ? 0 : *std::max_element(rewinds.begin(), rewinds.end());
   auto injected = [&](int32_t at, int64_t& fired) {
     const bool due = at > 0 && (step == at || (dbg.inject_every() > 0 && step > at &&
                                                (step - at) % dbg.inject_every() == 0));
-    if (!due || step <= fired) return false;
+    if (!due || step <= fired || step <= replayed_up_to) return false;
     fired = step;
     return true;
   };
@@ -1000,17 +1140,7 @@ void Trainer::stop_for_signal(const StepControl& c) {
     return;
   }
   // The step's checkpoint, synchronously (the process is about to exit), unless it exists.
-  if (saved_step_ != state_->step) {
-    const double t0 = omp_get_wtime();
-    keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook(),
-                          [this](int64_t s) { return pinned_for_rewind(s); });
-    saved_step_ = state_->step;
-    failed_save_.reset();
-    std::snprintf(line, sizeof(line), "saved checkpoint %s (%.2f s)",
-                  store_->path_of(state_->step).c_str(), omp_get_wtime() - t0);
-    if (opts_.interactive) std::printf("\n");
-    say(line);
-  }
+  if (saved_step_ != state_->step) save_now();
   std::snprintf(line, sizeof(line),
                 "stopped by %s (received by rank %d) after step %lld: checkpoint %s saved; run the "
                 "same command to resume",

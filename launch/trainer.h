@@ -23,6 +23,7 @@
 #include "framework/tensorboard/tensorboard.h"
 #include "launch/alerts.h"
 #include "launch/fault_injector.h"
+#include "launch/run_lock.h"
 #include "launch/spike_guard.h"
 #include "layers/gpt.h"
 #include "parallel/grad_sync.h"
@@ -170,8 +171,17 @@ class Trainer {
   // Rank 0: throws kData when the checkpoint in `dir` is corrupt; returns why it cannot be
   // loaded into this run (empty: it can).
   std::string check_checkpoint(const std::string& dir) const;
-  // Rank 0: keeps the metrics lines of steps <= `step`, then appends to the file.
-  void open_metrics(std::optional<int64_t> resumed_step);
+  // Rank 0: opens metrics.jsonl; on resume first drops the lines of metrics.jsonl and
+  // alerts.jsonl and the TensorBoard events of steps after `resumed_step`.
+  void open_logs(std::optional<int64_t> resumed_step);
+  // Rank 0: fsyncs metrics.jsonl and the TensorBoard file (after a checkpoint commits).
+  void sync_logs();
+  // Rank 0, resuming from checkpoint `dir` of step `step` with --resume-from: one of the run's
+  // own starts a new lineage there (newer checkpoints deleted); another run's needs an empty
+  // store (or --overwrite).
+  void start_lineage_at(const std::string& dir, int64_t step);
+  // Collective: a synchronous save of the current state (one line on rank 0).
+  void save_now();
   void say(const std::string& line) const;  // a line on stdout from rank 0
   // Throws kData naming the first rank whose data differs from rank 0's.
   void check_same_data_on_every_rank(uint64_t train_fp, uint64_t val_fp) const;
@@ -219,6 +229,7 @@ class Trainer {
   std::unique_ptr<GPT> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<TrainState> state_;
+  std::unique_ptr<RunDirLock> lock_;              // rank 0 with a run_dir: held for the run
   std::unique_ptr<CheckpointStore> store_;        // run_dir/checkpoints; null without a run_dir
   std::unique_ptr<AsyncCheckpointWriter> async_;  // checkpoint.async
   int64_t saved_step_ = -1;                       // the newest step this run has saved
@@ -229,6 +240,7 @@ class Trainer {
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0 with a run directory
   void flush_tensorboard();                         // prints the writer's one failure line, once
   bool halted_ = false;
+  std::string halt_reason_;  // why decide() said kHalt
   bool said_cannot_rewind_ = false;
   bool said_attention_ = false;              // the attention path's line (after the first step)
   int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at

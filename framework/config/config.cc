@@ -124,6 +124,7 @@ spike {
   cooldown_steps: 0
   max_rewinds: 3
   rewind_window: 1000
+  max_skipped_steps: 20
 }
 alert {
   command: ""
@@ -479,6 +480,9 @@ void validate_spike(const config::Spike& s) {
              " must be >= 0 (0: halt instead of the first rewind)");
   KEEL_CHECK(s.rewind_window() >= 1, kConfig, "spike.rewind_window=", s.rewind_window(),
              " must be >= 1 step");
+  KEEL_CHECK(s.max_skipped_steps() >= s.patience(), kConfig,
+             "spike.max_skipped_steps=", s.max_skipped_steps(), " must be >= spike.patience=",
+             s.patience(), " (a streak must be able to reach a rewind before it halts)");
 }
 
 void validate_train(const config::Train& t) {

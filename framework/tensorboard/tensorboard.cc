@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <system_error>
 
 #include "framework/error.h"
@@ -140,6 +142,19 @@ bool TensorBoardWriter::flush() noexcept {
   return true;
 }
 
+bool TensorBoardWriter::sync() noexcept {
+  if (!flush()) return false;
+  int rc;
+  do {
+    rc = fsync(fd_);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    fail(std::string("fsync failed (") + std::strerror(errno) + ")");
+    return false;
+  }
+  return true;
+}
+
 void TensorBoardWriter::fail(const std::string& reason) noexcept {
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
@@ -165,6 +180,64 @@ double TensorBoardWriter::now() {
   using std::chrono::duration;
   using std::chrono::system_clock;
   return duration<double>(system_clock::now().time_since_epoch()).count();
+}
+
+int64_t trim_tensorboard_events(const std::string& path, int64_t max_step,
+                                std::string_view keep_prefix, int64_t keep_until) {
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    KEEL_CHECK(in, kIo, path, ": cannot open (", std::strerror(errno), ")");
+    std::ostringstream os;
+    os << in.rdbuf();
+    KEEL_CHECK(!in.bad(), kIo, path, ": read failed");
+    bytes = os.str();
+  }
+  size_t whole = 0;
+  const std::vector<std::string> records = split_tfrecords_prefix(bytes, &whole);
+  std::string kept;
+  int64_t dropped = 0;
+  for (const std::string& r : records) {
+    tb::Event e;
+    // A record that is not an Event is not keel's: kept as it is.
+    if (e.ParseFromString(r) && e.step() > max_step && e.file_version().empty()) {
+      bool keep = false;
+      for (const tb::Summary::Value& v : e.summary().value()) {
+        keep |= !keep_prefix.empty() && e.step() <= keep_until &&
+                std::string_view(v.tag()).substr(0, keep_prefix.size()) == keep_prefix;
+      }
+      if (!keep) {
+        ++dropped;
+        continue;
+      }
+    }
+    append_tfrecord(kept, r);
+  }
+  if (dropped == 0 && whole == bytes.size()) return 0;
+  if (whole != bytes.size()) ++dropped;  // the torn tail
+  // Temporary file + fsync + rename (framework/file_io.h's write_file_atomic lives in a library
+  // that links this one).
+  const std::string tmp = path + ".trim." + std::to_string(getpid());
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  KEEL_CHECK(fd >= 0, kIo, tmp, ": cannot write: ", std::strerror(errno));
+  size_t done = 0;
+  while (done < kept.size()) {
+    const ssize_t n = write(fd, kept.data() + done, kept.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  const int err = done < kept.size() ? (errno ? errno : ENOSPC) : 0;
+  const bool synced = err == 0 && fsync(fd) == 0;
+  const int sync_err = errno;
+  close(fd);
+  if (err != 0 || !synced || rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = err != 0 ? err : !synced ? sync_err : errno;
+    unlink(tmp.c_str());
+    KEEL_FAIL(kIo, path, ": cannot rewrite without the steps after ", max_step, ": ",
+              std::strerror(e));
+  }
+  return dropped;
 }
 
 std::vector<TensorBoardEvent> read_tensorboard_events(const std::string& path) {

@@ -36,6 +36,9 @@ class TensorBoardWriter {
   // Records are buffered and reach the file on flush() (or once 64 KiB are pending). Returns
   // false once output has stopped.
   bool flush() noexcept;
+  // flush() and fsync: every event so far survives a crash of the machine (keel-train calls it
+  // when a checkpoint commits). Returns false once output has stopped.
+  bool sync() noexcept;
 
   // True until the first failure.
   bool ok() const { return fd_ >= 0; }
@@ -74,6 +77,15 @@ struct TensorBoardEvent {
   std::string file_version;  // set on the first record only
   std::vector<TensorBoardValue> values;
 };
+
+// Resume: drops every event of a step after `max_step` from the event file at `path` (a resumed
+// run logs those steps again), keeping the file_version record and the events whose tags start
+// with `keep_prefix` (when not empty) up to step `keep_until`. Reads whole records up to the
+// first torn or corrupt one (a crash mid-write) and drops that tail too. Rewrites the file
+// atomically when anything is dropped; returns how many records were. Throws kIo when the file
+// cannot be read or rewritten.
+int64_t trim_tensorboard_events(const std::string& path, int64_t max_step,
+                                std::string_view keep_prefix = {}, int64_t keep_until = 0);
 
 // Every event in the file at `path`, framing and CRCs checked (read_tfrecords). Throws kIo when
 // unreadable and kData for a bad record or one that does not parse as an Event.

@@ -90,4 +90,21 @@ std::vector<std::string> read_tfrecords(const std::string& path) {
   return records;
 }
 
+std::vector<std::string> split_tfrecords_prefix(std::string_view all, size_t* whole_bytes) {
+  std::vector<std::string> records;
+  size_t pos = 0;
+  while (all.size() - pos >= 12) {
+    const std::string_view header = all.substr(pos, 8);
+    if (get_le(all.substr(pos + 8), 4) != masked_crc32c(header)) break;
+    const uint64_t length = get_le(header, 8);
+    if (length > all.size() - pos - 12 || all.size() - pos - 12 - length < 4) break;
+    const std::string_view data = all.substr(pos + 12, length);
+    if (get_le(all.substr(pos + 12 + length), 4) != masked_crc32c(data)) break;
+    records.emplace_back(data);
+    pos += 12 + length + 4;
+  }
+  if (whole_bytes) *whole_bytes = pos;
+  return records;
+}
+
 }  // namespace keel

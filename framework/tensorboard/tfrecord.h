@@ -25,4 +25,9 @@ void append_tfrecord(std::string& out, std::string_view data);
 // truncated record or a CRC mismatch.
 std::vector<std::string> read_tfrecords(const std::string& path);
 
+// The whole, CRC-checked records at the start of `bytes`, up to the first truncated or corrupt
+// one; `*whole_bytes` (when given) is how many bytes they span.
+std::vector<std::string> split_tfrecords_prefix(std::string_view bytes,
+                                                size_t* whole_bytes = nullptr);
+
 }  // namespace keel

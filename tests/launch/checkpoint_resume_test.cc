@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/tensorboard/tensorboard.h"
 #include "tests/launch/launch_test_util.h"
 
 namespace keel {
@@ -390,6 +391,73 @@ TEST_F(CheckpointResume, AStaleTemporaryIsRemovedAndRetentionKeepsThePolicy) {
   std::vector<std::string> expected = {"LATEST", "step_00000004", "step_00000008"};
   for (int s = 11; s <= 20; ++s) expected.push_back("step_000000" + std::to_string(s));
   EXPECT_EQ(left("guarded"), expected);
+}
+
+// Note [lineage]: --resume-from an older checkpoint of the run directory starts a new lineage
+// there. The newer checkpoints of the branch it abandons are deleted (and the line says so), the
+// logs lose the abandoned steps, and a plain restart afterwards resumes the new branch, never the
+// higher-numbered abandoned one (the reproduction: steps 10, 15, 20; a branch from 10 to
+// 13; a restart to 30).
+TEST_F(CheckpointResume, ResumeFromAnOlderCheckpointStartsANewLineage) {
+  const CommandResult first = train("run", 1);
+  ASSERT_EQ(first.exit_code, 0) << first.out << first.err;
+  ASSERT_TRUE(fs::exists(ckpt("run", 20)));
+  const CommandResult branch =
+      train("run", 1, {"--set", "train.steps=13", "--resume-from", ckpt("run", 10)});
+  ASSERT_EQ(branch.exit_code, 0) << branch.out << branch.err;
+  EXPECT_NE(branch.out.find("--resume-from " + ckpt("run", 10) +
+                            ": a new lineage from step 10; deleted the 2 newer checkpoint(s) of "
+                            "the branch it abandons (steps 15, 20)"),
+            std::string::npos)
+      << branch.out;
+  EXPECT_FALSE(fs::exists(ckpt("run", 15)));
+  EXPECT_FALSE(fs::exists(ckpt("run", 20)));
+  EXPECT_EQ(read_file(dir_.file("run") + "/checkpoints/LATEST"), "step_00000013\n");
+  auto m = metrics(dir_.file("run"));  // each step once (metrics() fails a step logged twice)
+  ASSERT_EQ(m.size(), 13u);
+  EXPECT_EQ(m.rbegin()->first, 13);
+
+  const CommandResult restart = train("run", 1, {"--set", "train.steps=30"});
+  ASSERT_EQ(restart.exit_code, 0) << restart.out << restart.err;
+  EXPECT_NE(restart.out.find("resuming from " + ckpt("run", 13) + " at step 13"), std::string::npos)
+      << restart.out;
+  m = metrics(dir_.file("run"));
+  ASSERT_EQ(m.size(), 30u);
+  // keel-ckpt's current checkpoint is the same one.
+  const CommandResult info =
+      run_command(command_line(KEEL_CKPT_BIN, {"info", dir_.file("run")}), dir_);
+  EXPECT_EQ(info.exit_code, 0) << info.out << info.err;
+  EXPECT_NE(info.out.find(ckpt("run", 30)), std::string::npos) << info.out;
+  // TensorBoard holds each step's loss once: the abandoned steps 14..20 were dropped on resume.
+  std::map<int64_t, int> loss_points;
+  for (const auto& e : fs::directory_iterator(dir_.file("run") + "/tensorboard")) {
+    for (const TensorBoardEvent& ev : read_tensorboard_events(e.path().string())) {
+      for (const TensorBoardValue& v : ev.values) loss_points[ev.step] += v.tag == "train/loss";
+    }
+  }
+  ASSERT_EQ(loss_points.size(), 30u);
+  for (const auto& [step, n] : loss_points) EXPECT_EQ(n, 1) << "step " << step;
+}
+
+// --resume-from another run's checkpoint into a run directory with checkpoints of its own would
+// mix two histories: refused (exit 2) unless --overwrite deletes them.
+TEST_F(CheckpointResume, ResumeFromAnotherRunsCheckpointNeedsAnEmptyStore) {
+  ASSERT_EQ(train("donor", 1).exit_code, 0);
+  ASSERT_NE(train("run", 1, {"--set", "debug.kill_at_step=7"}).exit_code, 0);
+  const CommandResult refused = train("run", 1, {"--resume-from", ckpt("donor", 10)});
+  EXPECT_EQ(refused.exit_code, 2) << refused.out << refused.err;
+  EXPECT_NE(refused.err.find("holds 1 checkpoint(s) of another history (the newest at step 5): "
+                             "--resume-from " +
+                             ckpt("donor", 10)),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(fs::exists(ckpt("run", 5)));
+  const CommandResult ok = train("run", 1, {"--resume-from", ckpt("donor", 10), "--overwrite"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  EXPECT_NE(ok.out.find("resuming from " + ckpt("donor", 10) + " at step 10"), std::string::npos)
+      << ok.out;
+  EXPECT_FALSE(fs::exists(ckpt("run", 5)));
+  EXPECT_TRUE(fs::exists(ckpt("run", 20)));
 }
 
 }  // namespace

@@ -244,16 +244,126 @@ TEST_F(SpikeGuardRun, TheAlertHookGetsEachAlertsJson) {
   EXPECT_EQ(read_file(got), alerts);
 }
 
+// Without checkpoints the guard skips, says once that it cannot rewind, and (the injected spike
+// having been applied, the loss stays high) halts once the streak passes spike.max_skipped_steps.
 TEST_F(SpikeGuardRun, WithoutCheckpointsItSkipsAndSaysOnceItCannotRewind) {
   const CommandResult r = train("nockpt", 1, {"--set", "checkpoint.every=0", "--set", kSpike[1]});
-  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  ASSERT_EQ(r.exit_code, 3) << r.out << r.err;
   const std::vector<std::string> alerts = lines(file("nockpt", "alerts.jsonl"));
+  ASSERT_GE(alerts.size(), 22u) << file("nockpt", "alerts.jsonl");
   int cannot = 0;
-  for (const std::string& a : alerts) {
-    cannot += field(a, "kind") == "\"cannot_rewind\"";
-    EXPECT_EQ(field(a, "action"), "\"skip\"") << a;
+  for (size_t i = 0; i + 1 < alerts.size(); ++i) {
+    cannot += field(alerts[i], "kind") == "\"cannot_rewind\"";
+    EXPECT_EQ(field(alerts[i], "action"), "\"skip\"") << alerts[i];
   }
   EXPECT_EQ(cannot, 1) << file("nockpt", "alerts.jsonl");
+  EXPECT_EQ(field(alerts.back(), "kind"), "\"halt\"");
+  EXPECT_NE(alerts.back().find("consecutive anomalous steps, more than spike.max_skipped_steps=20"),
+            std::string::npos)
+      << alerts.back();
+}
+
+// step -> the raw "loss" and "grad_norm" text of its last metrics line (a step replayed after a
+// rewind is logged again; the replay is what counts).
+std::map<int64_t, std::string> last_figures(const std::string& metrics) {
+  std::map<int64_t, std::string> out;
+  for (const std::string& l : lines(metrics)) {
+    out[std::stoll(field(l, "step"))] = field(l, "loss") + " " + field(l, "grad_norm");
+  }
+  return out;
+}
+
+// Note [durable rewind]: a rank killed right after a rewind (debug.fault_point=AFTER_REWIND)
+// resumes into the rewound state, not the checkpoint as it was before: the skipped range and the
+// rewind count survive, so the restart neither replays the bad data nor rewinds again, and ends
+// bit for bit as the uninterrupted run.
+TEST_F(SpikeGuardRun, ACrashRightAfterARewindResumesIntoTheRewoundState) {
+  const CommandResult straight = train("straight", 1, kSpike);
+  ASSERT_EQ(straight.exit_code, 0) << straight.out << straight.err;
+  std::vector<std::string> kill = kSpike;
+  kill.insert(kill.end(),
+              {"--set", "debug.kill_at_step=202", "--set", "debug.fault_point=AFTER_REWIND"});
+  const CommandResult killed = train("killed", 1, kill);
+  ASSERT_EQ(killed.exit_code, 128 + 9) << killed.out << killed.err;
+  EXPECT_NE(killed.err.find("killing this rank at step 202 (AFTER_REWIND)"), std::string::npos)
+      << killed.err;
+  // What the crash left is the rewound state: step 180's checkpoint now records the skipped
+  // range (and the rewind).
+  const CommandResult info =
+      run_command(command_line(KEEL_CKPT_BIN, {"info", dir_.file("killed")}), dir_);
+  EXPECT_NE(info.out.find("step_00000180"), std::string::npos) << info.out;
+  EXPECT_NE(info.out.find("| skipped ranges 1"), std::string::npos) << info.out;
+  const CommandResult resumed = train("killed", 1, kSpike);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_NE(resumed.out.find("resuming from " + dir_.file("killed") +
+                             "/checkpoints/step_00000180 at step 180"),
+            std::string::npos)
+      << resumed.out;
+  // The restart neither meets the spike again nor rewinds: it raises no alert of its own.
+  EXPECT_EQ(resumed.err.find("ALERT"), std::string::npos) << resumed.err;
+  // One rewind in all: the alerts are the uninterrupted run's (the rewind's own alerts, of steps
+  // after the checkpoint it committed, are kept on resume).
+  EXPECT_EQ(decisions(file("killed", "alerts.jsonl")), decisions(file("straight", "alerts.jsonl")));
+  EXPECT_EQ(lines(file("killed", "alerts.jsonl")).size(), 2u);
+  EXPECT_EQ(last_figures(file("killed", "metrics.jsonl")),
+            last_figures(file("straight", "metrics.jsonl")));
+  EXPECT_EQ(file("killed", "checkpoints/step_00000300/shard_00000.bin"),
+            file("straight", "checkpoints/step_00000300/shard_00000.bin"));
+}
+
+// A streak of anomalies that no rewind can end (here: no checkpoints, a NaN every step from step
+// 30) halts once it passes spike.max_skipped_steps (default 20), with exit 3, a halt alert saying
+// why and the last good state saved, instead of skipping every update and ending "done".
+TEST_F(SpikeGuardRun, SkippedStepsBeyondTheBoundHalt) {
+  const CommandResult r = train("skips", 1,
+                                {"--set", "checkpoint.every=0", "--set",
+                                 "debug.inject_nan_at_step=30", "--set", "debug.inject_every=1"});
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  const std::vector<std::string> alerts = lines(file("skips", "alerts.jsonl"));
+  ASSERT_FALSE(alerts.empty());
+  const std::string& last = alerts.back();
+  EXPECT_EQ(field(last, "kind"), "\"halt\"");
+  EXPECT_EQ(field(last, "step"), "50");  // steps 30..50: 21 anomalous steps, one more than 20
+  EXPECT_NE(last.find("21 consecutive anomalous steps, more than spike.max_skipped_steps=20 "
+                      "(from step 30; no rewind ended them); no checkpoint to restore"),
+            std::string::npos)
+      << last;
+  // Every update from step 30 on was skipped: the saved state is step 50's, and it verifies.
+  EXPECT_EQ(file("skips", "checkpoints/LATEST"), "step_00000050\n");
+  EXPECT_EQ(
+      run_command(command_line(KEEL_CKPT_BIN, {"verify", dir_.file("skips")}), dir_).exit_code, 0);
+  // The bound is a config field: a larger one lets the same run skip longer.
+  const CommandResult longer =
+      train("longer", 1,
+            {"--set", "checkpoint.every=0", "--set", "debug.inject_nan_at_step=30", "--set",
+             "debug.inject_every=1", "--set", "spike.max_skipped_steps=40"});
+  EXPECT_EQ(longer.exit_code, 3) << longer.out << longer.err;
+  EXPECT_EQ(field(lines(file("longer", "alerts.jsonl")).back(), "step"), "70");
+}
+
+// A stop signal that arrives while the guard rewinds (here: sent by the alert hook of the rewind
+// alert, so it lands during the rewind's save or a few steps after it, however fast the machine)
+// stops the run with a checkpoint that resumes into the rewound state: exit 0, and the restart
+// ends bit for bit as the uninterrupted run, with no second rewind.
+TEST_F(SpikeGuardRun, AStopSignalDuringARewindSavesTheRewoundState) {
+  const CommandResult straight = train("straight", 1, kSpike);
+  ASSERT_EQ(straight.exit_code, 0) << straight.out << straight.err;
+  std::vector<std::string> term = kSpike;
+  term.insert(term.end(),
+              {"--set", "alert.command=grep -q '\"kind\": \"rewind\"' && kill -TERM $PPID"});
+  const CommandResult stopped = train("stopped", 1, term);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
+  const size_t at = stopped.out.find("keel-train: stopped by SIGTERM");
+  ASSERT_NE(at, std::string::npos) << stopped.out;
+  const CommandResult resumed = train("stopped", 1, kSpike);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_EQ(resumed.err.find("ALERT"), std::string::npos) << resumed.err;
+  EXPECT_EQ(decisions(file("stopped", "alerts.jsonl")),
+            decisions(file("straight", "alerts.jsonl")));
+  EXPECT_EQ(last_figures(file("stopped", "metrics.jsonl")),
+            last_figures(file("straight", "metrics.jsonl")));
+  EXPECT_EQ(file("stopped", "checkpoints/step_00000300/shard_00000.bin"),
+            file("straight", "checkpoints/step_00000300/shard_00000.bin"));
 }
 
 }  // namespace
