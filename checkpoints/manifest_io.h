@@ -27,8 +27,9 @@ inline constexpr int64_t kMaxManifestBytes = int64_t{1} << 30;
 std::string serialize_manifest(ckpt::Manifest m);
 
 // Verifies `bytes`' checksum (format 2 on; format 1 has none), parses them and validates them
-// (see the file comment). Never touches the file system; every failure, including any std::
-// exception, is a kData error whose line starts with `path`.
+// (see the file comment). The manifest returned has manifest_xxh3 cleared. Never touches the file
+// system; every failure, including any std:: exception, is a kData error whose line starts with
+// `path`.
 ckpt::Manifest parse_manifest(const std::string& bytes, const std::string& path);
 
 // Reads and parses `dir`/manifest.pb, opened as a regular file only (never blocking on a FIFO,

@@ -130,6 +130,13 @@ int info(const std::string& dir) {
               m.format_version(), static_cast<long long>(m.step()),
               static_cast<long long>(m.tokens()), static_cast<unsigned long long>(m.next_sample()),
               static_cast<long long>(m.adam_t()));
+  if (!m.has_parent_step()) {
+    std::printf("parent: not recorded (format 1)\n");
+  } else if (m.parent_step() < 0) {
+    std::printf("parent: none (the first checkpoint of its lineage)\n");
+  } else {
+    std::printf("parent: step %lld\n", static_cast<long long>(m.parent_step()));
+  }
   std::printf("written by %d ranks = dp %d x tp %d%s\n", m.layout().world(), m.layout().dp(),
               m.layout().tp(), m.layout().zero_stage() ? " (ZeRO-1)" : "");
   std::printf("data: train %s, validation %s | skipped ranges %d\n",

@@ -97,7 +97,7 @@ TEST_F(KeelCkpt, InfoDescribesTheCheckpoint) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (const std::string& part :
        {std::string("checkpoint ") + step(6) + "\n", std::string("| step 6 | 384 tokens |"),
-        std::string("next sample 24 | AdamW t 6"),
+        std::string("next sample 24 | AdamW t 6"), std::string("\nparent: step 3\n"),
         std::string("written by 4 ranks = dp 2 x tp 2 (ZeRO-1)"), std::string("4 shard files"),
         std::string("data: train xxh3:")}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
