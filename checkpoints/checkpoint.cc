@@ -41,7 +41,7 @@ std::string index_name(int rank) {
 }
 
 // fsync(2) retried on EINTR (the stop signals are installed without SA_RESTART).
-int fsync_retrying(int fd) {
+int fsync_until_done(int fd) {
   int rc;
   do {
     rc = ::fsync(fd);
@@ -51,7 +51,7 @@ int fsync_retrying(int fd) {
 
 // close(2) of a file just written: on Linux the descriptor is released even when close reports
 // EINTR, so that is not a failure and is never retried.
-int close_written(int fd) {
+int close_after_write(int fd) {
   const int rc = ::close(fd);
   return rc != 0 && errno == EINTR ? 0 : rc;
 }
@@ -62,7 +62,7 @@ int close_written(int fd) {
 void fsync_path(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   KEEL_CHECK(fd >= 0, kIo, path, ": cannot open to fsync: ", std::strerror(errno));
-  if (fsync_retrying(fd) != 0 && errno != EINVAL) {
+  if (fsync_until_done(fd) != 0 && errno != EINVAL) {
     const int err = errno;
     ::close(fd);
     KEEL_FAIL(kIo, path, ": fsync failed: ", std::strerror(err));
@@ -183,8 +183,8 @@ void write_shard(const std::vector<PlannedSlice>& plan, const std::vector<std::s
     *rec->add_slices() = s;
   }
   if (fd >= 0) {
-    if (fsync_retrying(fd) != 0) fail("fsync failed");
-    if (close_written(fd) != 0) {
+    if (fsync_until_done(fd) != 0) fail("fsync failed");
+    if (close_after_write(fd) != 0) {
       fd = -1;
       fail("write failed");
     }

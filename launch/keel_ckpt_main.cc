@@ -1,6 +1,6 @@
 // keel-ckpt: look at, check and export checkpoints without training.
-//   keel-ckpt info PATH     step, tokens, the layout that wrote it, data fingerprints, and every
-//                           tensor with its shape and slices
+//   keel-ckpt info PATH     step, tokens, the parent checkpoint, the layout that wrote it, data
+//                           fingerprints, and every tensor with its shape and slices
 //   keel-ckpt verify PATH   every file size and every slice's XXH3 checksum and coverage
 //   keel-ckpt export PATH OUT_DIR
 //                           every parameter, whole and f32, into OUT_DIR/model.safetensors: under
