@@ -52,10 +52,33 @@ int ms_until(Clock::time_point deadline) {
   return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1000 * 1000));
 }
 
-// Writes `data` to the non-blocking pipe `fd` until all of it is written, the reader is gone
-// (EPIPE: the hook did not read its stdin, which is allowed) or `deadline` passes.
-void write_until(int fd, const std::string& data, Clock::time_point deadline) {
-  size_t done = 0;
+// `s` seconds from now; clamped, so that no configured value overflows the clock.
+Clock::time_point after_seconds(double s) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(std::clamp(s, 0.0, 1e7)));
+}
+
+std::string seconds_text(double s) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", s);
+  return text;
+}
+
+// Writes all of `data` to `fd`, retrying on EINTR; gives up on any other error.
+void write_all(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// Writes what the non-blocking pipe `fd` takes now of `data` from `done` on. Returns false once
+// there is nothing more to write: all of it is written, or the reader is gone (EPIPE: the hook
+// did not read its stdin, which is allowed) or another error.
+bool write_some(int fd, const std::string& data, size_t& done) {
   while (done < data.size()) {
     const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
     if (w > 0) {
@@ -63,16 +86,63 @@ void write_until(int fd, const std::string& data, Clock::time_point deadline) {
       continue;
     }
     if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && errno == EAGAIN) {
-      pollfd p = {fd, POLLOUT, 0};
-      const int ms = ms_until(deadline);
-      if (ms == 0) return;
-      ::poll(&p, 1, ms);  // POLLERR (reader gone) shows up as EPIPE on the next write
-      continue;
-    }
-    return;  // EPIPE or another error: the hook gets what was written
+    return w < 0 && errno == EAGAIN;  // full: more when poll says so
   }
+  return false;
 }
+
+// A hook's stdout and stderr on their way to keel-train's stderr: the first `cap` bytes are
+// copied, the rest only counted.
+class OutputCopy {
+ public:
+  explicit OutputCopy(size_t cap) : cap_(cap) {}
+  // Copies what the non-blocking pipe `fd` holds now. Returns false at its end (or on an error).
+  bool read_from(int fd) {
+    for (;;) {
+      const ssize_t r = ::read(fd, buf_, sizeof(buf_));
+      if (r > 0) {
+        take(static_cast<size_t>(r));
+        return true;
+      }
+      if (r < 0 && errno == EINTR) continue;
+      return r < 0 && errno == EAGAIN;
+    }
+  }
+  // What is left in `fd` once the hook is gone: bounded, since a background child it left may
+  // still be writing.
+  void read_rest(int fd) {
+    for (int i = 0; i < 64; ++i) {
+      const ssize_t r = ::read(fd, buf_, sizeof(buf_));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return;
+      take(static_cast<size_t>(r));
+    }
+  }
+  // One line when something was cut.
+  void finish(const std::string& command) const {
+    if (dropped_ == 0) return;
+    if (!ends_in_newline_) write_all(STDERR_FILENO, "\n", 1);
+    log_line("keel-train: alert hook output cut at " + std::to_string(cap_) + " bytes (" +
+             std::to_string(dropped_) + " more bytes not shown): " + echo_command(command));
+  }
+
+ private:
+  void take(size_t n) {
+    const size_t shown = std::min(n, cap_ - copied_);
+    if (shown > 0) {
+      write_all(STDERR_FILENO, buf_, shown);
+      copied_ += shown;
+      ends_in_newline_ = buf_[shown - 1] == '\n';
+    }
+    dropped_ += static_cast<int64_t>(n - shown);
+  }
+
+  const size_t cap_;
+  size_t copied_ = 0;
+  int64_t dropped_ = 0;
+  bool ends_in_newline_ = true;
+  char buf_[16384];
+};
 
 // A SIGPIPE raised by a write on this thread while it was blocked stays pending on the thread;
 // take it off so it is never delivered later.
@@ -135,10 +205,15 @@ std::string alert_human_line(const Alert& a) {
 
 AlertSink::AlertSink(const std::string& run_dir, const config::Alert& cfg, bool is_rank0,
                      AlertFileMode mode)
-    : active_(is_rank0), command_(cfg.command()), timeout_s_(cfg.timeout_s()) {
+    : active_(is_rank0),
+      command_(cfg.command()),
+      timeout_s_(cfg.timeout_s()),
+      drain_timeout_s_(cfg.drain_timeout_s()) {
   if (!active_) return;
   KEEL_CHECK(command_.empty() || (timeout_s_ > 0 && std::isfinite(timeout_s_)), kConfig,
              "alert.timeout_s=", timeout_s_, ": must be > 0 when alert.command is set");
+  KEEL_CHECK(command_.empty() || (drain_timeout_s_ > 0 && std::isfinite(drain_timeout_s_)), kConfig,
+             "alert.drain_timeout_s=", drain_timeout_s_, ": must be > 0 when alert.command is set");
   if (!run_dir.empty()) {
     path_ = run_dir + "/alerts.jsonl";
     const int trunc = mode == AlertFileMode::kTruncate ? O_TRUNC : 0;
@@ -160,15 +235,25 @@ AlertSink::AlertSink(const std::string& run_dir, const config::Alert& cfg, bool 
 
 AlertSink::~AlertSink() {
   if (worker_.joinable()) {
+    const auto deadline = after_seconds(drain_timeout_s_);
     size_t not_run = 0;
+    bool killed = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       stop_ = true;
       not_run = queue_.size();
       queue_.clear();
+      wake_.notify_all();
+      if (!idle_.wait_until(lock, deadline, [this] { return !running_hook_; })) {
+        killed = give_up_running_hook(lock);
+      }
     }
-    wake_.notify_all();
     worker_.join();
+    if (killed) {
+      log_line(
+          "keel-train: alert hook killed: alert.drain_timeout_s=" + seconds_text(drain_timeout_s_) +
+          " s passed at the end of the run: " + echo_command(command_));
+    }
     if (not_run > 0) {
       log_line("keel-train: " + std::to_string(not_run) +
                " alert hook(s) not run: the run ended first (" + echo_command(command_) + ")");
@@ -217,8 +302,27 @@ void AlertSink::emit(const Alert& alert) {
 
 void AlertSink::drain() {
   if (!worker_.joinable()) return;
+  const auto deadline = after_seconds(drain_timeout_s_);
   std::unique_lock<std::mutex> lock(mu_);
-  idle_.wait(lock, [this] { return queue_.empty() && !running_hook_; });
+  if (idle_.wait_until(lock, deadline, [this] { return queue_.empty() && !running_hook_; })) {
+    return;
+  }
+  const size_t not_run = queue_.size();
+  queue_.clear();
+  const bool killed = give_up_running_hook(lock);
+  lock.unlock();
+  log_line("keel-train: alert hooks cut short at the end of the run (alert.drain_timeout_s=" +
+           seconds_text(drain_timeout_s_) + " s): " + (killed ? "1 killed, " : "") +
+           std::to_string(not_run) + " not run: " + echo_command(command_));
+}
+
+bool AlertSink::give_up_running_hook(std::unique_lock<std::mutex>& lock) {
+  give_up_ = true;
+  idle_.wait(lock, [this] { return !running_hook_; });
+  give_up_ = false;
+  const bool killed = killed_at_deadline_;
+  killed_at_deadline_ = false;
+  return killed;
 }
 
 void AlertSink::append_line(const std::string& line) { append_whole(fd_, path_, line, size_); }
@@ -232,33 +336,42 @@ void AlertSink::worker_loop() {
     queue_.pop_front();
     running_hook_ = true;
     lock.unlock();
-    run_hook(line);
+    const HookEnd end = run_hook(line);
     lock.lock();
     running_hook_ = false;
-    if (queue_.empty()) idle_.notify_all();
+    killed_at_deadline_ = end == HookEnd::kGivenUp;
+    idle_.notify_all();
   }
   running_hook_ = false;
   idle_.notify_all();
 }
 
-void AlertSink::run_hook(const std::string& json_line) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s_));
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) {
+AlertSink::HookEnd AlertSink::run_hook(const std::string& json_line) {
+  const auto deadline = after_seconds(timeout_s_);
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0) {
     log_line(std::string("keel-train: alert hook not run: cannot make a pipe: ") +
              std::strerror(errno) + ": " + echo_command(command_));
-    return;
+    return HookEnd::kFinished;
   }
-  const int read_end = fds[0], write_end = fds[1];
-  ::fcntl(write_end, F_SETFL, O_NONBLOCK);
+  if (::pipe2(out, O_CLOEXEC) != 0) {
+    log_line(std::string("keel-train: alert hook not run: cannot make a pipe: ") +
+             std::strerror(errno) + ": " + echo_command(command_));
+    ::close(in[0]);
+    ::close(in[1]);
+    return HookEnd::kFinished;
+  }
+  int in_fd = in[1], out_fd = out[0];  // ours; -1 once closed
+  ::fcntl(in_fd, F_SETFL, O_NONBLOCK);
+  ::fcntl(out_fd, F_SETFL, O_NONBLOCK);
 
-  // The child: stdin from the pipe, stdout to keel-train's stderr, every other descriptor
+  // The child: stdin from one pipe, stdout and stderr into the other, every other descriptor
   // closed, its own process group, no blocked signals, SIGPIPE back to its default action.
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, read_end, STDIN_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDERR_FILENO);
   posix_spawn_file_actions_addclosefrom_np(&actions, STDERR_FILENO + 1);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
@@ -279,47 +392,82 @@ void AlertSink::run_hook(const std::string& json_line) {
   const int rc = ::posix_spawn(&pid, "/bin/sh", &actions, &attr, argv, environ);
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
-  ::close(read_end);
+  ::close(in[0]);
+  ::close(out[1]);
   if (rc != 0) {
-    ::close(write_end);
+    ::close(in_fd);
+    ::close(out_fd);
     log_line(std::string("keel-train: alert hook not run: cannot start /bin/sh: ") +
              std::strerror(rc) + ": " + echo_command(command_));
-    return;
+    return HookEnd::kFinished;
   }
 
-  write_until(write_end, json_line, deadline);
-  ::close(write_end);
-  discard_pending_sigpipe();
-
-  // Wait for it, polling: a short sleep doubling up to 20 ms keeps a quick hook quick.
+  // Feed its stdin and copy its output until it exits, its timeout passes or the sink gives up
+  // on it. Waiting polls the pipes with a timeout doubling from 1 ms up to 20 ms, so a quick
+  // hook stays quick.
+  OutputCopy output(kMaxHookOutputBytes);
+  size_t written = 0;
   int status = 0;
+  bool reaped = false, timed_out = false, given_up = false;
   int nap_ms = 1;
   for (;;) {
     const pid_t w = ::waitpid(pid, &status, WNOHANG);
-    if (w == pid) break;
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return;  // reaped by someone else: nothing to report
+    if (w == pid) {
+      reaped = true;
+      break;
+    }
+    if (w < 0 && errno != EINTR) break;  // reaped by someone else: nothing to report
+    if (give_up_.load()) {
+      given_up = true;
+      break;
+    }
     const int left = ms_until(deadline);
     if (left == 0) {
-      ::kill(-pid, SIGKILL);  // the hook's whole process group
-      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-      }
-      char secs[32];
-      std::snprintf(secs, sizeof(secs), "%g", timeout_s_);
-      log_line(std::string("keel-train: alert hook timed out after ") + secs +
-               " s (killed): " + echo_command(command_));
-      return;
+      timed_out = true;
+      break;
     }
-    ::poll(nullptr, 0, std::min(nap_ms, left));
+    pollfd p[2];
+    nfds_t n = 0;
+    if (in_fd >= 0) p[n++] = {in_fd, POLLOUT, 0};
+    if (out_fd >= 0) p[n++] = {out_fd, POLLIN, 0};
+    const int ready = ::poll(n > 0 ? p : nullptr, n, std::min(nap_ms, left));
     nap_ms = std::min(nap_ms * 2, 20);
+    if (ready <= 0) continue;  // a timeout, or EINTR
+    for (nfds_t i = 0; i < n; ++i) {
+      if (p[i].revents == 0) continue;
+      if (p[i].fd == in_fd && !write_some(in_fd, json_line, written)) {
+        ::close(in_fd);  // its stdin ends here
+        in_fd = -1;
+      } else if (p[i].fd == out_fd && !output.read_from(out_fd)) {
+        ::close(out_fd);
+        out_fd = -1;
+      }
+    }
   }
-  if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+  if (timed_out || given_up) {
+    ::kill(-pid, SIGKILL);  // the hook's whole process group
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+  if (in_fd >= 0) ::close(in_fd);
+  discard_pending_sigpipe();
+  if (out_fd >= 0) {
+    output.read_rest(out_fd);
+    ::close(out_fd);
+  }
+  output.finish(command_);
+  if (given_up) return HookEnd::kGivenUp;  // drain() or the destructor says so, once
+  if (timed_out) {
+    log_line("keel-train: alert hook timed out after " + seconds_text(timeout_s_) +
+             " s (killed): " + echo_command(command_));
+  } else if (reaped && WIFEXITED(status) && WEXITSTATUS(status) != 0) {
     log_line("keel-train: alert hook exited with code " + std::to_string(WEXITSTATUS(status)) +
              ": " + echo_command(command_));
-  } else if (WIFSIGNALED(status)) {
+  } else if (reaped && WIFSIGNALED(status)) {
     log_line("keel-train: alert hook killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
              strsignal(WTERMSIG(status)) + "): " + echo_command(command_));
   }
+  return HookEnd::kFinished;
 }
 
 }  // namespace keel

@@ -6,14 +6,19 @@
 // emit() only queues the line, so a hook that hangs costs the run nothing. Hooks run one at a
 // time, in emit order, each in its own process group (posix_spawn, so a big training process is
 // never forked) with only stdin, stdout and stderr open: stdin is a pipe carrying the alert's
-// JSON line, stdout and stderr are keel-train's stderr (keel-train's stdout stays its own). A
-// hook still running alert.timeout_s after its start is killed with its whole process group
-// (SIGKILL to -pgid), and that is logged as one stderr line, as is a non-zero exit. A hook that
-// exits without reading stdin is fine (the write's EPIPE is expected; SIGPIPE is blocked on the
-// worker thread, so this holds even where the process does not ignore it). When more than
-// kMaxPendingHooks alerts wait, the oldest is dropped, said once. See launch/ALERTS.md.
+// JSON line, stdout and stderr are one pipe the worker copies to keel-train's stderr, up to
+// kMaxHookOutputBytes per hook (the rest is read and counted in one line, so a hook that prints
+// megabytes neither floods the job's log nor blocks on a full pipe). A hook still running
+// alert.timeout_s after its start is killed with its whole process group (SIGKILL to -pgid), and
+// that is logged as one stderr line, as is a non-zero exit. A hook that exits without reading
+// stdin is fine (the write's EPIPE is expected; SIGPIPE is blocked on the worker thread, so this
+// holds even where the process does not ignore it). When more than kMaxPendingHooks alerts wait,
+// the oldest is dropped, said once. The end of the run (drain(), or the destructor after a stop)
+// waits at most alert.drain_timeout_s in all: then the running hook is killed, the queued ones
+// are not run, and one line counts them. See launch/ALERTS.md.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -79,14 +84,18 @@ enum class AlertFileMode {
 class AlertSink {
  public:
   static constexpr size_t kMaxPendingHooks = 100;
+  // Of one hook's stdout and stderr, at most this many bytes reach keel-train's stderr.
+  static constexpr size_t kMaxHookOutputBytes = 64 * 1024;
 
   // run_dir: where alerts.jsonl goes (created at once); "" writes no file. cfg.command: the hook
-  // ("" runs none); cfg.timeout_s must then be > 0. Ranks other than 0 (is_rank0 false) do
-  // nothing at all. Throws kIo when the file cannot be opened, kConfig for a bad timeout.
+  // ("" runs none); cfg.timeout_s and cfg.drain_timeout_s must then be > 0. Ranks other than 0
+  // (is_rank0 false) do nothing at all. Throws kIo when the file cannot be opened, kConfig for a
+  // bad timeout.
   AlertSink(const std::string& run_dir, const config::Alert& cfg, bool is_rank0,
             AlertFileMode mode = AlertFileMode::kAppend);
-  // Waits for the running hook (at most its timeout), then stops the worker; hooks still queued
-  // are not run (said in one line). Call drain() first to run them all.
+  // Waits for the running hook (at most its timeout, and at most alert.drain_timeout_s: then it
+  // is killed), then stops the worker; hooks still queued are not run (said in one line). Call
+  // drain() first to run them.
   ~AlertSink();
   AlertSink(const AlertSink&) = delete;
   AlertSink& operator=(const AlertSink&) = delete;
@@ -96,17 +105,24 @@ class AlertSink {
   // file) when alerts.jsonl cannot be written; the alert was still printed and handed to the
   // hook.
   void emit(const Alert& alert);
-  // Returns once every queued hook has run (each bounded by the timeout).
+  // Returns once every queued hook has run (each bounded by alert.timeout_s), or once
+  // alert.drain_timeout_s has passed since the call: then the running hook is killed, the queued
+  // ones are not run, and one stderr line counts both. Either way the queue is then empty.
   void drain();
 
  private:
+  enum class HookEnd { kFinished, kGivenUp };  // kGivenUp: killed because give_up_ was set
   void worker_loop();
-  void run_hook(const std::string& json_line);
+  HookEnd run_hook(const std::string& json_line);
+  // Sets give_up_ and waits until the worker is between hooks (it kills the running one at
+  // once); returns whether a hook was killed. `lock` holds mu_.
+  bool give_up_running_hook(std::unique_lock<std::mutex>& lock);
   void append_line(const std::string& line);
 
   const bool active_;  // rank 0
   const std::string command_;
   const double timeout_s_;
+  const double drain_timeout_s_;
   std::string path_;  // RUN/alerts.jsonl; "" when none
   int fd_ = -1;
   int64_t size_ = 0;  // bytes of complete lines in the file
@@ -117,6 +133,8 @@ class AlertSink {
   std::deque<std::string> queue_;
   bool running_hook_ = false;
   bool stop_ = false;
+  bool killed_at_deadline_ = false;   // the last hook that ended was killed by give_up_
+  std::atomic<bool> give_up_{false};  // kill the running hook now and start no other
   int64_t dropped_ = 0;
   std::thread worker_;
 };

@@ -5,9 +5,12 @@
 // (with a grandchild, and with a stdin it never reads) is killed with its process group after
 // alert.timeout_s, logged once, and the next alert's hook still runs; a hook that exits without
 // reading a large stdin does not take the process down (SIGPIPE); past 100 waiting alerts the
-// oldest are dropped, said once; the destructor waits for the running hook only; ranks other
-// than 0 and an empty run directory write nothing. Time is never asserted except as a hang
-// bound: emit() under 1 s while its hook waits up to 60 s.
+// oldest are dropped, said once; the destructor waits for the running hook only; the end of the
+// run waits at most alert.drain_timeout_s in all (31 queued `sleep 60` hooks), then kills the
+// running hook and counts the rest in one line; a hook that prints megabytes shows 64 KiB and a
+// count of the rest, and is not slowed by it; ranks other than 0 and an empty run directory
+// write nothing. Time is never asserted except as a hang bound: emit() under 20 s while its hook
+// waits up to 60 s, a drain under its deadline plus 10 s.
 #include "launch/alerts.h"
 
 #include <dirent.h>
@@ -40,10 +43,12 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // hook (60 s in EmitNeverWaitsForTheHook).
 constexpr double kHangBoundS = 20.0;
 
-config::Alert hook(const std::string& command, double timeout_s = 30) {
+config::Alert hook(const std::string& command, double timeout_s = 30,
+                   double drain_timeout_s = 120) {
   config::Alert cfg;
   cfg.set_command(command);
   cfg.set_timeout_s(timeout_s);
+  cfg.set_drain_timeout_s(drain_timeout_s);
   return cfg;
 }
 
@@ -416,6 +421,122 @@ TEST(AlertSink, DestructorWaitsForTheRunningHookOnly) {
   EXPECT_EQ(count(err, "keel-train: 2 alert hook(s) not run: the run ended first"), 1);
 }
 
+// The number in `text` right after `prefix`, or -1.
+int64_t number_after(const std::string& text, const std::string& prefix) {
+  const size_t at = text.find(prefix);
+  if (at == std::string::npos) return -1;
+  return std::atoll(text.c_str() + at + prefix.size());
+}
+
+TEST(AlertSink, DrainStopsAtItsDeadlineAndCountsWhatItDropped) {
+  // The case: 31 alerts whose hooks each hang until alert.timeout_s=2 kills them would
+  // take 62 s to drain one by one; alert.drain_timeout_s=3 ends it after 3 s.
+  constexpr int kAlerts = 31;
+  constexpr double kTimeout = 2, kDrainTimeout = 3;
+  ::testing::internal::CaptureStderr();
+  double drain_s = 0;
+  {
+    AlertSink sink("", hook("sleep 60", kTimeout, kDrainTimeout), true);
+    for (int step = 1; step <= kAlerts; ++step) sink.emit(Alert{.step = step, .kind = "halt"});
+    const auto t0 = std::chrono::steady_clock::now();
+    sink.drain();
+    drain_s = seconds_since(t0);
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_LT(drain_s, kDrainTimeout + 10.0) << err;
+  // Every hook is accounted for: timed out, killed at the deadline, or not run. Each one that
+  // ran took at least its 2 s, so at most two started within the 3 s.
+  const std::string cut =
+      "keel-train: alert hooks cut short at the end of the run "
+      "(alert.drain_timeout_s=3 s): ";
+  ASSERT_EQ(count(err, cut), 1) << err;
+  const int64_t killed = err.find(cut + "1 killed, ") != std::string::npos ? 1 : 0;
+  const int64_t not_run = number_after(err, cut + (killed ? "1 killed, " : ""));
+  const int timed_out = count(err, "keel-train: alert hook timed out after 2 s (killed): sleep 60");
+  EXPECT_EQ(count(err, " not run: sleep 60\n"), 1) << err;
+  EXPECT_EQ(timed_out + killed + not_run, kAlerts) << err;
+  EXPECT_GE(not_run, kAlerts - 2) << err;
+  EXPECT_EQ(count(err, "keel-train: alert hook "), timed_out) << err;  // no other hook line
+}
+
+TEST(AlertSink, DrainKillsAHookThatOutlastsTheDeadline) {
+  TempDir dir;
+  const std::string pid_file = dir.file("P");
+  ::testing::internal::CaptureStderr();
+  {
+    // The hook's own timeout (60 s) is longer than the whole drain may take (1 s).
+    AlertSink sink("", hook("echo $$ > " + shell_quote(pid_file) + "; sleep 60", 60, 1), true);
+    sink.emit(Alert{.step = 1, .kind = "halt"});
+    const auto t0 = std::chrono::steady_clock::now();
+    sink.drain();
+    EXPECT_LT(seconds_since(t0), 1 + 10.0);
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(err,
+                  "keel-train: alert hooks cut short at the end of the run "
+                  "(alert.drain_timeout_s=1 s): 1 killed, 0 not run: echo $$ > "),
+            1)
+      << err;
+  EXPECT_EQ(count(err, "keel-train: alert hook "), 0) << err;  // the line above only
+  if (std::filesystem::exists(pid_file)) {                     // the hook got as far as writing it
+    EXPECT_TRUE(wait_group_gone(std::atoi(read_file(pid_file).c_str())).empty());
+  }
+}
+
+TEST(AlertSink, TheDestructorWaitsAtMostTheDrainTimeout) {
+  TempDir dir;
+  const std::string started = dir.file("STARTED");
+  auto sink = std::make_unique<AlertSink>(
+      "", hook("touch " + shell_quote(started) + "; exec sleep 60", 60, 1), true);
+  ::testing::internal::CaptureStderr();
+  sink->emit(Alert{.step = 1, .kind = "halt"});
+  sink->emit(Alert{.step = 2, .kind = "halt"});
+  ASSERT_TRUE(wait_for_file(started));
+  const auto t0 = std::chrono::steady_clock::now();
+  sink.reset();
+  EXPECT_LT(seconds_since(t0), 1 + 10.0);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(err,
+                  "keel-train: alert hook killed: alert.drain_timeout_s=1 s passed at the "
+                  "end of the run: touch "),
+            1)
+      << err;
+  EXPECT_EQ(count(err, "keel-train: 1 alert hook(s) not run: the run ended first"), 1) << err;
+}
+
+TEST(AlertSink, AHookThatPrintsMegabytesShowsTheFirst64KiBAndCountsTheRest) {
+  constexpr int64_t kPrinted = 5000000;
+  const std::string command = "yes 0123456789abcdef | head -c " + std::to_string(kPrinted);
+  ::testing::internal::CaptureStderr();
+  {
+    AlertSink sink("", hook(command, 60), true);
+    sink.emit(Alert{.step = 1, .kind = "halt"});
+    sink.drain();
+  }
+  {
+    AlertSink sink("", hook("cat >/dev/null; echo 'a short hook line'", 60), true);
+    sink.emit(Alert{.step = 2, .kind = "halt"});
+    sink.drain();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  const size_t cap = AlertSink::kMaxHookOutputBytes;
+  ASSERT_EQ(cap, 65536u);
+  // Its output, cut at 64 KiB (mid-line, so a newline ends it), then the count of the rest.
+  const std::string shown = err.substr(err.find("0123456789abcdef"), cap);
+  std::string expected;
+  while (expected.size() < cap) expected += "0123456789abcdef\n";
+  expected.resize(cap);
+  EXPECT_TRUE(shown == expected) << "the shown output is not the hook's first 64 KiB";
+  EXPECT_EQ(count(err, "keel-train: alert hook output cut at 65536 bytes (" +
+                           std::to_string(kPrinted - 65536) + " more bytes not shown): yes "),
+            1)
+      << err.substr(0, 300) << " ... "
+      << err.substr(err.size() - std::min<size_t>(err.size(), 600));
+  EXPECT_LT(err.size(), cap + 1000);
+  EXPECT_EQ(count(err, "keel-train: alert hook"), 1);  // neither timed out nor failed
+  EXPECT_EQ(count(err, "\na short hook line\n"), 1);   // the next hook's output in full
+}
+
 TEST(AlertSink, OtherRanksDoNothing) {
   TempDir dir;
   const std::string ran = dir.file("ran");
@@ -466,6 +587,11 @@ TEST(AlertSink, BadTimeoutAndUnwritableDirAreErrors) {
   const std::string msg =
       testing::error_of(ErrorKind::kConfig, [] { AlertSink sink("", hook("true", 0), true); });
   EXPECT_NE(msg.find("alert.timeout_s=0"), std::string::npos) << msg;
+  const std::string drain =
+      testing::error_of(ErrorKind::kConfig, [] { AlertSink sink("", hook("true", 10, 0), true); });
+  EXPECT_NE(drain.find("alert.drain_timeout_s=0: must be > 0 when alert.command is set"),
+            std::string::npos)
+      << drain;
   AlertSink other_rank("", hook("true", 0), false);  // does nothing, so checks nothing
   const std::string io = testing::error_of(
       ErrorKind::kIo, [] { AlertSink sink("/nonexistent/keel_run", config::Alert(), true); });
