@@ -7,6 +7,10 @@ namespace keel {
 
 class StopSignals {
  public:
+  // The same stop signal again within this many seconds of the first is ignored (srun and
+  // slurmstepd each deliver one SIGTERM); later, or a different stop signal, ends the process.
+  static constexpr int kRepeatWindowSeconds = 5;
+
   // Installs the handlers for SIGTERM and SIGUSR1 (at most one StopSignals at a time).
   explicit StopSignals(int world_rank);
   ~StopSignals();  // restores what was there before
