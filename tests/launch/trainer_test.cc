@@ -187,7 +187,12 @@ TEST(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
     EXPECT_NEAR(ra.grad_norm, rw.grad_norm, 1e-5 * rw.grad_norm) << "step " << s;
     EXPECT_NEAR(ra.max_attn_logit, rw.max_attn_logit, 1e-5 * rw.max_attn_logit) << "step " << s;
     if (s == 1) {
-      EXPECT_EQ(ra.max_attn_logit, rw.max_attn_logit) << "same parameters, same windows";
+      // Same parameters, same windows, but not the same arithmetic: the projections run as
+      // matmuls of 2 or 8 sequences' rows, which BLAS may block and vectorise differently (AVX2
+      // or AVX-512), so the logits may differ in their last bits: a few float32 roundings
+      // (1.2e-7 each, relative) apart at most.
+      EXPECT_NEAR(ra.max_attn_logit, rw.max_attn_logit, 1e-6 * std::abs(rw.max_attn_logit))
+          << "same parameters, same windows";
     }
     std::printf("step %d: loss %.17g vs %.17g (rel %.2e), grad_norm rel %.2e\n", s, rw.loss,
                 ra.loss, std::abs(ra.loss - rw.loss) / rw.loss,

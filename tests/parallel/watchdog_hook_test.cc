@@ -29,7 +29,10 @@ namespace {
 using keel::testing::mpi_env;
 using keel::testing::world_size;
 
-constexpr double kTimeout = 1.0;  // parallel.timeout_s of the stalled children
+// parallel.timeout_s of the stalled children. Its grace (a quarter: 0.5 s) is all a hook that
+// only writes a line, or sleeps briefly, gets before it is abandoned: it must not be a bet on
+// how soon a loaded machine schedules the hook's thread.
+constexpr double kTimeout = 2.0;
 // A bound on a hang, never a speed: the child ends about kTimeout plus one grace per hook after
 // it stalls; the slack only separates "ended" from "hung" on a loaded two-core machine.
 constexpr double kHangSlack = 30.0;
@@ -108,7 +111,7 @@ int count(const std::string& s, const std::string& what) {
 std::string timeout_line(int rank) {
   return "keel-train: communication error: rank " + std::to_string(rank) +
          ": all-reduce over the test group at step 7 did not complete within "
-         "parallel.timeout_s=1 s (a peer rank died or hangs); ending the job\n";
+         "parallel.timeout_s=2 s (a peer rank died or hangs); ending the job\n";
 }
 
 TEST(WatchdogAbortHooks, GraceIsAQuarterOfTheTimeoutAtMostTwoSeconds) {
@@ -163,7 +166,7 @@ TEST(WatchdogAbortHooks, AHookThatHangsIsAbandonedAndTheProcessStillEnds) {
   const std::string prefix = "keel-train: rank " + std::to_string(rank) + ": abort hook ";
   const size_t line = c.output.find(timeout_line(rank));
   const size_t started = c.output.find("hook 1 started\n");
-  const size_t abandoned = c.output.find(prefix + "1 did not return within 0.25 s; abandoned\n");
+  const size_t abandoned = c.output.find(prefix + "1 did not return within 0.5 s; abandoned\n");
   const size_t failed = c.output.find(prefix + "2 failed: cannot abort\n");
   const size_t ran = c.output.find("hook 3 ran\n");
   ASSERT_NE(line, std::string::npos) << c.output;
@@ -213,14 +216,18 @@ TEST(WatchdogAbortHooks, ARemovalWhileTheHooksRunWaitsForTheEnd) {
   const Child c = run_child([rank] {
     Watchdog w(kTimeout, rank);
     w.set_step(7);
-    std::atomic<bool> hook_started{false};
-    const int id = w.add_abort_hook([&hook_started] {
+    std::atomic<bool> hook_started{false}, removing{false};
+    const int id = w.add_abort_hook([&hook_started, &removing] {
       hook_started.store(true);
-      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      // Until the remover is about to call remove_abort_hook, then a little longer, so that the
+      // call is made while this hook runs (a later one must not return either).
+      while (!removing.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
       say("hook ran");
     });
-    std::thread remover([&w, &hook_started, id] {
-      while (!hook_started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::thread remover([&w, &hook_started, &removing, id] {
+      while (!hook_started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      removing.store(true);
       w.remove_abort_hook(id);
       say("removal returned");
     });
@@ -237,14 +244,16 @@ TEST(WatchdogAbortHooks, CollectivesThatCompleteRunNoHook) {
   // In process: a watchdog that never fires must not run the hooks (nor end the process).
   std::atomic<int> runs{0};
   {
-    Watchdog w(0.2, mpi_env().world_rank());
+    // A timeout no pause of this thread between begin() and end() reaches on a loaded machine
+    // (the watchdog would end the test process).
+    Watchdog w(kTimeout, mpi_env().world_rank());
     w.add_abort_hook([&runs] { ++runs; });
     for (int i = 0; i < 3; ++i) {
       w.begin("all-reduce", "test");
       w.end();
     }
-    // Several watchdog periods (50 ms) past the timeout with no collective in flight.
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // Past the timeout, by several watchdog periods (50 ms), with no collective in flight.
+    std::this_thread::sleep_for(std::chrono::duration<double>(kTimeout + 0.5));
   }
   Watchdog disabled(0.0, mpi_env().world_rank());
   disabled.add_abort_hook([&runs] { ++runs; });
