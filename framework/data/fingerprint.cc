@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <vector>
 
 namespace keel {
@@ -15,6 +16,9 @@ uint64_t fingerprint(const TokenStream& stream) {
   // [0]: the token count, then one hash per block.
   std::vector<uint64_t> words(static_cast<size_t>(blocks) + 1);
   words[0] = static_cast<uint64_t>(n);
+  // A read that fails (a file truncated while in use) throws; an exception must not leave an
+  // OpenMP region, so the first is kept and rethrown after it.
+  std::exception_ptr failed;
 #pragma omp parallel
   {
     std::vector<int32_t> tokens(static_cast<size_t>(std::min(n, kFingerprintBlock)));
@@ -22,13 +26,20 @@ uint64_t fingerprint(const TokenStream& stream) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t start = b * kFingerprintBlock;
       const int64_t len = std::min(kFingerprintBlock, n - start);
-      stream.copy(start, len, tokens.data());
+      try {
+        stream.copy(start, len, tokens.data());
+      } catch (...) {
+#pragma omp critical(keel_fingerprint_error)
+        if (!failed) failed = std::current_exception();
+        continue;
+      }
       // Tokens are non-negative int32 values; on little-endian hosts their bytes are the
       // little-endian uint32 encoding the note names.
       words[static_cast<size_t>(b) + 1] =
           XXH3_64bits(tokens.data(), static_cast<size_t>(len) * sizeof(int32_t));
     }
   }
+  if (failed) std::rethrow_exception(failed);
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "fingerprint assumes little-endian");
   return XXH3_64bits(words.data(), words.size() * sizeof(uint64_t));
 }

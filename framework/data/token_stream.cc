@@ -1,9 +1,10 @@
-// TokenStream: memory-mapped text files and llm.c shards, validated once at open (see header).
+// TokenStream: text files and llm.c shards read through pread(2), validated once at open (see
+// header and Note [token files are read, not mapped]).
 #include "framework/data/token_stream.h"
 
 #include <fcntl.h>
 #include <glob.h>
-#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,60 +19,77 @@
 #include "framework/file_io.h"
 
 namespace keel {
-namespace {
 
-// A read-only private mapping of a whole file, unmapped when the last view goes away.
-class Mapping {
+// An open token file. Reads are pread(2)s whose length is checked: a file that shrank since it
+// was opened gives a short read, which throws kData naming the file.
+class TokenStream::File {
  public:
-  Mapping(void* addr, size_t bytes) : addr_(addr), bytes_(bytes) {}
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() { munmap(addr_, bytes_); }
-  const uint8_t* data() const { return static_cast<const uint8_t*>(addr_); }
-  size_t bytes() const { return bytes_; }
+  File(std::string path, int fd, int64_t bytes) : path_(std::move(path)), fd_(fd), bytes_(bytes) {}
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() { close(fd_); }
+
+  const std::string& path() const { return path_; }
+  int64_t bytes() const { return bytes_; }  // the size at open
+
+  // dst[0, n) = the file's bytes [offset, offset + n).
+  void read(int64_t offset, int64_t n, void* dst) const {
+    auto* out = static_cast<uint8_t*>(dst);
+    int64_t done = 0;
+    while (done < n) {
+      const ssize_t got = pread(fd_, out + done, static_cast<size_t>(n - done), offset + done);
+      if (got < 0 && errno == EINTR) continue;
+      KEEL_CHECK(got >= 0, kData, path_, ": cannot read ", n, " bytes at byte ", offset, ": ",
+                 std::strerror(errno));
+      KEEL_CHECK(got > 0, kData, path_, ": truncated while in use: ends before byte ",
+                 offset + done, " of the ", bytes_, " it held when opened (read ", done, " of ", n,
+                 " bytes at byte ", offset, ")");
+      done += got;
+    }
+  }
 
  private:
-  void* addr_;
-  size_t bytes_;
+  std::string path_;
+  int fd_;
+  int64_t bytes_;
 };
 
-// Closes a file descriptor on scope exit.
+namespace {
+
+// Opens `path` for reading and checks that it is a regular file. O_NONBLOCK makes opening a FIFO
+// return at once instead of waiting for a writer (it changes nothing for a regular file), so a
+// FIFO, socket or device is refused rather than blocking or streaming forever.
+int open_regular(const std::string& path, struct stat& st) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  const int open_errno = errno;
+  KEEL_CHECK(fd >= 0, kData, path, ": cannot open: ", std::strerror(open_errno),
+             open_errno == EMFILE ? " (each shard of data.path and data.val_path stays open; "
+                                    "raise `ulimit -n`)"
+                                  : "");
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    close(fd);
+    KEEL_FAIL(kData, path, ": cannot stat: ", std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    KEEL_FAIL(kData, path, ": not a regular file (", file_type_name(st.st_mode), ")");
+  }
+  return fd;
+}
+
+// Closes a file descriptor on scope exit (peek_size).
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) close(fd_);
-  }
+  ~Fd() { close(fd_); }
   int get() const { return fd_; }
 
  private:
   int fd_;
 };
-
-// Opens `path` for reading and checks that it is a regular file. O_NONBLOCK makes opening a FIFO
-// return at once instead of waiting for a writer (it changes nothing for a regular file), so a
-// FIFO, socket or device is refused rather than blocking or streaming forever.
-Fd open_regular(const std::string& path, struct stat& st) {
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  KEEL_CHECK(fd.get() >= 0, kData, path, ": cannot open: ", std::strerror(errno));
-  KEEL_CHECK(fstat(fd.get(), &st) == 0, kData, path, ": cannot stat: ", std::strerror(errno));
-  KEEL_CHECK(S_ISREG(st.st_mode), kData, path, ": not a regular file (", file_type_name(st.st_mode),
-             ")");
-  return fd;
-}
-
-// Maps `path`; returns nullptr for an empty file (which mmap cannot map).
-std::shared_ptr<Mapping> map_file(const std::string& path) {
-  struct stat st {};
-  Fd fd = open_regular(path, st);
-  if (st.st_size == 0) return nullptr;
-  void* addr = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd.get(), 0);
-  KEEL_CHECK(addr != MAP_FAILED, kData, path, ": cannot mmap: ", std::strerror(errno));
-  return std::make_shared<Mapping>(addr, static_cast<size_t>(st.st_size));
-}
 
 // The paths glob(3) expands `pattern` to, sorted by byte order (independent of the locale), or
 // the glob(3) return code on failure.
@@ -82,6 +100,19 @@ int expand_glob(const std::string& pattern, std::vector<std::string>& files) {
   globfree(&g);
   std::sort(files.begin(), files.end());
   return rc;
+}
+
+// Lets this process hold `more` descriptors beyond those it may already have open: raises the soft
+// RLIMIT_NOFILE towards the hard limit when `more` plus a margin for everything else (MPI,
+// checkpoints, logs) exceeds it. Where the hard limit is lower, open() reports EMFILE.
+void allow_open_files(size_t more) {
+  constexpr rlim_t kMargin = 256;
+  struct rlimit lim {};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  const rlim_t want = static_cast<rlim_t>(more) + kMargin;
+  if (lim.rlim_cur == RLIM_INFINITY || lim.rlim_cur >= want) return;
+  lim.rlim_cur = lim.rlim_max == RLIM_INFINITY ? want : std::min(want, lim.rlim_max);
+  setrlimit(RLIMIT_NOFILE, &lim);
 }
 
 // Index of the first token >= vocab_size, or -1. A branch-free max pass first (vectorised), so the
@@ -97,13 +128,58 @@ int64_t first_out_of_vocab(const T* tokens, int64_t n, int32_t vocab_size) {
   return -1;
 }
 
-int32_t header_field(const uint8_t* data, int index) {
+// Reads `n` tokens of type T from `file` at byte `offset` in blocks and throws kData at the first
+// one >= vocab_size, naming the file, the token and its index.
+template <typename T>
+void check_vocab(const TokenStream::File& file, int64_t offset, int64_t n, int32_t vocab_size,
+                 const char* unit, const char* note) {
+  constexpr int64_t kBlock = int64_t{1} << 18;  // tokens per read
+  std::vector<T> buf(static_cast<size_t>(std::min(n, kBlock)));
+  for (int64_t first = 0; first < n; first += kBlock) {
+    const int64_t len = std::min(kBlock, n - first);
+    file.read(offset + first * static_cast<int64_t>(sizeof(T)),
+              len * static_cast<int64_t>(sizeof(T)), buf.data());
+    const int64_t bad = first_out_of_vocab(buf.data(), len, vocab_size);
+    KEEL_CHECK(bad < 0, kData, file.path(), ": ", unit, " ", static_cast<int64_t>(buf[bad]),
+               " at index ", first + bad, " >= model.vocab_size=", vocab_size, note);
+  }
+}
+
+int32_t header_field(std::string_view head, int index) {
   int32_t value;
-  std::memcpy(&value, data + 4 * index, 4);
+  std::memcpy(&value, head.data() + 4 * index, 4);
   return value;
 }
 
+// Opens `path` as a token file.
+std::shared_ptr<const TokenStream::File> open_file(const std::string& path) {
+  struct stat st {};
+  const int fd = open_regular(path, st);
+  return std::make_shared<const TokenStream::File>(path, fd, static_cast<int64_t>(st.st_size));
+}
+
 }  // namespace
+
+int64_t shard_token_count(std::string_view head, int64_t file_bytes, const std::string& file) {
+  KEEL_CHECK(
+      file_bytes >= kShardHeaderBytes && static_cast<int64_t>(head.size()) >= kShardHeaderBytes,
+      kData, file, ": truncated: ", file_bytes, " bytes, shorter than the ", kShardHeaderBytes,
+      "-byte llm.c shard header");
+  const int32_t magic = header_field(head, 0);
+  KEEL_CHECK(magic == kShardMagic, kData, file, ": bad magic ", magic, " (expected ", kShardMagic,
+             ", an llm.c token shard)");
+  const int32_t version = header_field(head, 1);
+  KEEL_CHECK(version == kShardVersion, kData, file, ": unsupported version ", version,
+             " (expected ", kShardVersion, " = uint16 tokens)");
+  const int64_t n = header_field(head, 2);
+  KEEL_CHECK(n > 0, kData, file, ": header says ", n, " tokens (expected > 0)");
+  const int64_t held = (file_bytes - kShardHeaderBytes) / 2;
+  KEEL_CHECK(held >= n, kData, file, ": truncated: header says ", n, " tokens, file holds ", held);
+  KEEL_CHECK(file_bytes == kShardHeaderBytes + 2 * n, kData, file, ": header says ", n,
+             " tokens but the file holds ", file_bytes - kShardHeaderBytes,
+             " bytes of tokens (trailing bytes)");
+  return n;
+}
 
 TokenStream TokenStream::from_bytes(std::vector<uint8_t> bytes, const std::string& description,
                                     int32_t vocab_size) {
@@ -114,7 +190,7 @@ TokenStream TokenStream::from_bytes(std::vector<uint8_t> bytes, const std::strin
   auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
   TokenStream s;
   s.size_ = static_cast<int64_t>(owner->size());
-  if (s.size_ > 0) s.segments_.push_back({owner, owner->data(), 1, 0, s.size_});
+  if (s.size_ > 0) s.segments_.push_back({owner, owner->data(), nullptr, 0, 1, 0, s.size_});
   s.description_ = description;
   return s;
 }
@@ -122,14 +198,12 @@ TokenStream TokenStream::from_bytes(std::vector<uint8_t> bytes, const std::strin
 TokenStream TokenStream::open_text(const std::string& path, int32_t vocab_size,
                                    const std::string& field) {
   KEEL_CHECK(!path.empty(), kData, field, " is empty: no text file to read");
-  std::shared_ptr<Mapping> map = map_file(path);
-  KEEL_CHECK(map != nullptr, kData, path, ": empty text file");
-  const int64_t n = static_cast<int64_t>(map->bytes());
-  const int64_t bad = first_out_of_vocab(map->data(), n, vocab_size);
-  KEEL_CHECK(bad < 0, kData, path, ": byte ", static_cast<int>(map->data()[bad]), " at index ", bad,
-             " >= model.vocab_size=", vocab_size, " (text is read as bytes)");
+  std::shared_ptr<const File> file = open_file(path);
+  const int64_t n = file->bytes();
+  KEEL_CHECK(n > 0, kData, path, ": empty text file");
+  check_vocab<uint8_t>(*file, 0, n, vocab_size, "byte", " (text is read as bytes)");
   TokenStream s;
-  s.segments_.push_back({map, map->data(), 1, 0, n});
+  s.segments_.push_back({nullptr, nullptr, file, 0, 1, 0, n});
   s.size_ = n;
   s.description_ = "text file '" + path + "' (" + std::to_string(n) + " bytes)";
   return s;
@@ -143,34 +217,16 @@ TokenStream TokenStream::open_shards(const std::string& pattern, int32_t vocab_s
   KEEL_CHECK(rc != GLOB_NOMATCH && !(rc == 0 && files.empty()), kData, field, ": no file matches '",
              pattern, "'");
   KEEL_CHECK(rc == 0, kData, field, ": cannot expand '", pattern, "' (glob error ", rc, ")");
+  allow_open_files(files.size());
 
   TokenStream s;
-  for (const std::string& file : files) {
-    std::shared_ptr<Mapping> map = map_file(file);
-    const int64_t bytes = map ? static_cast<int64_t>(map->bytes()) : 0;
-    KEEL_CHECK(bytes >= kShardHeaderBytes, kData, file, ": truncated: ", bytes,
-               " bytes, shorter than the ", kShardHeaderBytes, "-byte llm.c shard header");
-    const int32_t magic = header_field(map->data(), 0);
-    KEEL_CHECK(magic == kShardMagic, kData, file, ": bad magic ", magic, " (expected ", kShardMagic,
-               ", an llm.c token shard)");
-    const int32_t version = header_field(map->data(), 1);
-    KEEL_CHECK(version == kShardVersion, kData, file, ": unsupported version ", version,
-               " (expected ", kShardVersion, " = uint16 tokens)");
-    const int64_t n = header_field(map->data(), 2);
-    KEEL_CHECK(n > 0, kData, file, ": header says ", n, " tokens (expected > 0)");
-    const int64_t held = (bytes - kShardHeaderBytes) / 2;
-    KEEL_CHECK(held >= n, kData, file, ": truncated: header says ", n, " tokens, file holds ",
-               held);
-    KEEL_CHECK(bytes == kShardHeaderBytes + 2 * n, kData, file, ": header says ", n,
-               " tokens but the file holds ", bytes - kShardHeaderBytes,
-               " bytes of tokens (trailing bytes)");
-    // The token area starts 1024 bytes into a page-aligned mapping, so uint16 access is aligned.
-    const uint8_t* body = map->data() + kShardHeaderBytes;
-    const auto* tokens = reinterpret_cast<const uint16_t*>(body);
-    const int64_t bad = first_out_of_vocab(tokens, n, vocab_size);
-    KEEL_CHECK(bad < 0, kData, file, ": token ", tokens[bad], " at index ", bad,
-               " >= model.vocab_size=", vocab_size);
-    s.segments_.push_back({map, body, 2, s.size_, n});
+  for (const std::string& path : files) {
+    std::shared_ptr<const File> file = open_file(path);
+    std::string head(static_cast<size_t>(std::min(file->bytes(), kShardHeaderBytes)), '\0');
+    file->read(0, static_cast<int64_t>(head.size()), head.data());
+    const int64_t n = shard_token_count(head, file->bytes(), path);
+    check_vocab<uint16_t>(*file, kShardHeaderBytes, n, vocab_size, "token", "");
+    s.segments_.push_back({nullptr, nullptr, file, kShardHeaderBytes, 2, s.size_, n});
     s.size_ += n;
   }
   s.description_ = files.size() == 1
@@ -191,7 +247,7 @@ std::optional<int64_t> TokenStream::peek_size(const std::string& source, bool sh
   for (const std::string& file : files) {
     struct stat st {};
     try {
-      Fd fd = open_regular(file, st);
+      Fd fd(open_regular(file, st));
       if (!shards) return static_cast<int64_t>(st.st_size);
       int32_t header[3];
       if (pread(fd.get(), header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
@@ -214,12 +270,40 @@ size_t TokenStream::segment_of(int64_t i) const {
   return static_cast<size_t>(it - segments_.begin()) - 1;
 }
 
+void TokenStream::read_segment(const Segment& seg, int64_t k, int64_t n, int32_t* out) {
+  if (seg.data != nullptr) {
+    if (seg.width == 1) {
+      const uint8_t* src = seg.data + k;
+      for (int64_t j = 0; j < n; ++j) out[j] = src[j];
+    } else {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(seg.data) + k;
+      for (int64_t j = 0; j < n; ++j) out[j] = src[j];
+    }
+    return;
+  }
+  // Through a block on the stack: one pread per block, then a forward (vectorised) widening.
+  constexpr int64_t kBlockBytes = 16384;
+  alignas(64) uint8_t raw[kBlockBytes];
+  const int64_t per_block = kBlockBytes / seg.width;
+  for (int64_t first = 0; first < n; first += per_block) {
+    const int64_t len = std::min(per_block, n - first);
+    seg.file->read(seg.offset + (k + first) * seg.width, len * seg.width, raw);
+    int32_t* dst = out + first;
+    if (seg.width == 1) {
+      for (int64_t j = 0; j < len; ++j) dst[j] = raw[j];
+    } else {
+      const auto* src = reinterpret_cast<const uint16_t*>(raw);
+      for (int64_t j = 0; j < len; ++j) dst[j] = src[j];
+    }
+  }
+}
+
 int32_t TokenStream::at(int64_t i) const {
   KEEL_ASSERT(i >= 0 && i < size_);
   const Segment& seg = segments_[segment_of(i)];
-  const int64_t k = i - seg.start;
-  if (seg.width == 1) return seg.data[k];
-  return reinterpret_cast<const uint16_t*>(seg.data)[k];
+  int32_t token;
+  read_segment(seg, i - seg.start, 1, &token);
+  return token;
 }
 
 void TokenStream::copy(int64_t start, int64_t n, int32_t* out) const {
@@ -229,13 +313,7 @@ void TokenStream::copy(int64_t start, int64_t n, int32_t* out) const {
     const Segment& seg = segments_[si];
     const int64_t k = start - seg.start;
     const int64_t take = std::min(n, seg.n - k);
-    if (seg.width == 1) {
-      const uint8_t* src = seg.data + k;
-      for (int64_t j = 0; j < take; ++j) out[j] = src[j];
-    } else {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(seg.data) + k;
-      for (int64_t j = 0; j < take; ++j) out[j] = src[j];
-    }
+    read_segment(seg, k, take, out);
     out += take;
     start += take;
     n -= take;
@@ -254,8 +332,9 @@ TokenStream TokenStream::slice(int64_t start, int64_t n) const {
     const int64_t lo = std::max(start, seg.start);
     const int64_t hi = std::min(start + n, seg.start + seg.n);
     if (lo >= hi) break;
-    s.segments_.push_back(
-        {seg.owner, seg.data + (lo - seg.start) * seg.width, seg.width, lo - start, hi - lo});
+    const int64_t skip = (lo - seg.start) * seg.width;
+    s.segments_.push_back({seg.owner, seg.data ? seg.data + skip : nullptr, seg.file,
+                           seg.offset + (seg.data ? 0 : skip), seg.width, lo - start, hi - lo});
   }
   return s;
 }

@@ -22,6 +22,7 @@
 #include "framework/config/config.h"
 #include "framework/data/corpus.h"
 #include "framework/data/dataset.h"
+#include "framework/data/fingerprint.h"
 #include "framework/data/sampler.h"
 #include "framework/data/token_stream.h"
 #include "framework/error.h"
@@ -179,6 +180,72 @@ TEST(Shards, GlobConcatenatesInNameOrder) {
   EXPECT_EQ(s.slice(15, 0).size(), 0);
 }
 
+TEST(Shards, HeaderIsCheckedOnBytes) {
+  // The header check the fuzzer runs on arbitrary bytes (tests/fuzz/shard_fuzz.cc).
+  std::vector<int32_t> header(256, 0);
+  header[0] = kShardMagic;
+  header[1] = kShardVersion;
+  header[2] = 10;
+  const std::string head(reinterpret_cast<const char*>(header.data()), kShardHeaderBytes);
+  EXPECT_EQ(shard_token_count(head, kShardHeaderBytes + 20, "x.bin"), 10);
+  EXPECT_HAS(
+      error_of(ErrorKind::kData, [&] { shard_token_count(head, kShardHeaderBytes + 18, "x.bin"); }),
+      "x.bin: truncated: header says 10 tokens, file holds 9");
+  EXPECT_HAS(
+      error_of(ErrorKind::kData,
+               [&] { shard_token_count(head.substr(0, 12), kShardHeaderBytes + 20, "x.bin"); }),
+      "x.bin: truncated");
+  header[2] = -5;
+  const std::string negative(reinterpret_cast<const char*>(header.data()), kShardHeaderBytes);
+  EXPECT_HAS(error_of(ErrorKind::kData,
+                      [&] { shard_token_count(negative, kShardHeaderBytes + 20, "x.bin"); }),
+             "x.bin: header says -5 tokens (expected > 0)");
+}
+
+// Note [token files are read, not mapped]: a shard cut short after it was opened (another job
+// rewriting the data, a full disk during a copy) makes the next read that reaches past the new end
+// a kData error naming the file; with a mapping it was SIGBUS.
+TEST(Shards, TruncatedWhileInUseIsADataErrorNamingTheFile) {
+  TempDir dir;
+  write_shard(dir.file("train_000000.bin"), iota_tokens(3000, 0));
+  write_shard(dir.file("train_000001.bin"), iota_tokens(5000, 0));
+  const std::string second = dir.file("train_000001.bin");
+  const TokenStream s = TokenStream::open_shards(dir.file("train_*.bin"), 8000, "data.path");
+  ASSERT_EQ(s.size(), 8000);
+  // Cut the second shard to its header and 1000 tokens: tokens up to 4000 still read back.
+  ASSERT_EQ(truncate(second.c_str(), kShardHeaderBytes + 2000), 0);
+  std::vector<int32_t> out(2000);
+  s.copy(2000, 2000, out.data());
+  EXPECT_EQ(out[1999], 999);
+  const std::string message = error_of(ErrorKind::kData, [&] { s.copy(3500, 1000, out.data()); });
+  EXPECT_HAS(message, second + ": truncated while in use");
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { s.at(7999); }), second + ": truncated while in use");
+  // Views share the open file; the fingerprint's parallel read reports it too (an exception
+  // leaving its OpenMP region would end the process instead).
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { s.slice(4000, 10).at(0); }),
+             "truncated while in use");
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { fingerprint(s); }),
+             second + ": truncated while in use");
+  // Emptied altogether: the same.
+  ASSERT_EQ(truncate(second.c_str(), 0), 0);
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { s.copy(3000, 1, out.data()); }),
+             second + ": truncated while in use");
+}
+
+TEST(Shards, ASamplerOverATruncatedShardThrowsNamingTheFile) {
+  TempDir dir;
+  const std::string path = dir.file("a.bin");
+  write_shard(path, iota_tokens(4096, 0));
+  Sampler sampler(TokenStream::open_shards(path, 4096, "data.path"), TokenStream(), 64, 1, 0);
+  std::vector<int32_t> inputs(8 * 64), targets(8 * 64);
+  sampler.next_batch(8, inputs.data(), targets.data());
+  ASSERT_EQ(truncate(path.c_str(), kShardHeaderBytes + 100), 0);
+  // Every window of 65 tokens reaches past the 50 tokens left.
+  EXPECT_HAS(
+      error_of(ErrorKind::kData, [&] { sampler.next_batch(8, inputs.data(), targets.data()); }),
+      path + ": truncated while in use");
+}
+
 // ---- text --------------------------------------------------------------------------------------
 
 TEST(Text, ReadsBytesAndChecksThem) {
@@ -197,6 +264,19 @@ TEST(Text, ReadsBytesAndChecksThem) {
   const std::string missing = dir.file("missing.txt");
   EXPECT_HAS(error_of(ErrorKind::kData, [&] { TokenStream::open_text(missing, 256, "data.path"); }),
              missing + ": cannot open");
+}
+
+TEST(Text, TruncatedWhileInUseIsADataErrorNamingTheFile) {
+  TempDir dir;
+  const std::string path = dir.file("t.txt");
+  write_bytes(path, std::string(10000, 'a'));
+  const TokenStream s = TokenStream::open_text(path, 256, "data.path");
+  ASSERT_EQ(truncate(path.c_str(), 5000), 0);
+  std::vector<int32_t> out(100);
+  s.copy(4900, 100, out.data());
+  EXPECT_EQ(out[99], 'a');
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { s.copy(4901, 100, out.data()); }),
+             path + ": truncated while in use");
 }
 
 TEST(Text, FromBytesChecksVocab) {
