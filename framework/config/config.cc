@@ -129,6 +129,7 @@ spike {
 alert {
   command: ""
   timeout_s: 10
+  drain_timeout_s: 30
 }
 debug {
   inject_spike_at_step: 0
@@ -774,6 +775,10 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(cfg.alert().timeout_s() > 0 && cfg.alert().timeout_s() <= 3600, kConfig,
              "alert.timeout_s=", cfg.alert().timeout_s(),
              " must be in (0, 3600] seconds (a hook still running after it is killed)");
+  KEEL_CHECK(cfg.alert().drain_timeout_s() > 0 && cfg.alert().drain_timeout_s() <= 3600, kConfig,
+             "alert.drain_timeout_s=", cfg.alert().drain_timeout_s(),
+             " must be in (0, 3600] seconds (the end of the run waits at most this long for alert "
+             "hooks)");
 }
 
 namespace {

@@ -282,6 +282,9 @@ TEST(Config, SpikeGuardAndAlertFieldsAreValidated) {
       {"spike.lr_scale=2", "spike.lr_scale=2 must be in (0, 1]"},
       {"spike.max_rewinds=-1", "spike.max_rewinds=-1 must be >= 0"},
       {"spike.rewind_window=0", "spike.rewind_window=0 must be >= 1 step"},
+      {"alert.drain_timeout_s=0",
+       "alert.drain_timeout_s=0 must be in (0, 3600] seconds (the end of the run waits at most "
+       "this long for alert hooks)"},
       {"spike.max_skipped_steps=1",
        "spike.max_skipped_steps=1 must be >= spike.patience=2 (a streak must be able to reach a "
        "rewind before it halts)"},
