@@ -98,7 +98,14 @@ StopSignals::StopSignals(int world_rank) {
 }
 
 StopSignals::~StopSignals() {
-  for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], &g_previous[i], nullptr);
+  // After a stop signal the process is on its way out (its checkpoint saved): the handlers stay,
+  // so that a repeat inside the window, arriving while MPI and the rest shut down, is still
+  // ignored rather than turning a clean exit 0 into a death by SIGTERM.
+  if (g_received.load() == 0) {
+    for (size_t i = 0; i < std::size(kSignals); ++i) {
+      sigaction(kSignals[i], &g_previous[i], nullptr);
+    }
+  }
   g_installed.store(false);
 }
 

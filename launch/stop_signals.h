@@ -13,7 +13,9 @@ class StopSignals {
 
   // Installs the handlers for SIGTERM and SIGUSR1 (at most one StopSignals at a time).
   explicit StopSignals(int world_rank);
-  ~StopSignals();  // restores what was there before
+  // Restores what was there before, unless a stop signal came: then the handlers stay until the
+  // process exits, so a repeat during shutdown is still ignored within the window.
+  ~StopSignals();
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
 

@@ -228,7 +228,13 @@ int64_t trim_tensorboard_events(const std::string& path, int64_t max_step,
     done += static_cast<size_t>(n);
   }
   const int err = done < kept.size() ? (errno ? errno : ENOSPC) : 0;
-  const bool synced = err == 0 && fsync(fd) == 0;
+  int rc = -1;
+  if (err == 0) {
+    do {
+      rc = fsync(fd);
+    } while (rc != 0 && errno == EINTR);
+  }
+  const bool synced = err == 0 && rc == 0;
   const int sync_err = errno;
   close(fd);
   if (err != 0 || !synced || rename(tmp.c_str(), path.c_str()) != 0) {

@@ -389,5 +389,39 @@ TEST(TensorBoardWriter, NeverOverwritesAnEventFile) {
   EXPECT_EQ(read_tensorboard_events(b.path()).at(1).values.at(0).scalar, 2.0f);
 }
 
+// Resume's trimming (trim_tensorboard_events): events of steps after the resumed one go, the
+// file_version record and alert events up to the kept step stay, a torn last record (a crash
+// mid-write) goes too, and the file is rewritten only when something was dropped.
+TEST(TensorBoardTrim, DropsLaterStepsAndATornTailKeepsAlertsUpToTheirStep) {
+  TempDir dir;
+  std::string path;
+  {
+    TensorBoardWriter w(dir.file("tb"));
+    for (int64_t step = 1; step <= 10; ++step) w.scalar("train/loss", step, 1.0f * step, 1.0);
+    w.scalar("alerts/rewind", 8, 8.0f, 1.0);
+    w.scalar("alerts/rewind", 9, 9.0f, 1.0);
+    ASSERT_TRUE(w.flush());
+    path = w.path();
+  }
+  EXPECT_EQ(trim_tensorboard_events(path, 10), 0);  // nothing after step 10: left as it is
+  // A torn record at the end, as a crash mid-write leaves.
+  std::string bytes = testing::read_file(path);
+  const std::string whole = bytes;
+  bytes += whole.substr(whole.size() - 30, 17);
+  testing::write_file(path, bytes);
+  EXPECT_EQ(trim_tensorboard_events(path, 5, "alerts/", 8), 5 + 1 + 1);  // 6..10, step 9, torn
+  std::vector<int64_t> loss_steps, alert_steps;
+  const std::vector<TensorBoardEvent> events = read_tensorboard_events(path);
+  EXPECT_EQ(events.at(0).file_version, "brain.Event:2");
+  for (const TensorBoardEvent& e : events) {
+    for (const TensorBoardValue& v : e.values) {
+      (v.tag == "train/loss" ? loss_steps : alert_steps).push_back(e.step);
+    }
+  }
+  EXPECT_EQ(loss_steps, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(alert_steps, (std::vector<int64_t>{8}));
+  EXPECT_EQ(trim_tensorboard_events(path, 5, "alerts/", 8), 0);
+}
+
 }  // namespace
 }  // namespace keel

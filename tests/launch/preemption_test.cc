@@ -297,6 +297,23 @@ TEST(StopSignals, TheSameSignalAfterTheWindowEndsTheProcess) {
       "keel-train: rank 2: a second stop signal: ending now, without saving");
 }
 
+// After a stop signal the process is on its way out with its checkpoint saved: a repeat that
+// arrives once the StopSignals object is gone (MPI shutting down after run() returned) must
+// still be ignored within the window, not kill a clean exit (found by tests/chaos).
+TEST(StopSignals, ARepeatAfterTheObjectIsGoneIsStillIgnored) {
+  EXPECT_EXIT(
+      {
+        {
+          StopSignals signals(1);
+          raise(SIGTERM);
+          if (StopSignals::received() != SIGTERM) std::_Exit(3);
+        }
+        raise(SIGTERM);  // ignored: within the window of the first
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "rank 1: SIGTERM again within 5 s of the first: ignored");
+}
+
 // Sends this process's stderr to a file for its lifetime; text() reads what has arrived so far
 // (gtest's capture can only be read once, at its end).
 class StderrToFile {
