@@ -149,7 +149,13 @@ Watchdog::~Watchdog() {
   Watchdog* self = this;
   g_stop_owner.compare_exchange_strong(self, nullptr);
   if (handles_sigterm_) {
-    sigaction(SIGTERM, &g_previous_sigterm, nullptr);
+    // Only while ours is still the handler: one installed on top of it since (keel-train's stop
+    // signals, which stay installed after a stop so that a repeat SIGTERM during shutdown is
+    // ignored) is not undone here.
+    struct sigaction current;
+    if (sigaction(SIGTERM, nullptr, &current) == 0 && current.sa_handler == &Watchdog::on_sigterm) {
+      sigaction(SIGTERM, &g_previous_sigterm, nullptr);
+    }
     g_sigterm_owner.store(nullptr);
   }
   {
