@@ -6,8 +6,12 @@
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/message.h>
 
+#include <algorithm>
 #include <array>
+#include <cstring>
+#include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "checkpoints/checkpoint.h"
@@ -402,6 +406,217 @@ std::vector<float> export_values(const std::string& dir, const ckpt::Manifest& m
     }
   }
   KEEL_FAIL(kInternal, "unknown export op");
+}
+
+// ---- safetensors
+// ---------------------------------------------------------------------------------
+
+namespace {
+
+constexpr const char* kMetadataKey = "__metadata__";
+
+// Bytes per element of a safetensors dtype; 0 for a name the format does not have.
+int64_t dtype_bytes(const std::string& dtype) {
+  static const std::map<std::string, int64_t> sizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+      {"U32", 4},  {"F32", 4}, {"F64", 8}, {"I64", 8},     {"U64", 8}};
+  const auto it = sizes.find(dtype);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+// Whether JSON can hold `s` as it is (it is UTF-8).
+bool json_text(const std::string& s) {
+  try {
+    (void)nlohmann::json(s).dump();
+    return true;
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+}
+
+// `s` for a one-line message: control characters as '?', clipped (clip_echo).
+std::string echo(std::string s) {
+  for (char& c : s) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  }
+  std::string out = "'";  // += rather than an operator+ chain: GCC 12 warns falsely on that
+  out += clip_echo(s);
+  out += '\'';
+  return out;
+}
+
+// A JSON number that is a non-negative integer within int64, or -1.
+int64_t count_of(const nlohmann::json& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    return u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? -1
+                                                                          : static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return std::max<int64_t>(-1, v.get<int64_t>());
+  return -1;
+}
+
+// nlohmann's message without its "[json.exception...] " tag and the "; last read: ..." echo of
+// the input (which may run long).
+std::string json_reason(const std::string& what) {
+  std::string r = what;
+  if (!r.empty() && r[0] == '[') {
+    const size_t close = r.find("] ");
+    if (close != std::string::npos) r = r.substr(close + 2);
+  }
+  const size_t echo_at = r.find("; last read");
+  if (echo_at != std::string::npos) r = r.substr(0, echo_at);
+  for (char& c : r) {
+    if (static_cast<unsigned char>(c) < 0x20) c = '?';
+  }
+  return r;
+}
+
+SafetensorsTensor tensor_entry(const std::string& name, const nlohmann::json& v,
+                               const std::string& path) {
+  const std::string where = path + ": tensor " + echo(name);
+  KEEL_CHECK(v.is_object(), kData, where, ": not an object of dtype, shape and data_offsets");
+  for (const auto& [key, value] : v.items()) {
+    (void)value;
+    KEEL_CHECK(key == "dtype" || key == "shape" || key == "data_offsets", kData, where,
+               ": unknown key ", echo(key), " (expected dtype, shape, data_offsets)");
+  }
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    KEEL_CHECK(v.contains(key), kData, where, ": no ", key);
+  }
+  SafetensorsTensor t;
+  t.name = name;
+  const nlohmann::json& dtype = v["dtype"];
+  KEEL_CHECK(dtype.is_string(), kData, where, ": dtype is not a string");
+  t.dtype = dtype.get<std::string>();
+  const int64_t elem = dtype_bytes(t.dtype);
+  KEEL_CHECK(elem > 0, kData, where, ": unknown dtype ", echo(t.dtype));
+  const nlohmann::json& shape = v["shape"];
+  KEEL_CHECK(shape.is_array(), kData, where, ": shape is not a list");
+  // Elements and bytes stay below 2^62: no product or sum below overflows.
+  constexpr int64_t kMaxBytes = int64_t{1} << 62;
+  int64_t bytes = elem;
+  for (const nlohmann::json& d : shape) {
+    const int64_t dim = count_of(d);
+    KEEL_CHECK(dim >= 0, kData, where, ": shape holds ", clip_echo(d.dump()),
+               ", not a non-negative integer");
+    KEEL_CHECK(dim == 0 || bytes <= kMaxBytes / dim, kData, where, ": shape ",
+               clip_echo(shape.dump()), " is more than 2^62 bytes");
+    bytes *= dim;
+    t.shape.push_back(dim);
+  }
+  const nlohmann::json& offsets = v["data_offsets"];
+  KEEL_CHECK(offsets.is_array() && offsets.size() == 2, kData, where,
+             ": data_offsets is not a list of two offsets");
+  t.begin = count_of(offsets[0]);
+  t.end = count_of(offsets[1]);
+  KEEL_CHECK(t.begin >= 0 && t.end >= t.begin, kData, where, ": data_offsets ",
+             clip_echo(offsets.dump()), " is not [begin, end) with 0 <= begin <= end");
+  KEEL_CHECK(t.end - t.begin == bytes, kData, where, ": data_offsets ", clip_echo(offsets.dump()),
+             " hold ", t.end - t.begin, " bytes, but ", t.dtype, " ", clip_echo(shape.dump()),
+             " is ", bytes);
+  return t;
+}
+
+}  // namespace
+
+std::string encode_safetensors_header(const ExportPlan& plan,
+                                      const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json h;
+  for (const auto& [key, value] : metadata) {
+    (void)value;
+    KEEL_CHECK(json_text(key), kInternal, "safetensors metadata key ", echo(key), " is not UTF-8");
+  }
+  h[kMetadataKey] = metadata;
+  std::set<std::string> names;
+  int64_t offset = 0;
+  for (const ExportTensor& t : plan.tensors) {
+    KEEL_CHECK(t.name != kMetadataKey && names.insert(t.name).second && json_text(t.name),
+               kInternal, "export plan: tensor name ", echo(t.name),
+               " is reserved, given twice or not UTF-8");
+    const int64_t bytes = shape_numel(t.shape) * static_cast<int64_t>(sizeof(float));
+    h[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string s = h.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  s.append((8 - s.size() % 8) % 8, ' ');
+  return s;
+}
+
+SafetensorsHeader decode_safetensors_header(std::string_view head,
+                                            std::optional<int64_t> file_bytes,
+                                            const std::string& path) {
+  const int64_t size = file_bytes.value_or(static_cast<int64_t>(head.size()));
+  KEEL_CHECK(head.size() >= 8 && size >= 8, kData, path, ": ", size,
+             " bytes, shorter than a safetensors file's 8-byte header length");
+  uint64_t n = 0;
+  std::memcpy(&n, head.data(), 8);  // little-endian, as this host
+  KEEL_CHECK(n <= static_cast<uint64_t>(kMaxSafetensorsHeaderBytes), kData, path,
+             ": header length ", n, " is more than the ", kMaxSafetensorsHeaderBytes,
+             " bytes a safetensors header may have");
+  SafetensorsHeader out;
+  out.header_bytes = static_cast<int64_t>(n);
+  KEEL_CHECK(8 + out.header_bytes <= size, kData, path, ": header length ", n,
+             " runs past the end of the file (", size - 8, " bytes after the length)");
+  KEEL_CHECK(8 + out.header_bytes <= static_cast<int64_t>(head.size()), kData, path, ": only ",
+             head.size(), " bytes read of the ", 8 + out.header_bytes, " the header needs");
+  const std::string_view text = head.substr(8, static_cast<size_t>(n));
+  KEEL_CHECK(!text.empty() && text[0] == '{', kData, path, ": the header does not begin with '{'");
+
+  // nlohmann keeps the last of keys given twice: a callback sees every key of every object.
+  std::vector<std::set<std::string>> keys;  // one set per object being parsed
+  std::string twice;
+  const nlohmann::json::parser_callback_t on_event = [&](int, nlohmann::json::parse_event_t event,
+                                                         nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start) {
+      keys.emplace_back();
+    } else if (event == E::object_end) {
+      if (!keys.empty()) keys.pop_back();
+    } else if (event == E::key && !keys.empty() && twice.empty() &&
+               !keys.back().insert(parsed.get<std::string>()).second) {
+      twice = parsed.get<std::string>();
+    }
+    return true;
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.begin(), text.end(), on_event);
+  } catch (const nlohmann::json::exception& e) {
+    KEEL_FAIL(kData, path, ": the header is not JSON: ", json_reason(e.what()));
+  }
+  KEEL_CHECK(twice.empty(), kData, path, ": the header gives the key ", echo(twice), " twice");
+  KEEL_CHECK(j.is_object(), kData, path, ": the header is not a JSON object");
+  for (const auto& [key, value] : j.items()) {
+    if (key == kMetadataKey) {
+      KEEL_CHECK(value.is_object(), kData, path, ": ", kMetadataKey, " is not an object");
+      for (const auto& [k, v] : value.items()) {
+        KEEL_CHECK(v.is_string(), kData, path, ": ", kMetadataKey, " ", echo(k),
+                   " is not a string");
+        out.metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    out.tensors.push_back(tensor_entry(key, value, path));
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+              return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+            });
+  for (const SafetensorsTensor& t : out.tensors) {
+    KEEL_CHECK(t.begin == out.data_bytes, kData, path, ": tensor ", echo(t.name),
+               " starts at byte ", t.begin, " of the data, but the tensors before it end at ",
+               out.data_bytes, t.begin < out.data_bytes ? " (overlap)" : " (a hole)");
+    out.data_bytes = t.end;
+  }
+  if (file_bytes) {
+    const int64_t data = *file_bytes - 8 - out.header_bytes;
+    KEEL_CHECK(data == out.data_bytes, kData, path, ": ", data,
+               " bytes of data after the header, but its tensors hold ", out.data_bytes,
+               data < out.data_bytes ? " (truncated)" : " (trailing bytes)");
+  }
+  return out;
 }
 
 }  // namespace keel

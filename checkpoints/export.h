@@ -2,8 +2,8 @@
 // the names and layouts of the Hugging Face architecture the model matches exactly (GPT-2,
 // OLMo 2 or Qwen3), so that transformers computes the same logits, or under keel's own names when
 // none matches (see checkpoints/EXPORT.md). This file decides names, shapes, values and the
-// config.json values; the command serialises them (safetensors, config.json) in
-// launch/keel_ckpt_main.cc.
+// config.json values, and reads and writes the safetensors header; the command writes the files
+// (safetensors, config.json) in launch/keel_ckpt_main.cc.
 //
 // Note [export vocab rows]: the token embedding (and an untied LM head) is stored with the
 // vocabulary padded to Vp rows for the TP layout that wrote it (Note [vocab padding] in
@@ -13,7 +13,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -102,5 +105,49 @@ ExportPlan plan_export(const std::string& dir, const ckpt::Manifest& m);
 // against the slices' checksums. Throws kData as read_logical_tensor.
 std::vector<float> export_values(const std::string& dir, const ckpt::Manifest& m,
                                  const ExportTensor& t);
+
+// ---- safetensors
+// --------------------------------------------------------------------------------- The format
+// (github.com/huggingface/safetensors, "Format"): a u64 little-endian N, then N bytes of JSON
+// header, then the data. The header maps each tensor's name to {"dtype", "shape", "data_offsets":
+// [begin, end)} (byte offsets into the data, back to back, no holes), plus an optional
+// "__metadata__" object of string values; it begins with '{' and may be padded with spaces.
+
+// The header (without the length N in front) for `plan`'s tensors, F32, back to back in plan
+// order, and `metadata`, padded with spaces to a multiple of 8 bytes so the data is aligned.
+// A byte sequence that is not UTF-8 in a name or metadata value (a checkpoint path on Linux may
+// hold one) is written as U+FFFD: JSON holds text only. Throws kInternal for a plan that names a
+// tensor twice or "__metadata__".
+std::string encode_safetensors_header(const ExportPlan& plan,
+                                      const std::map<std::string, std::string>& metadata);
+
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;  // "F32", "BF16", ...: the format's names of fixed-width types
+  Shape shape;
+  int64_t begin = 0, end = 0;  // byte offsets into the data
+  bool operator==(const SafetensorsTensor&) const = default;
+};
+
+struct SafetensorsHeader {
+  int64_t header_bytes = 0;  // N
+  int64_t data_bytes = 0;    // the data's length: the last tensor's end
+  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsTensor> tensors;  // in data order
+};
+
+// The largest header accepted (the safetensors library's own limit): a header's length is read
+// from the file, and is untrusted.
+inline constexpr int64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+// Reads the header of the safetensors file `path` from its first bytes `head` (at least 8 + N of
+// them; more are ignored). With `file_bytes`, the file's size must be 8 + N + the data's length.
+// Throws kData naming `path` and the reason: a length past the file or the limit, a header that
+// is not JSON, does not begin with '{' or is not an object, a name given twice, an unknown dtype
+// or key, a shape that is not a list of non-negative integers, offsets whose length is not the
+// shape's bytes, or tensors that overlap, leave holes or do not start at 0.
+SafetensorsHeader decode_safetensors_header(std::string_view head,
+                                            std::optional<int64_t> file_bytes,
+                                            const std::string& path);
 
 }  // namespace keel

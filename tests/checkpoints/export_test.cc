@@ -5,14 +5,19 @@
 // a checkpoint whose parameters do not match its config (missing, stray, misshapen, too few
 // vocabulary rows) refused with the manifest and the tensor named. The parameter lists come from
 // keel's own model (GPT's registrations), so a renamed parameter fails here. The exported values,
-// the file and the logits: tests/launch/ckpt_export_test.
+// the file and the logits: tests/launch/ckpt_export_test. The safetensors header: written for a
+// plan and read back, its exact text, and every malformed header the reader refuses (the fuzzer's
+// round trip: tests/fuzz/safetensors_fuzz.cc).
 #include "checkpoints/export.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -445,6 +450,156 @@ TEST(ExportPlan, ParametersThatDoNotMatchTheConfigAreRefused) {
   EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", short_head); }),
             "ck/manifest.pb: tensor lm_head.weight has shape [384, 16], not [>= 300, "
             "model.d_model=32]");
+}
+
+// ---- safetensors header
+// --------------------------------------------------------------------------
+
+ExportPlan plan_of(const std::vector<std::pair<std::string, Shape>>& tensors) {
+  ExportPlan plan;
+  for (const auto& [name, shape] : tensors) {
+    ExportTensor t;
+    t.name = name;
+    t.shape = shape;
+    plan.tensors.push_back(t);
+  }
+  return plan;
+}
+
+// A whole file: the header's length, the header, `data_bytes` bytes of data.
+std::string file_of(const std::string& header, int64_t data_bytes) {
+  const uint64_t n = header.size();
+  std::string file(8, '\0');
+  std::memcpy(file.data(), &n, 8);
+  return file + header + std::string(static_cast<size_t>(data_bytes), '\0');
+}
+
+TEST(Safetensors, HeaderIsTheFormatsJsonPaddedToEightBytes) {
+  const std::string h =
+      encode_safetensors_header(plan_of({{"w", {2}}, {"b", {}}}), {{"format", "pt"}});
+  EXPECT_EQ(h,
+            "{\"__metadata__\":{\"format\":\"pt\"},\"w\":{\"dtype\":\"F32\",\"shape\":[2],"
+            "\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[8,"
+            "12]}}" +
+                std::string(6, ' '));
+  EXPECT_EQ(h.size() % 8, 0u);
+}
+
+TEST(Safetensors, HeaderRoundTrips) {
+  const ExportPlan plan = plan_of({{"wte", {300, 32}},
+                                   {"h.0.ln_1.weight", {32}},
+                                   {"empty", {0, 7}},
+                                   {"scalar", {}},
+                                   {"wpe", {24, 32}}});
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"keel.step", "20"}};
+  const std::string header = encode_safetensors_header(plan, metadata);
+  const int64_t data = (300 * 32 + 32 + 0 + 1 + 24 * 32) * 4;
+  const std::string file = file_of(header, data);
+  const SafetensorsHeader h = decode_safetensors_header(file, file.size(), "m.safetensors");
+  EXPECT_EQ(h.header_bytes, static_cast<int64_t>(header.size()));
+  EXPECT_EQ(h.data_bytes, data);
+  EXPECT_EQ(h.metadata, metadata);
+  ASSERT_EQ(h.tensors.size(), plan.tensors.size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const int64_t bytes = shape_numel(plan.tensors[i].shape) * 4;
+    EXPECT_EQ(h.tensors[i], (SafetensorsTensor{plan.tensors[i].name, "F32", plan.tensors[i].shape,
+                                               offset, offset + bytes}));
+    offset += bytes;
+  }
+  // The header alone (no file size) reads the same.
+  EXPECT_EQ(decode_safetensors_header(file.substr(0, 8 + header.size()), std::nullopt, "m").tensors,
+            h.tensors);
+}
+
+TEST(Safetensors, MetadataThatIsNotUtf8IsWrittenAsReplacementCharacters) {
+  // keel.source is a path; Linux paths are bytes. JSON holds text only.
+  const std::string header =
+      encode_safetensors_header(plan_of({{"w", {1}}}), {{"keel.source", "/runs/\xff\xfe/ck"}});
+  const std::string file = file_of(header, 4);
+  EXPECT_EQ(decode_safetensors_header(file, file.size(), "m").metadata.at("keel.source"),
+            "/runs/\xEF\xBF\xBD\xEF\xBF\xBD/ck");
+}
+
+TEST(Safetensors, PlanNamingATensorTwiceOrTheMetadataIsAnInternalError) {
+  EXPECT_NE(error_of(ErrorKind::kInternal,
+                     [&] {
+                       encode_safetensors_header(plan_of({{"w", {1}}, {"w", {2}}}), {});
+                     })
+                .find("'w' is reserved, given twice or not UTF-8"),
+            std::string::npos);
+  error_of(ErrorKind::kInternal, [&] {
+    encode_safetensors_header(plan_of({{"__metadata__", {1}}}), {});
+  });
+  error_of(ErrorKind::kInternal, [&] { encode_safetensors_header(plan_of({{"\xff", {1}}}), {}); });
+}
+
+TEST(Safetensors, MalformedHeadersAreDataErrorsNamingTheFileAndReason) {
+  const auto refused = [](const std::string& file, std::optional<int64_t> size = std::nullopt) {
+    return error_of(ErrorKind::kData, [&] {
+      decode_safetensors_header(file, size.value_or(static_cast<int64_t>(file.size())), "m.st");
+    });
+  };
+  const auto with_header = [](const std::string& json, int64_t data = 0) {
+    return file_of(json, data);
+  };
+  const std::string t = R"("t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  EXPECT_EQ(decode_safetensors_header(with_header("{" + t + "}", 8), 16 + t.size() + 2, "m.st")
+                .tensors.size(),
+            1u);
+  EXPECT_EQ(refused("1234"),
+            "m.st: 4 bytes, shorter than a safetensors file's 8-byte header length");
+  std::string huge(8, '\xff');
+  EXPECT_EQ(refused(huge),
+            "m.st: header length 18446744073709551615 is more than the 100000000 bytes a "
+            "safetensors header may have");
+  EXPECT_EQ(refused(with_header("{}").substr(0, 9)),
+            "m.st: header length 2 runs past the end of the file (1 bytes after the length)");
+  EXPECT_EQ(refused(with_header(" {}")), "m.st: the header does not begin with '{'");
+  EXPECT_EQ(refused(with_header("{\"a\":")),
+            "m.st: the header is not JSON: parse error at line 1, column 6: syntax error while "
+            "parsing value - unexpected end of input; expected '[', '{', or a literal");
+  EXPECT_EQ(refused(with_header("{" + t + "," + t + "}", 8)),
+            "m.st: the header gives the key 't' twice");
+  EXPECT_EQ(refused(with_header(
+                R"({"t":{"dtype":"F32","dtype":"F32","shape":[],"data_offsets":[0,4]}})", 4)),
+            "m.st: the header gives the key 'dtype' twice");
+  EXPECT_EQ(refused(with_header("{\"t\":1}")),
+            "m.st: tensor 't': not an object of dtype, shape and data_offsets");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F31","shape":[],"data_offsets":[0,4]}})", 4)),
+            "m.st: tensor 't': unknown dtype 'F31'");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F32","shape":[],"offsets":[0,4]}})", 4)),
+            "m.st: tensor 't': unknown key 'offsets' (expected dtype, shape, data_offsets)");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F32","shape":[]}})")),
+            "m.st: tensor 't': no data_offsets");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4)),
+            "m.st: tensor 't': shape holds -1, not a non-negative integer");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", 4)),
+            "m.st: tensor 't': shape holds 1.5, not a non-negative integer");
+  EXPECT_EQ(
+      refused(with_header(
+          R"({"t":{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", 4)),
+      "m.st: tensor 't': shape [4294967296,4294967296] is more than 2^62 bytes");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})")),
+            "m.st: tensor 't': data_offsets [8,0] is not [begin, end) with 0 <= begin <= end");
+  EXPECT_EQ(refused(with_header(R"({"t":{"dtype":"BF16","shape":[2],"data_offsets":[0,8]}})", 8)),
+            "m.st: tensor 't': data_offsets [0,8] hold 8 bytes, but BF16 [2] is 4");
+  EXPECT_EQ(refused(with_header(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                                R"("b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})",
+                                3)),
+            "m.st: tensor 'b' starts at byte 1 of the data, but the tensors before it end at 2 "
+            "(overlap)");
+  EXPECT_EQ(refused(with_header(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", 3)),
+            "m.st: tensor 'a' starts at byte 1 of the data, but the tensors before it end at 0 "
+            "(a hole)");
+  EXPECT_EQ(refused(with_header("{" + t + "}", 9)),
+            "m.st: 9 bytes of data after the header, but its tensors hold 8 (trailing bytes)");
+  EXPECT_EQ(refused(with_header("{" + t + "}", 7)),
+            "m.st: 7 bytes of data after the header, but its tensors hold 8 (truncated)");
+  EXPECT_EQ(refused(with_header(R"({"__metadata__":{"step":20}})")),
+            "m.st: __metadata__ 'step' is not a string");
+  EXPECT_EQ(refused(with_header("{\"t\\n\":1}")),
+            "m.st: tensor 't?': not an object of dtype, shape and data_offsets");
 }
 
 }  // namespace
