@@ -73,7 +73,11 @@ CheckpointStore::Split CheckpointStore::split() const {
     if (s <= *head) continue;
     bool child = false;
     try {
-      const ckpt::Manifest m = read_manifest(path_of(s));
+      // The manifest alone says where a checkpoint descends from: a damaged shard makes it
+      // unusable, not another branch (the resume that tries it says why).
+      const std::string path = path_of(s) + "/manifest.pb";
+      const ckpt::Manifest m =
+          parse_manifest(read_regular_file(path, kMaxManifestBytes, "a checkpoint manifest"), path);
       child = m.has_parent_step() && m.parent_step() == *head;
     } catch (const Error&) {
       // Unreadable: it cannot be shown to descend from LATEST.

@@ -296,6 +296,18 @@ std::optional<int64_t> Trainer::resume() {
         // update a crash cut off), then older ones; never a newer one of an abandoned branch.
         const std::vector<int64_t> candidates = store_->lineage();
         const std::vector<int64_t> off = store_->off_lineage();
+        for (int64_t s : off) {
+          const std::string dir = store_->path_of(s);
+          std::string why;
+          try {
+            const ckpt::Manifest m = read_manifest(dir);
+            why = "its parent is step " + std::to_string(m.parent_step()) + ", not step " +
+                  std::to_string(store_->latest().value_or(-1)) + " which LATEST names";
+          } catch (const Error& e) {
+            why = std::string("unusable: ") + e.what();
+          }
+          say("checkpoint " + dir + " is not on LATEST's lineage (" + why + ")");
+        }
         std::vector<int64_t> unusable;
         for (size_t i = 0; i < candidates.size(); ++i) {
           const std::string dir = store_->path_of(candidates[i]);
