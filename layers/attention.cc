@@ -6,7 +6,6 @@
 #include <cmath>
 
 #include "framework/error.h"
-#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -132,10 +131,14 @@ void Attention::qk_scales(float* out) const {
                               1.0f / std::sqrt(static_cast<float>(d.D)));
 }
 
-void Attention::forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* max_logit) {
+void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, float* max_logit) {
   const ModelDims& d = ctx_.dims;
-  const int64_t HD = d.Hl * d.D, BT = B * d.T;
+  const int64_t HD = d.Hl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
   Profiler* prof = ctx_.profiler;
+  // Note [tp regions]: the column-parallel QKV projection enters the region, the row-parallel
+  // output projection leaves it.
+  const TpRegion region = ctx_.region();
+  const kernels::ActIn x = region.enter(x_rows, ctx_.scratch->sp_x.f32(), n);
   {
     ProfileScope p(prof, "matmul.qkv");
     ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
@@ -207,23 +210,26 @@ void Attention::forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* m
     ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
                                  scales_.f32(), max_logit);
   }
+  const kernels::ActOut part = region.partial(y, ctx_.scratch->sp_part.f32());
   {
     ProfileScope p(prof, "matmul.attn_proj");
     // Row-parallel: partial sums over this rank's heads; the bias is added once (TP rank 0).
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    ctx_.exec->linear_forward(y, kernels::act(att_), ps_.param(proj_w_), bias, BT, HD, d.C);
+    ctx_.exec->linear_forward(part, kernels::act(att_), ps_.param(proj_w_), bias, BT, HD, d.C);
   }
-  if (!d.sp) {  // under SP the block reduce-scatters y (Note [sequence parallel])
-    ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
-  }
+  region.exit(part, y, n);
 }
 
-void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
+void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx, int64_t B) {
   const ModelDims& d = ctx_.dims;
-  const int64_t HD = d.Hl * d.D, BT = B * d.T;
+  const int64_t HD = d.Hl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
   Scratch& sc = *ctx_.scratch;
   Profiler* prof = ctx_.profiler;
+  // Note [tp regions]: the output gradient and (under SP, gathered again rather than kept) the
+  // input on every row.
+  const TpRegion region = ctx_.region();
+  const float* dy = region.exit_backward(dy_rows, sc.sp_dy.f32(), n);
+  const kernels::ActIn x = region.enter(x_rows, sc.sp_x.f32(), n);
   {
     ProfileScope p(prof, "matmul.attn_proj");
     ctx_.exec->linear_backward(kernels::act(sc.datt), false, ps_.grad(proj_w_),
@@ -300,20 +306,17 @@ void Attention::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B
                                qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
-  // On the bf16 TP wire the projection writes its partial dx in bf16 for the all-reduce, which is
-  // then widened into dx (Note [bf16 wire]).
-  const kernels::ActOut dxo = d.tp_bf16_act ? kernels::act(sc.tp_bf16) : kernels::ActOut(dx);
+  // Column-parallel input: each rank's dx covers its heads only, a partial sum. On the bf16 TP
+  // wire the projection writes it in bf16 for the all-reduce, which is then widened into dx (Note
+  // [bf16 wire]).
+  const kernels::ActOut dxo = region.partial(
+      d.tp_bf16_act ? kernels::act(sc.tp_bf16) : kernels::ActOut(dx), sc.sp_part.f32());
   {
     ProfileScope p(prof, "matmul.qkv");
     ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
                                ps_.param(qkv_w_), BT, d.C, 3 * HD);
   }
-  if (!d.sp) {  // under SP the block reduce-scatters dx (Note [sequence parallel])
-    // Column-parallel input: each rank's dx covers its heads only.
-    ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);
-    if (d.tp_bf16_act) ctx_.exec->copy_to_f32(dx, dxo, BT * d.C);
-  }
+  region.enter_backward(dxo, dx, n);
 }
 
 }  // namespace keel

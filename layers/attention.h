@@ -20,13 +20,15 @@ class Attention {
   // share: another attention layer whose saved activations this one reuses (Note [recompute] in
   // layers/gpt.h).
   void allocate(const LayerContext& ctx, const Attention* share = nullptr);
-  // y[BT, C] (=) from x[BT, C] (the block's normalised input). *max_logit (=, memory of the
-  // execution context's device) the largest |scaled logit| of this layer.
+  // y (=) from x (the block's normalised input): this rank's rows of the stream, [rows(B), C]
+  // (all B T rows without sequence parallelism); the layer enters and leaves the TP region
+  // itself (Note [tp regions] in parallel/tp_regions.h). *max_logit (=, memory of the execution
+  // context's device) the largest |scaled logit| of this layer.
   // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the qkv projection reads it.
   // y: fp32, or bf16 with ModelDims::tp_bf16_act (the output projection writes it, the TP
   // all-reduce sums it in bf16).
   void forward(kernels::ActIn x, kernels::ActOut y, int64_t B, float* max_logit);
-  // dx[BT, C] (=) from dy[BT, C]; parameter gradients +=.
+  // dx (=) from dy, rows as in forward; parameter gradients +=.
   void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);
 
  private:

@@ -12,6 +12,7 @@
 #include "framework/profiler.h"
 #include "framework/tensor.h"
 #include "parallel/communicator.h"
+#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -88,6 +89,12 @@ struct LayerContext {
   Profiler* profiler = nullptr;
   // position == ROPE: cos/sin for positions [0, T), built once by GPT and shared by every layer.
   const kernels::RopeTable* rope = nullptr;
+
+  // The TP region boundaries of this model's sublayers (Note [tp regions] in
+  // parallel/tp_regions.h): copy/reduce, or all-gather/reduce-scatter under dims.sp.
+  TpRegion region() const {
+    return TpRegion(topo->tp_tensors(), dims.sp, dims.tp_bf16_wire, *exec, profiler);
+  }
 
   // A zero-filled tensor on the execution context's device.
   Tensor zeros(Shape shape, DType dtype = DType::kF32) const {

@@ -9,7 +9,6 @@
 #include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/cuda/bf16.h"
-#include "parallel/tp_regions.h"
 
 namespace keel {
 
@@ -90,21 +89,21 @@ void Block::allocate(const LayerContext& ctx, const Block* share) {
   n2_ = ctx.zeros(s, norm_out);
 }
 
+// One body per norm placement for every layout: the sublayers enter and leave the TP region
+// themselves (Note [tp regions] in parallel/tp_regions.h), so x, out and the saved activations are
+// this rank's rows of the stream, all B T rows or, under SP, rows(B) (Note [sequence parallel]).
 void Block::forward(const float* x, int64_t B, float* max_logit) {
-  if (ctx_.dims.sp) {
-    forward_sp(x, B, max_logit);
-    return;
-  }
-  const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
+  const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
+  kernels::ExecContext& ex = *ctx_.exec;
   if (ctx_.dims.post_norm) {
     // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)). n1_, n2_ keep the sublayer outputs (the
     // norms' inputs, which their backward reads); the norm outputs pass through out_.
     attn_.forward(x, n1_.f32(), B, max_logit);
     ln1_.forward(n1_.f32(), out_.f32(), B);
-    ctx_.exec->add(r1_.f32(), x, out_.f32(), n);
+    ex.add(r1_.f32(), x, out_.f32(), n);
     mlp_.forward(r1_.f32(), n2_.f32(), B);
     ln2_.forward(n2_.f32(), out_.f32(), B);
-    ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
+    ex.add_inplace(out_.f32(), r1_.f32(), n);
     return;
   }
   // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)). n1_, n2_ keep the norm outputs (the sublayer
@@ -115,26 +114,22 @@ void Block::forward(const float* x, int64_t B, float* max_logit) {
   const kernels::ActOut y =
       bf16_y ? kernels::act(ctx_.scratch->tp_bf16) : kernels::ActOut(out_.f32());
   attn_.forward(kernels::act(n1_), y, B, max_logit);
-  ctx_.exec->add(r1_.f32(), x, y, n);
+  ex.add(r1_.f32(), x, y, n);
   ln2_.forward(r1_.f32(), kernels::act(n2_), B);
   mlp_.forward(kernels::act(n2_), y, B);
   if (bf16_y) {
-    ctx_.exec->add(out_.f32(), r1_.f32(), y, n);
+    ex.add(out_.f32(), r1_.f32(), y, n);
   } else {
-    ctx_.exec->add_inplace(out_.f32(), r1_.f32(), n);
+    ex.add_inplace(out_.f32(), r1_.f32(), n);
   }
 }
 
 void Block::backward(const float* x, float* dres, int64_t B) {
-  if (ctx_.dims.sp) {
-    backward_sp(x, dres, B);
-    return;
-  }
   float* dn = ctx_.scratch->dn.f32();
   if (ctx_.dims.post_norm) {
-    // A sublayer's input gradient is all-reduced over TP before it joins the residual gradient,
-    // so it is written to dsub and added, never accumulated into dres by the sublayer.
-    const int64_t n = B * ctx_.dims.T * ctx_.dims.C;
+    // A sublayer's input gradient is summed over TP before it joins the residual gradient, so it
+    // is written to dsub and added, never accumulated into dres by the sublayer.
+    const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
     float* dsub = ctx_.scratch->dsub.f32();
     ln2_.backward(n2_.f32(), dres, dn, /*accumulate=*/false, B);
     mlp_.backward(r1_.f32(), dn, dsub, B);
@@ -147,91 +142,6 @@ void Block::backward(const float* x, float* dres, int64_t B) {
   mlp_.backward(kernels::act(n2_), dres, dn, B);
   ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
   attn_.backward(kernels::act(n1_), dres, dn, B);
-  ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
-}
-
-namespace {
-
-// Note [sequence parallel]: the collectives around a sublayer, profiled apart.
-void gather_rows(const LayerContext& ctx, const float* mine, float* all, int64_t n) {
-  ProfileScope p(ctx.profiler, "tp.all_gather");
-  tp_region::gather_rows(ctx.topo->tp_tensors(), mine, all, n);
-}
-void scatter_rows(const LayerContext& ctx, const float* partial, float* mine, int64_t n) {
-  ProfileScope p(ctx.profiler, "tp.reduce_scatter");
-  tp_region::scatter_rows(ctx.topo->tp_tensors(), partial, mine, n);
-}
-
-}  // namespace
-
-// The same block as forward() with each sublayer between an all-gather of its input rows (into
-// sp_x) and a reduce-scatter of its partial output (from sp_part) back to this rank's rows.
-void Block::forward_sp(const float* x, int64_t B, float* max_logit) {
-  const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
-  float* all = ctx_.scratch->sp_x.f32();
-  float* part = ctx_.scratch->sp_part.f32();
-  kernels::ExecContext& ex = *ctx_.exec;
-  if (ctx_.dims.post_norm) {
-    // r1 = x + ln1(attn(x)); out = r1 + ln2(mlp(r1)); n1_, n2_ keep the norms' inputs.
-    gather_rows(ctx_, x, all, n);
-    attn_.forward(all, kernels::ActOut(part), B, max_logit);
-    scatter_rows(ctx_, part, n1_.f32(), n);
-    ln1_.forward(n1_.f32(), kernels::ActOut(out_.f32()), B);
-    ex.add(r1_.f32(), x, out_.f32(), n);
-    gather_rows(ctx_, r1_.f32(), all, n);
-    mlp_.forward(all, kernels::ActOut(part), B);
-    scatter_rows(ctx_, part, n2_.f32(), n);
-    ln2_.forward(n2_.f32(), kernels::ActOut(out_.f32()), B);
-    ex.add_inplace(out_.f32(), r1_.f32(), n);
-    return;
-  }
-  // r1 = x + attn(ln1(x)); out = r1 + mlp(ln2(r1)); n1_, n2_ keep the norms' output rows.
-  ln1_.forward(x, kernels::ActOut(n1_.f32()), B);
-  gather_rows(ctx_, n1_.f32(), all, n);
-  attn_.forward(all, kernels::ActOut(part), B, max_logit);
-  scatter_rows(ctx_, part, out_.f32(), n);
-  ex.add(r1_.f32(), x, out_.f32(), n);
-  ln2_.forward(r1_.f32(), kernels::ActOut(n2_.f32()), B);
-  gather_rows(ctx_, n2_.f32(), all, n);
-  mlp_.forward(all, kernels::ActOut(part), B);
-  scatter_rows(ctx_, part, out_.f32(), n);
-  ex.add_inplace(out_.f32(), r1_.f32(), n);
-}
-
-// backward() under SP: a sublayer's output gradient is all-gathered (sp_dy), its input gathered
-// again (sp_x), and its partial input gradient (sp_part) reduce-scattered to this rank's rows.
-void Block::backward_sp(const float* x, float* dres, int64_t B) {
-  const int64_t n = ctx_.dims.rows(B) * ctx_.dims.C;
-  Scratch& sc = *ctx_.scratch;
-  float* all = sc.sp_x.f32();
-  float* dy = sc.sp_dy.f32();
-  float* part = sc.sp_part.f32();
-  float* dn = sc.dn.f32();
-  if (ctx_.dims.post_norm) {
-    float* dsub = sc.dsub.f32();
-    ln2_.backward(n2_.f32(), dres, dn, /*accumulate=*/false, B);
-    gather_rows(ctx_, dn, dy, n);
-    gather_rows(ctx_, r1_.f32(), all, n);
-    mlp_.backward(all, dy, part, B);
-    scatter_rows(ctx_, part, dsub, n);
-    ctx_.exec->add_inplace(dres, dsub, n);
-    ln1_.backward(n1_.f32(), dres, dn, /*accumulate=*/false, B);
-    gather_rows(ctx_, dn, dy, n);
-    gather_rows(ctx_, x, all, n);
-    attn_.backward(all, dy, part, B);
-    scatter_rows(ctx_, part, dsub, n);
-    ctx_.exec->add_inplace(dres, dsub, n);
-    return;
-  }
-  gather_rows(ctx_, dres, dy, n);
-  gather_rows(ctx_, n2_.f32(), all, n);
-  mlp_.backward(all, dy, part, B);
-  scatter_rows(ctx_, part, dn, n);
-  ln2_.backward(r1_.f32(), dn, dres, /*accumulate=*/true, B);
-  gather_rows(ctx_, dres, dy, n);
-  gather_rows(ctx_, n1_.f32(), all, n);
-  attn_.backward(all, dy, part, B);
-  scatter_rows(ctx_, part, dn, n);
   ln1_.backward(x, dn, dres, /*accumulate=*/true, B);
 }
 
@@ -352,33 +262,32 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
                        std::optional<float> loss_weight) {
   const ModelDims& d = ctx_.dims;
   KEEL_ASSERT(B >= 1 && B <= d.B);
-  const int64_t BT = B * d.T, C = d.C;
+  const int64_t BT = B * d.T, C = d.C, n = d.rows(B) * C;
   last_B_ = B;
   fused_weight_.reset();
   // From here on only the model's own buffers are read (device memory on a GPU backend).
   ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
   if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
-  Communicator& tp = ctx_.topo->tp_tensors();
-  const int64_t rows = d.rows(B);
-  if (d.sp) {
-    // Note [sequence parallel]: the partial lookups of all BT rows, plus the position table once
-    // (TP rank 0, as a row-parallel bias), reduce-scattered to this rank's rows.
-    float* part = scratch_.sp_part.f32();
+  const TpRegion region = ctx_.region();
+  {
+    // Note [tp regions]: the vocab-parallel embedding leaves the region. Each rank looks up the
+    // rows of its vocabulary shard (the others' are zero) for all B T tokens; exit() sums them
+    // into this rank's rows. Under SP the position table joins the partial sums once (TP rank
+    // 0, as a row-parallel bias: a rank's rows need not be whole sequences); otherwise it is
+    // added after the sum.
+    float* part = region.partial(x0_.f32(), scratch_.sp_part.f32());
     {
       ProfileScope p(&profiler_, "embedding");
       ctx_.exec->embedding_forward(part, tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
-      if (wpe_ >= 0 && d.tp_rank == 0) {
+      if (wpe_ >= 0 && d.sp && d.tp_rank == 0) {
         ctx_.exec->position_forward(part, ps_.param(wpe_), B, d.T, C);
       }
     }
-    ProfileScope p(&profiler_, "tp.reduce_scatter");
-    tp_region::scatter_rows(tp, part, x0_.f32(), rows * C);
-  } else {
-    ProfileScope p(&profiler_, "embedding");
-    ctx_.exec->embedding_forward(x0_.f32(), tokens_.i32(), BT, ps_.param(wte_), d.v_begin, d.Vl, C);
-    // Vocab-parallel lookup: rows outside this rank's shard are zero; the sum assembles them.
-    tp_region::reduce_from_tp_forward(tp, x0_.f32(), BT * C, d.tp_bf16_wire);
-    if (wpe_ >= 0) ctx_.exec->position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
+    region.exit(part, x0_.f32(), n);
+    if (wpe_ >= 0 && !d.sp) {
+      ProfileScope p(&profiler_, "embedding");
+      ctx_.exec->position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
+    }
   }
   LossStats stats;
   const float* x = x0_.f32();
@@ -393,24 +302,21 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
     max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
     for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
   }
-  if (d.sp) {
-    // Note [sequence parallel]: the vocab-parallel LM head reads every row.
-    float* mine = scratch_.sp_part.f32();  // free until the head's backward
-    ln_f_->forward(x, kernels::ActOut(mine), B);
-    ProfileScope p(&profiler_, "tp.all_gather");
-    tp_region::gather_rows(tp, mine, xf_.f32(), rows * C);
-  } else {
-    ln_f_->forward(x, kernels::act(xf_), B);
-  }
+  // Note [tp regions]: the vocab-parallel LM head enters the region: the final norm's rows, which
+  // under SP go through sp_part (free until the head's backward) to be gathered into xf_.
+  const kernels::ActOut xf_rows =
+      d.sp ? kernels::ActOut(scratch_.sp_part.f32()) : kernels::act(xf_);
+  ln_f_->forward(x, xf_rows, B);
+  const kernels::ActIn xf = region.enter(xf_rows, kernels::act(xf_), n);
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    ctx_.exec->linear_forward(kernels::act(logits_), kernels::act(xf_), head_weight(), nullptr, BT,
-                              C, d.Vl);
+    ctx_.exec->linear_forward(kernels::act(logits_), xf, head_weight(), nullptr, BT, C, d.Vl);
   }
   if (!targets) return stats;
 
   // Vocab-parallel cross-entropy + z-loss: all-reduce max, sum-exp and target logit.
   ProfileScope p(&profiler_, "loss");
+  Communicator& tp = ctx_.topo->tp_tensors();
   float* mx = row_max_.f32();
   float* lse = lse_.f32();
   float* tl = tl_.f32();
@@ -445,8 +351,8 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
 
 void GPT::backward(float loss_weight) {
   const ModelDims& d = ctx_.dims;
-  const int64_t B = last_B_, BT = B * d.T, C = d.C;
-  float* dxf = scratch_.dn.f32();
+  const int64_t B = last_B_, BT = B * d.T, C = d.C, n = d.rows(B) * C;
+  const TpRegion region = ctx_.region();
   if (fused_weight_.has_value()) {
     // The forward computed the loss gradient (xent_fused); the same weight, bit for bit (NaN too:
     // debug.inject_nan_at_step).
@@ -460,25 +366,19 @@ void GPT::backward(float loss_weight) {
                              targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,
                              loss_weight / static_cast<float>(BT), static_cast<float>(z_coef_));
   }
+  float* dxf = scratch_.dn.f32();
+  // The LM head is column-parallel over vocab: its input gradient is a partial sum, which
+  // enter_backward() sums into this rank's rows of dxf. On the bf16 TP wire it is written in bf16
+  // for the all-reduce, then widened (Note [bf16 wire]).
+  const kernels::ActOut dxo =
+      region.partial(d.tp_bf16_act ? kernels::act(scratch_.tp_bf16) : kernels::ActOut(dxf),
+                     scratch_.sp_part.f32());
   {
     ProfileScope p(&profiler_, "matmul.lm_head");
-    // On the bf16 TP wire the partial dxf is written in bf16 for the all-reduce, then widened
-    // (Note [bf16 wire]).
-    // Under SP the partial gradient of all BT rows goes to sp_part, to be reduce-scattered.
-    const kernels::ActOut dxo = d.tp_bf16_act ? kernels::act(scratch_.tp_bf16)
-                                : d.sp        ? kernels::ActOut(scratch_.sp_part.f32())
-                                              : kernels::ActOut(dxf);
     ctx_.exec->linear_backward(dxo, false, head_grad(), nullptr, kernels::act(logits_),
                                kernels::act(xf_), head_weight(), BT, C, d.Vl);
-    // The LM head is column-parallel over vocab: its input gradient is a partial sum.
-    if (d.sp) {
-      ProfileScope p(&profiler_, "tp.reduce_scatter");
-      tp_region::scatter_rows(ctx_.topo->tp_tensors(), scratch_.sp_part.f32(), dxf, d.rows(B) * C);
-    } else {
-      tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * C, d.tp_bf16_wire);
-    }
-    if (d.tp_bf16_act) ctx_.exec->copy_to_f32(dxf, dxo, BT * C);
   }
+  region.enter_backward(dxo, dxf, n);
   const float* x_last = blocks_.empty() ? x0_.f32() : blocks_.back()->out();
   ln_f_->backward(x_last, dxf, dres_.f32(), /*accumulate=*/false, B);
   notify(head_params_.first, head_params_.second);
@@ -489,14 +389,9 @@ void GPT::backward(float loss_weight) {
     blocks_[l]->backward(x, dres_.f32(), B);
     notify(block_params_[l].first, block_params_[l].second);
   }
-  const float* dx0 = dres_.f32();
-  if (d.sp) {
-    // Note [sequence parallel]: the embedding's backward reads every row's gradient.
-    ProfileScope p(&profiler_, "tp.all_gather");
-    tp_region::gather_rows(ctx_.topo->tp_tensors(), dres_.f32(), scratch_.sp_dy.f32(),
-                           d.rows(B) * C);
-    dx0 = scratch_.sp_dy.f32();
-  }
+  // The embedding's exit, backward: every row's gradient (gathered under SP, so every rank
+  // computes the whole position-table gradient, as without SP).
+  const float* dx0 = region.exit_backward(dres_.f32(), scratch_.sp_dy.f32(), n);
   {
     ProfileScope p(&profiler_, "embedding");
     ctx_.exec->embedding_backward(ps_.grad(wte_), dx0, tokens_.i32(), BT, d.v_begin, d.Vl, C);

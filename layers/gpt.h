@@ -31,14 +31,12 @@ class Block {
   // repeats its TP collectives), which is what recomputation relies on.
   void forward(const float* x, int64_t B, float* max_logit);
   // On entry dres = d(out); on exit dres = d(x).
+  // x, out, dres and the saved activations are this rank's rows of the stream (Note [sequence
+  // parallel]); the sublayers enter and leave the TP region (Note [tp regions]).
   void backward(const float* x, float* dres, int64_t B);
   const float* out() const { return out_.f32(); }
 
  private:
-  // Note [sequence parallel]: x, dres and the saved activations are this rank's token rows.
-  void forward_sp(const float* x, int64_t B, float* max_logit);
-  void backward_sp(const float* x, float* dres, int64_t B);
-
   const LayerContext& ctx_;
   Norm ln1_, ln2_;
   Attention attn_;
@@ -82,8 +80,10 @@ struct LossStats {
 // shrink. With it, each rank holds rows(B) = BT / tp of the token rows there (rank r: rows
 // [r BT / tp, (r + 1) BT / tp) of the [B, T] batch, so model.seq_len must divide by tp), and:
 // - each sublayer's input is all-gathered into the shared [BT, C] scratch sp_x before its
-//   column-parallel projection, and its row-parallel partial output is reduce-scattered to the
-//   rank's rows instead of all-reduced (tp_region::gather_rows / scatter_rows);
+//   column-parallel projection, and its row-parallel partial output (sp_part) is reduce-scattered
+//   to the rank's rows instead of all-reduced: Megatron's all-gather / reduce-scatter pair in
+//   place of copy / reduce at the same region boundaries (Note [tp regions] in
+//   parallel/tp_regions.h), so the block and its sublayers are written once for both;
 // - in backward the output gradient is all-gathered (sp_dy) and the partial input gradient
 //   reduce-scattered; the sublayer's input is all-gathered again rather than kept whole (as
 //   Megatron does), so a block saves 4 [BT / tp, C] tensors instead of 4 [BT, C];
@@ -158,9 +158,9 @@ class GPT {
   int64_t recompute_ = 0;  // train.recompute_layers: blocks [0, recompute_) share activations
   std::unique_ptr<Norm> ln_f_;
   Tensor tokens_, targets_;    // [BT] int32 copies of the last batch
-  Tensor x0_, xf_, logits_;    // [BT, C], [BT, C], [BT, Vl]
+  Tensor x0_, xf_, logits_;    // [rows(B), C], [BT, C], [BT, Vl]
   Tensor row_max_, lse_, tl_;  // [BT]
-  Tensor dres_;                // [BT, C] residual-stream gradient
+  Tensor dres_;                // [rows(B), C] residual-stream gradient
   Tensor max_logits_;          // [L] each block's max |attention logit| of the last forward
   Tensor sums_;                // [3] f64: the loss finish's sums (kernels::xent_finish)
   int64_t last_B_ = 0;

@@ -3,8 +3,6 @@
 
 #include <cmath>
 
-#include "parallel/tp_regions.h"
-
 namespace keel {
 
 Mlp::Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx) : ps_(ps), ctx_(ctx) {
@@ -36,10 +34,14 @@ void Mlp::allocate(const LayerContext& ctx, const Mlp* share) {
   g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl}, ctx.exec->act_dtype());
 }
 
-void Mlp::forward(kernels::ActIn x, kernels::ActOut y, int64_t B) {
+void Mlp::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B) {
   const ModelDims& d = ctx_.dims;
-  const int64_t BT = B * d.T;
+  const int64_t BT = B * d.T, n = d.rows(B) * d.C;
   Profiler* prof = ctx_.profiler;
+  // Note [tp regions]: the column-parallel up (and gate) projections enter the region, the
+  // row-parallel down projection leaves it.
+  const TpRegion region = ctx_.region();
+  const kernels::ActIn x = region.enter(x_rows, ctx_.scratch->sp_x.f32(), n);
   {
     ProfileScope p(prof, "matmul.mlp_fc");
     ctx_.exec->linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT, d.C,
@@ -56,23 +58,27 @@ void Mlp::forward(kernels::ActIn x, kernels::ActOut y, int64_t B) {
     ProfileScope p(prof, "gelu");
     ctx_.exec->gelu_forward(kernels::act(g_), h_.f32(), BT * d.Fl);
   }
+  const kernels::ActOut part = region.partial(y, ctx_.scratch->sp_part.f32());
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     // Row-parallel: partial sums over this rank's d_ff columns; the bias is added once.
     const float* bias = d.tp_rank == 0 ? ps_.param_or_null(proj_b_) : nullptr;
-    ctx_.exec->linear_forward(y, kernels::act(g_), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
+    ctx_.exec->linear_forward(part, kernels::act(g_), ps_.param(proj_w_), bias, BT, d.Fl, d.C);
   }
-  if (!d.sp) {  // under SP the block reduce-scatters y (Note [sequence parallel])
-    ProfileScope p(prof, "tp.all_reduce");
-    tp_region::reduce_from_tp_forward(ctx_.topo->tp_tensors(), y, BT * d.C, d.tp_bf16_wire);
-  }
+  region.exit(part, y, n);
 }
 
-void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
+void Mlp::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx, int64_t B) {
   const ModelDims& d = ctx_.dims;
-  const int64_t BT = B * d.T;
-  float* dh = ctx_.scratch->dh.f32();
+  const int64_t BT = B * d.T, n = d.rows(B) * d.C;
+  Scratch& sc = *ctx_.scratch;
+  float* dh = sc.dh.f32();
   Profiler* prof = ctx_.profiler;
+  // Note [tp regions]: the output gradient and (under SP, gathered again rather than kept) the
+  // input on every row.
+  const TpRegion region = ctx_.region();
+  const float* dy = region.exit_backward(dy_rows, sc.sp_dy.f32(), n);
+  const kernels::ActIn x = region.enter(x_rows, sc.sp_x.f32(), n);
   {
     ProfileScope p(prof, "matmul.mlp_proj");
     ctx_.exec->linear_backward(dh, false, ps_.grad(proj_w_), ps_.grad_or_null(proj_b_), dy,
@@ -82,8 +88,7 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
   // reads, go where the activated hidden was (nothing reads g_ after the down projection's
   // backward) and into the gate's scratch; the projections' bias gradients are summed in fp32.
   const kernels::ActOut dup = kernels::act(g_);
-  const kernels::ActOut dgate =
-      gated_ ? kernels::act(ctx_.scratch->dgate) : kernels::ActOut(nullptr);
+  const kernels::ActOut dgate = gated_ ? kernels::act(sc.dgate) : kernels::ActOut(nullptr);
   if (gated_) {
     ProfileScope p(prof, "glu");
     ctx_.exec->glu_backward(act_, dgate, dup, ps_.grad_or_null(gate_b_), ps_.grad_or_null(fc_b_),
@@ -92,25 +97,23 @@ void Mlp::backward(kernels::ActIn x, const float* dy, float* dx, int64_t B) {
     ProfileScope p(prof, "gelu");
     ctx_.exec->gelu_backward(dup, ps_.grad_or_null(fc_b_), h_.f32(), dh, BT, d.Fl);
   }
-  // On the bf16 TP wire the up projection writes its partial dx in bf16 for the all-reduce, then
-  // widened into dx (Note [bf16 wire]); a gated MLP's two projections accumulate it in fp32.
+  // Column-parallel input: each rank's dx is a partial sum. On the bf16 TP wire the up projection
+  // writes it in bf16 for the all-reduce, then widened into dx (Note [bf16 wire]); a gated MLP's
+  // two projections accumulate it in fp32.
   const bool bf16_dx = d.tp_bf16_act && !gated_;
-  const kernels::ActOut dxo = bf16_dx ? kernels::act(ctx_.scratch->tp_bf16) : kernels::ActOut(dx);
+  const kernels::ActOut dxo =
+      region.partial(bf16_dx ? kernels::act(sc.tp_bf16) : kernels::ActOut(dx), sc.sp_part.f32());
   {
     ProfileScope p(prof, "matmul.mlp_fc");
     ctx_.exec->linear_backward(dxo, false, ps_.grad(fc_w_), nullptr, dup, x, ps_.param(fc_w_), BT,
                                d.C, d.Fl);
     if (gated_) {
-      // Both projections read x: their input gradients add up before the one all-reduce.
-      ctx_.exec->linear_backward(dx, true, ps_.grad(gate_w_), nullptr, dgate, x, ps_.param(gate_w_),
-                                 BT, d.C, d.Fl);
+      // Both projections read x: their input gradients add up before the one sum over TP.
+      ctx_.exec->linear_backward(dxo, true, ps_.grad(gate_w_), nullptr, dgate, x,
+                                 ps_.param(gate_w_), BT, d.C, d.Fl);
     }
   }
-  if (!d.sp) {  // under SP the block reduce-scatters dx (Note [sequence parallel])
-    ProfileScope p(prof, "tp.all_reduce");
-    tp_region::copy_to_tp_backward(ctx_.topo->tp_tensors(), dxo, BT * d.C, d.tp_bf16_wire);
-    if (bf16_dx) ctx_.exec->copy_to_f32(dx, dxo, BT * d.C);
-  }
+  region.enter_backward(dxo, dx, n);
 }
 
 }  // namespace keel

@@ -1,8 +1,8 @@
 // MLP: GELU  y = down(gelu(up(x)))  or gated (SwiGLU, GEGLU)  y = down(act(gate(x)) * up(x)).
 // The up (fc) and gate projections are column-parallel ([F, C] sharded on F), the down projection
 // (proj) row-parallel ([C, F] sharded on F), so the activation and the gating run on this rank's
-// d_ff columns with no communication: one all-reduce after the down projection forward and one
-// for the input gradient backward, gated or not.
+// d_ff columns with no communication: the up projections enter the TP region and the down
+// projection leaves it (Note [tp regions] in parallel/tp_regions.h), gated or not.
 #pragma once
 
 #include <string>
@@ -18,9 +18,11 @@ class Mlp {
   Mlp(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
   // share: another MLP whose saved activations this one reuses (Note [recompute] in layers/gpt.h).
   void allocate(const LayerContext& ctx, const Mlp* share = nullptr);
-  // x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the projections read it.
-  void forward(kernels::ActIn x, kernels::ActOut y, int64_t B);            // y[BT, C] (=)
-  void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);  // dx[BT, C] (=)
+  // x, y, dy, dx: this rank's rows of the stream, [rows(B), C] (all B T rows without sequence
+  // parallelism). x: fp32, or bf16 under BF16 on a GPU (Note [act-dtype]); only the projections
+  // read it. y: fp32, or bf16 with ModelDims::tp_bf16_act.
+  void forward(kernels::ActIn x, kernels::ActOut y, int64_t B);            // y (=)
+  void backward(kernels::ActIn x, const float* dy, float* dx, int64_t B);  // dx (=)
 
  private:
   ParamStore& ps_;
