@@ -1,8 +1,8 @@
-// GPT model assembly, embedding, LM head and the cross-entropy + z-loss.
+// GPT model assembly: the blocks, the vocab-parallel embedding and LM head (the loss is
+// layers/vocab_parallel_loss.cc).
 #include "layers/gpt.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -169,7 +169,6 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   ctx_.topo = &topo;
   ctx_.scratch = &scratch_;
   ctx_.profiler = &profiler_;
-  z_coef_ = cfg.loss().z_loss();
   const ModelDims& d = ctx_.dims;
 
   // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
@@ -214,9 +213,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   xf_ = ctx_.zeros({BT, C}, d.sp ? DType::kF32 : exec.act_dtype());
   // Note [act-dtype]: bf16 under BF16 on a device (only the head's GEMMs and the loss read it).
   logits_ = ctx_.zeros({BT, d.Vl}, exec.act_dtype());
-  row_max_ = ctx_.zeros({BT});
-  lse_ = ctx_.zeros({BT});
-  tl_ = ctx_.zeros({BT});
+  loss_ = std::make_unique<VocabParallelLoss>(ctx_, cfg.loss().z_loss());
   dres_ = ctx_.zeros({rows, C});
   scratch_.dn = ctx_.zeros({rows, C});
   scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());  // Note [act-dtype]
@@ -237,7 +234,6 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.attn_ws = ctx_.zeros({std::max<int64_t>(1, exec.attention_workspace_elems(as))});
   scratch_.dscale = ctx_.zeros({d.Hl});
   max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
-  sums_ = ctx_.zeros({3}, DType::kF64);
 }
 
 std::vector<float> GPT::logits_row(int64_t row) const {
@@ -264,7 +260,7 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
   KEEL_ASSERT(B >= 1 && B <= d.B);
   const int64_t BT = B * d.T, C = d.C, n = d.rows(B) * C;
   last_B_ = B;
-  fused_weight_.reset();
+  loss_->reset();
   // From here on only the model's own buffers are read (device memory on a GPU backend).
   ctx_.exec->load_tokens(tokens_.i32(), tokens, BT);
   if (targets) ctx_.exec->load_tokens(targets_.i32(), targets, BT);
@@ -313,39 +309,10 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
     ctx_.exec->linear_forward(kernels::act(logits_), xf, head_weight(), nullptr, BT, C, d.Vl);
   }
   if (!targets) return stats;
-
-  // Vocab-parallel cross-entropy + z-loss: all-reduce max, sum-exp and target logit.
-  ProfileScope p(&profiler_, "loss");
-  Communicator& tp = ctx_.topo->tp_tensors();
-  float* mx = row_max_.f32();
-  float* lse = lse_.f32();
-  float* tl = tl_.f32();
-  const kernels::ActOut logits = kernels::act(logits_);
-  ctx_.exec->xent_target_logit(logits, targets_.i32(), BT, d.Vl, d.v_begin, tl);
-  tp.all_reduce(tl, BT, ReduceOp::kSum);
-  if (tp.size() == 1 && loss_weight.has_value()) {
-    // The whole vocabulary on this rank and the weight known: the gradient in the same pass,
-    // written over the logits (after their target logits were read).
-    ctx_.exec->xent_fused(logits, logits, targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,
-                          *loss_weight / static_cast<float>(BT), static_cast<float>(z_coef_), mx,
-                          lse);
-    fused_weight_ = loss_weight;
-  } else if (tp.size() == 1) {
-    // The whole vocabulary on this rank: both row passes in one call (one read on a GPU).
-    ctx_.exec->xent_row_max_sumexp(logits, BT, d.Vl, d.v_valid, mx, lse);
-  } else {
-    ctx_.exec->xent_row_max(logits, BT, d.Vl, d.v_valid, mx);
-    tp.all_reduce(mx, BT, ReduceOp::kMax);
-    ctx_.exec->xent_row_sumexp(logits, mx, BT, d.Vl, d.v_valid, lse);
-    tp.all_reduce(lse, BT, ReduceOp::kSum);
-  }
-  // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
-  double sums[3];  // sum of (lse - target logit), of lse^2, of lse
-  ctx_.exec->xent_finish(mx, lse, tl, BT, lse, sums_.f64());
-  sums_.copy_to_host(0, 3, sums);
-  stats.ce = sums[0] / static_cast<double>(BT);
-  stats.log_z = sums[2] / static_cast<double>(BT);
-  stats.z_loss = z_coef_ * sums[1] / static_cast<double>(BT);
+  const TokenLoss loss = loss_->forward(kernels::act(logits_), targets_.i32(), BT, loss_weight);
+  stats.ce = loss.ce;
+  stats.z_loss = loss.z_loss;
+  stats.log_z = loss.log_z;
   return stats;
 }
 
@@ -353,19 +320,7 @@ void GPT::backward(float loss_weight) {
   const ModelDims& d = ctx_.dims;
   const int64_t B = last_B_, BT = B * d.T, C = d.C, n = d.rows(B) * C;
   const TpRegion region = ctx_.region();
-  if (fused_weight_.has_value()) {
-    // The forward computed the loss gradient (xent_fused); the same weight, bit for bit (NaN too:
-    // debug.inject_nan_at_step).
-    KEEL_CHECK(std::memcmp(&*fused_weight_, &loss_weight, sizeof(float)) == 0, kInternal,
-               "GPT::backward: loss_weight ", loss_weight, " differs from the forward's ",
-               *fused_weight_);
-    fused_weight_.reset();
-  } else {
-    ProfileScope p(&profiler_, "loss");
-    ctx_.exec->xent_backward(kernels::act(logits_), kernels::act(logits_), lse_.f32(),
-                             targets_.i32(), BT, d.Vl, d.v_valid, d.v_begin,
-                             loss_weight / static_cast<float>(BT), static_cast<float>(z_coef_));
-  }
+  loss_->backward(kernels::act(logits_), targets_.i32(), BT, loss_weight);
   float* dxf = scratch_.dn.f32();
   // The LM head is column-parallel over vocab: its input gradient is a partial sum, which
   // enter_backward() sums into this rank's rows of dxf. On the bf16 TP wire it is written in bf16

@@ -17,6 +17,7 @@
 #include "layers/mlp.h"
 #include "layers/norm.h"
 #include "layers/params.h"
+#include "layers/vocab_parallel_loss.h"
 
 namespace keel {
 
@@ -151,20 +152,17 @@ class GPT {
   Scratch scratch_;
   LayerContext ctx_;
   ParamStore ps_;
-  double z_coef_;
   int wte_, wpe_ = -1, lm_head_ = -1;  // wpe_: LEARNED positions only
   kernels::RopeTable rope_;            // ROPE: cos/sin for positions [0, T), shared by the layers
   std::vector<std::unique_ptr<Block>> blocks_;
   int64_t recompute_ = 0;  // train.recompute_layers: blocks [0, recompute_) share activations
   std::unique_ptr<Norm> ln_f_;
-  Tensor tokens_, targets_;    // [BT] int32 copies of the last batch
-  Tensor x0_, xf_, logits_;    // [rows(B), C], [BT, C], [BT, Vl]
-  Tensor row_max_, lse_, tl_;  // [BT]
-  Tensor dres_;                // [rows(B), C] residual-stream gradient
-  Tensor max_logits_;          // [L] each block's max |attention logit| of the last forward
-  Tensor sums_;                // [3] f64: the loss finish's sums (kernels::xent_finish)
+  Tensor tokens_, targets_;  // [BT] int32 copies of the last batch
+  Tensor x0_, xf_, logits_;  // [rows(B), C], [BT, C], [BT, Vl]
+  Tensor dres_;              // [rows(B), C] residual-stream gradient
+  Tensor max_logits_;        // [L] each block's max |attention logit| of the last forward
+  std::unique_ptr<VocabParallelLoss> loss_;  // its row statistics; logits_ may hold its gradient
   int64_t last_B_ = 0;
-  std::optional<float> fused_weight_;  // set: logits_ holds the loss gradient for this weight
   std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block
   std::pair<int, int> head_params_;                // ln_f (+ lm_head when untied)
   std::function<void(int)> ready_hook_;
