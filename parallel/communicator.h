@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "framework/kernels/cuda/bf16.h"  // the Bf16 storage type only: no CUDA
@@ -38,13 +39,26 @@ class Communicator {
   // recv[n] = sum over ranks of send[rank() * n, (rank() + 1) * n).
   virtual void reduce_scatter(const float* send, float* recv, int64_t n) = 0;
   virtual void broadcast(float* data, int64_t n, int root) = 0;
+  // Untyped forms for control values (int64 fields, enums, fingerprints; parallel/agree.h), moved
+  // bit for bit: recv[size() * bytes] = every rank's send[bytes] in rank order (in place when
+  // send == recv + rank() * bytes), and data[bytes] = root's data[bytes] on every rank.
+  virtual void all_gather_bytes(const void* send, void* recv, int64_t bytes) = 0;
+  virtual void broadcast_bytes(void* data, int64_t bytes, int root) = 0;
+  // The same over int64 elements (counted as their bytes, n * 8).
+  void all_gather_int64(const int64_t* send, int64_t* recv, int64_t n) {
+    all_gather_bytes(send, recv, n * static_cast<int64_t>(sizeof(int64_t)));
+  }
+  void broadcast_int64(int64_t* data, int64_t n, int root) {
+    broadcast_bytes(data, n * static_cast<int64_t>(sizeof(int64_t)), root);
+  }
   virtual void barrier() = 0;
   // Non-blocking in-place sum; `data` must stay alive and untouched until wait().
   virtual std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) = 0;
 
   // Payload bytes of every collective this communicator ran: n * sizeof(element) for
   // all-reduce and broadcast, size() * n * sizeof for all-gather and reduce-scatter (the full
-  // logical buffer), 0 for a group of one. Independent of the algorithm MPI or NCCL picks.
+  // logical buffer), 0 for a group of one (the byte forms count bytes as the elements). Independent
+  // of the algorithm MPI or NCCL picks.
   int64_t bytes_moved() const { return bytes_moved_; }
   int64_t calls() const { return calls_; }
   void reset_counters() {
@@ -101,6 +115,10 @@ class SelfCommunicator final : public Communicator {
     std::copy(send, send + n, recv);
   }
   void broadcast(float*, int64_t, int) override {}
+  void all_gather_bytes(const void* send, void* recv, int64_t bytes) override {
+    if (send != recv && bytes > 0) std::memmove(recv, send, static_cast<size_t>(bytes));
+  }
+  void broadcast_bytes(void*, int64_t, int) override {}
   void barrier() override {}
   std::unique_ptr<CommRequest> iall_reduce(float*, int64_t) override {
     return std::make_unique<DoneRequest>();

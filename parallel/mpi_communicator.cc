@@ -141,36 +141,45 @@ void MpiCommunicator::all_reduce_bf16(float* data, int64_t n) {
   for (int64_t i = 0; i < n; ++i) data[i] = from_bf16(wire_[i]);
 }
 
-void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
+template <typename T>
+void MpiCommunicator::all_gather_chunked(const T* send, T* recv, int64_t n, MPI_Datatype type) {
   if (size_ == 1) {
     if (send != recv) std::copy(send, send + n, recv);
     return;
   }
-  count(n * size_ * static_cast<int64_t>(sizeof(float)));
+  count(n * size_ * static_cast<int64_t>(sizeof(T)));
   Guard g(watchdog_, "all_gather", name_);
   if (n <= max_count_) {
     // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
     const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
-    check(MPI_Allgather(sendbuf, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n),
-                        MPI_FLOAT, comm_),
+    check(MPI_Allgather(sendbuf, static_cast<int>(n), type, recv, static_cast<int>(n), type, comm_),
           "MPI_Allgather", name_, watchdog_);
     return;
   }
   // Per-rank blocks beyond MPI's int counts: gather column chunks through a staging buffer. In
   // place is safe: chunk c of this rank's block is copied out before it is written back (with
   // the same values).
-  std::vector<float> mine, staged;
+  std::vector<T> mine, staged;
   for (int64_t c = 0; c < n; c += max_count_) {
     const int64_t k = std::min(max_count_, n - c);
     mine.assign(send + c, send + c + k);
     staged.resize(static_cast<size_t>(k) * size_);
-    check(MPI_Allgather(mine.data(), static_cast<int>(k), MPI_FLOAT, staged.data(),
-                        static_cast<int>(k), MPI_FLOAT, comm_),
+    check(MPI_Allgather(mine.data(), static_cast<int>(k), type, staged.data(), static_cast<int>(k),
+                        type, comm_),
           "MPI_Allgather", name_, watchdog_);
     for (int r = 0; r < size_; ++r) {
       std::copy(staged.begin() + r * k, staged.begin() + (r + 1) * k, recv + r * n + c);
     }
   }
+}
+
+void MpiCommunicator::all_gather(const float* send, float* recv, int64_t n) {
+  all_gather_chunked(send, recv, n, MPI_FLOAT);
+}
+
+void MpiCommunicator::all_gather_bytes(const void* send, void* recv, int64_t bytes) {
+  all_gather_chunked(static_cast<const unsigned char*>(send), static_cast<unsigned char*>(recv),
+                     bytes, MPI_BYTE);
 }
 
 void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) {
@@ -199,14 +208,23 @@ void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) 
   }
 }
 
-void MpiCommunicator::broadcast(float* data, int64_t n, int root) {
+template <typename T>
+void MpiCommunicator::broadcast_chunked(T* data, int64_t n, int root, MPI_Datatype type) {
   if (size_ == 1 || n == 0) return;
-  count(n * static_cast<int64_t>(sizeof(float)));
+  count(n * static_cast<int64_t>(sizeof(T)));
   Guard g(watchdog_, "broadcast", name_);
   for (int64_t off = 0; off < n; off += max_count_) {
     const int c = static_cast<int>(std::min(max_count_, n - off));
-    check(MPI_Bcast(data + off, c, MPI_FLOAT, root, comm_), "MPI_Bcast", name_, watchdog_);
+    check(MPI_Bcast(data + off, c, type, root, comm_), "MPI_Bcast", name_, watchdog_);
   }
+}
+
+void MpiCommunicator::broadcast(float* data, int64_t n, int root) {
+  broadcast_chunked(data, n, root, MPI_FLOAT);
+}
+
+void MpiCommunicator::broadcast_bytes(void* data, int64_t bytes, int root) {
+  broadcast_chunked(static_cast<unsigned char*>(data), bytes, root, MPI_BYTE);
 }
 
 void MpiCommunicator::barrier() {

@@ -43,6 +43,8 @@ class MpiCommunicator final : public Communicator {
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;
+  void all_gather_bytes(const void* send, void* recv, int64_t bytes) override;
+  void broadcast_bytes(void* data, int64_t bytes, int root) override;
   void barrier() override;
   std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override;
 
@@ -50,6 +52,10 @@ class MpiCommunicator final : public Communicator {
   void sum_bf16(Bf16* data, int64_t n);  // the MPI calls of both all_reduce_bf16, uncounted
   template <typename T>
   void all_reduce_chunked(T* data, int64_t n, ReduceOp op, MPI_Datatype type);
+  template <typename T>
+  void all_gather_chunked(const T* send, T* recv, int64_t n, MPI_Datatype type);
+  template <typename T>
+  void broadcast_chunked(T* data, int64_t n, int root, MPI_Datatype type);
 
   MPI_Comm comm_;
   std::string name_;

@@ -392,6 +392,33 @@ void NcclCommunicator::broadcast(float* data, int64_t n, int root) {
   wait_stream("broadcast", n);
 }
 
+void NcclCommunicator::all_gather_bytes(const void* send, void* recv, int64_t bytes) {
+  throw_if_aborted("all_gather (bytes)", bytes);
+  if (size_ > 1) count(bytes * size_);
+  if (bytes == 0) return;
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, c, ctx_.stream());
+      },
+      "ncclAllGather", "all_gather (bytes)", bytes);
+  wait_stream("all_gather (bytes)", bytes);
+}
+
+void NcclCommunicator::broadcast_bytes(void* data, int64_t bytes, int root) {
+  throw_if_aborted("broadcast (bytes)", bytes);
+  if (bytes == 0) return;
+  KEEL_CHECK(root >= 0 && root < size_, kInternal, "broadcast over the ", name_, " group: root ",
+             root, " of ", size_);
+  if (size_ > 1) count(bytes);
+  enqueue(
+      [&](ncclComm_t c) {
+        return ncclBroadcast(data, data, static_cast<size_t>(bytes), ncclUint8, root, c,
+                             ctx_.stream());
+      },
+      "ncclBroadcast", "broadcast (bytes)", bytes);
+  wait_stream("broadcast (bytes)", bytes);
+}
+
 void NcclCommunicator::barrier() {
   throw_if_aborted("barrier", 1);
   enqueue(

@@ -87,6 +87,9 @@ class NcclCommunicator final : public Communicator {
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;
+  // As ncclUint8 (device memory, like every buffer here).
+  void all_gather_bytes(const void* send, void* recv, int64_t bytes) override;
+  void broadcast_bytes(void* data, int64_t bytes, int root) override;
   // An all-reduce of one float (NCCL has no barrier): every rank has reached it on the device.
   void barrier() override;
   // Enqueued at once on the communicator's own stream, ordered after everything enqueued on

@@ -127,6 +127,25 @@ void StagingCommunicator::broadcast(float* data, int64_t n, int root) {
   count(n * static_cast<int64_t>(sizeof(float)));
 }
 
+void StagingCommunicator::all_gather_bytes(const void* send, void* recv, int64_t bytes) {
+  const size_t total = static_cast<size_t>(bytes) * size();
+  if (bytes_send_.size() < static_cast<size_t>(bytes)) bytes_send_.resize(bytes);
+  if (bytes_recv_.size() < total) bytes_recv_.resize(total);
+  to_host(bytes_send_.data(), send, static_cast<size_t>(bytes));
+  host_.all_gather_bytes(bytes_send_.data(), bytes_recv_.data(), bytes);
+  to_device(recv, bytes_recv_.data(), total);
+  if (size() > 1) count(static_cast<int64_t>(total));
+}
+
+void StagingCommunicator::broadcast_bytes(void* data, int64_t bytes, int root) {
+  if (size() == 1 || bytes == 0) return;
+  if (bytes_send_.size() < static_cast<size_t>(bytes)) bytes_send_.resize(bytes);
+  to_host(bytes_send_.data(), data, static_cast<size_t>(bytes));
+  host_.broadcast_bytes(bytes_send_.data(), bytes, root);
+  to_device(data, bytes_send_.data(), static_cast<size_t>(bytes));
+  count(bytes);
+}
+
 std::unique_ptr<CommRequest> StagingCommunicator::iall_reduce(float* data, int64_t n) {
   if (size() == 1 || n == 0) return std::make_unique<DoneRequest>();
   std::vector<float> h(static_cast<size_t>(n));

@@ -33,6 +33,8 @@ class StagingCommunicator final : public Communicator {
   void all_gather(const float* send, float* recv, int64_t n) override;
   void reduce_scatter(const float* send, float* recv, int64_t n) override;
   void broadcast(float* data, int64_t n, int root) override;
+  void all_gather_bytes(const void* send, void* recv, int64_t bytes) override;
+  void broadcast_bytes(void* data, int64_t bytes, int root) override;
   void barrier() override { host_.barrier(); }
   // The copy to the host happens now; the copy back when the request is waited for. Each
   // request has its own host buffer (buckets of one backward overlap).
@@ -48,6 +50,7 @@ class StagingCommunicator final : public Communicator {
   std::vector<std::vector<float>> buffers_;  // [0], [1]: the blocking calls' send and receive
   std::vector<double> doubles_;
   std::vector<Bf16> bf16_;
+  std::vector<unsigned char> bytes_send_, bytes_recv_;  // the byte forms' host copies
 };
 
 }  // namespace keel

@@ -565,6 +565,8 @@ class ThreadWorld {
     void all_gather(const float*, float*, int64_t) override { unexpected(); }
     void reduce_scatter(const float*, float*, int64_t) override { unexpected(); }
     void broadcast(float*, int64_t, int) override { unexpected(); }
+    void all_gather_bytes(const void*, void*, int64_t) override { unexpected(); }
+    void broadcast_bytes(void*, int64_t, int) override { unexpected(); }
     void barrier() override { w_.barrier_.arrive_and_wait(); }
     std::unique_ptr<CommRequest> iall_reduce(float*, int64_t) override {
       unexpected();

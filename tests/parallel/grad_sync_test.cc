@@ -65,6 +65,8 @@ class RecordingComm final : public Communicator {
   void all_gather(const float*, float*, int64_t) override { ADD_FAILURE() << "unexpected"; }
   void reduce_scatter(const float*, float*, int64_t) override { ADD_FAILURE() << "unexpected"; }
   void broadcast(float*, int64_t, int) override { ADD_FAILURE() << "unexpected"; }
+  void all_gather_bytes(const void*, void*, int64_t) override { ADD_FAILURE() << "unexpected"; }
+  void broadcast_bytes(void*, int64_t, int) override { ADD_FAILURE() << "unexpected"; }
   void barrier() override { ADD_FAILURE() << "unexpected"; }
   std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) override {
     issued.emplace_back(data, n);

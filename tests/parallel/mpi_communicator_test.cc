@@ -6,6 +6,10 @@
 //     iall_reduce, at chunk limits 7 and 1 and sizes around them (0, below, equal, one over, a
 //     multiple, not a multiple);
 //   - the same for all_reduce_bf16 (Note [bf16 wire]), and its rounding on each rank;
+//   - the byte forms (all_gather_bytes, broadcast_bytes and their int64 wrappers, for control
+//     values: parallel/agree.h) move int64 values no float holds exactly (above 2^53, negative,
+//     every byte distinct) bit for bit, chunked (limits 7 and 1 count bytes) or not, in place
+//     or not, from every root;
 //   - bytes_moved and calls do not depend on the chunking (one call, the logical payload);
 //   - an MPI error comes back as kComm naming the MPI call, the group and the step (the
 //     communicator sets MPI_ERRORS_RETURN), and a bad chunk limit is refused.
@@ -233,6 +237,77 @@ TEST(MpiCommunicator, ChunkedBroadcastEqualsUnchunked) {
         EXPECT_TRUE(same_bits(a, b)) << what;
         EXPECT_TRUE(same_bits(b, want)) << what;
         expect_same_counters(p, size > 1 ? n * 4 : 0, what);
+      }
+    }
+  }
+}
+
+// Element i of rank r's int64 buffer: above 2^53 (no float or double holds it), negative for odd
+// i, every byte distinct per rank and element.
+int64_t value64(int r, int64_t i) {
+  const int64_t v = (int64_t{1} << 60) + (int64_t{r} << 40) + i * 0x0101010101 + 0x123;
+  return i % 2 ? -v : v;
+}
+
+TEST(MpiCommunicator, ChunkedByteAllGatherIsExact) {
+  const int size = mpi_env().world_size(), rank = mpi_env().world_rank();
+  for (int64_t chunk : kChunks) {
+    Pair p(chunk);
+    for (int64_t n : kSizes) {
+      const std::string what = "chunk " + std::to_string(chunk) + ", n " + std::to_string(n);
+      std::vector<int64_t> send(n), want(size * n);
+      for (int64_t i = 0; i < n; ++i) send[i] = value64(rank, i);
+      for (int r = 0; r < size; ++r) {
+        for (int64_t i = 0; i < n; ++i) want[r * n + i] = value64(r, i);
+      }
+      p.plain.reset_counters();
+      p.chunked.reset_counters();
+      std::vector<int64_t> a(size * n, -1), b(size * n, -1);
+      p.plain.all_gather_int64(send.data(), a.data(), n);
+      p.chunked.all_gather_int64(send.data(), b.data(), n);
+      EXPECT_TRUE(same_bits(a, want)) << what << ", out of place";
+      EXPECT_TRUE(same_bits(b, want)) << what << ", out of place";
+      // In place, as bytes: this rank's block already at its slot.
+      std::vector<int64_t> c(size * n, -1), d(size * n, -1);
+      std::copy(send.begin(), send.end(), c.begin() + rank * n);
+      std::copy(send.begin(), send.end(), d.begin() + rank * n);
+      p.plain.all_gather_bytes(c.data() + rank * n, c.data(), n * 8);
+      p.chunked.all_gather_bytes(d.data() + rank * n, d.data(), n * 8);
+      EXPECT_TRUE(same_bits(c, want)) << what << ", in place";
+      EXPECT_TRUE(same_bits(d, want)) << what << ", in place";
+      expect_same_counters(p, size > 1 ? 2 * size * n * 8 : 0, what);
+    }
+  }
+}
+
+TEST(MpiCommunicator, ChunkedByteBroadcastIsExact) {
+  const int size = mpi_env().world_size(), rank = mpi_env().world_rank();
+  for (int64_t chunk : kChunks) {
+    Pair p(chunk);
+    for (int root = 0; root < size; ++root) {
+      for (int64_t n : kSizes) {
+        const std::string what = "chunk " + std::to_string(chunk) + ", n " + std::to_string(n) +
+                                 ", root " + std::to_string(root);
+        std::vector<int64_t> a(n), want(n);
+        for (int64_t i = 0; i < n; ++i) {
+          a[i] = value64(rank, i);  // only the root's survive
+          want[i] = value64(root, i);
+        }
+        // An odd byte count: the chunks need not align with anything.
+        std::vector<unsigned char> b(3 * n + 1), wantb(b.size());
+        for (size_t i = 0; i < b.size(); ++i) {
+          b[i] = static_cast<unsigned char>(rank * 37 + i);
+          wantb[i] = static_cast<unsigned char>(root * 37 + i);
+        }
+        p.plain.reset_counters();
+        p.chunked.reset_counters();
+        p.plain.broadcast_int64(a.data(), n, root);
+        p.chunked.broadcast_bytes(b.data(), static_cast<int64_t>(b.size()), root);
+        EXPECT_TRUE(same_bits(a, want)) << what;
+        EXPECT_TRUE(same_bits(b, wantb)) << what;
+        EXPECT_EQ(p.plain.bytes_moved(), size > 1 ? n * 8 : 0) << what;
+        EXPECT_EQ(p.chunked.bytes_moved(), size > 1 ? 3 * n + 1 : 0) << what;
+        EXPECT_EQ(p.chunked.calls(), size > 1 ? 1 : 0) << what;
       }
     }
   }
