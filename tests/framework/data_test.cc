@@ -3,6 +3,7 @@
 // determinism, seeds, data-parallel independence), fixed validation windows,
 // and the built-in corpus's determinism and entropy figures (checked against measured ones).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -200,6 +202,33 @@ TEST(Shards, HeaderIsCheckedOnBytes) {
   EXPECT_HAS(error_of(ErrorKind::kData,
                       [&] { shard_token_count(negative, kShardHeaderBytes + 20, "x.bin"); }),
              "x.bin: header says -5 tokens (expected > 0)");
+}
+
+// Each shard stays open: a glob of more shards than the soft descriptor limit allows raises it
+// (towards the hard limit) instead of failing with "Too many open files".
+TEST(Shards, ManyShardsRaiseTheSoftDescriptorLimit) {
+  struct rlimit before {};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  if (before.rlim_max != RLIM_INFINITY && before.rlim_max < 600) GTEST_SKIP() << "hard limit";
+  TempDir dir;
+  for (int i = 0; i < 300; ++i) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "s_%04d.bin", i);
+    write_shard(dir.file(name), iota_tokens(3, i));
+  }
+  struct rlimit low = before;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::optional<TokenStream> s;
+  EXPECT_NO_THROW(s = TokenStream::open_shards(dir.file("s_*.bin"), 1000, "data.path"));
+  struct rlimit raised {};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &raised), 0);
+  EXPECT_GE(raised.rlim_cur, 300u);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->size(), 900);
+  EXPECT_EQ(s->at(899), 299 + 2);
+  s.reset();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
 }
 
 // Note [token files are read, not mapped]: a shard cut short after it was opened (another job
