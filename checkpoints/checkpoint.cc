@@ -1,5 +1,5 @@
-// Checkpoint save (sharded, atomic, synchronous or async) and its commit. See the header and
-// Note [checkpoint commit]; reading is in checkpoint_load.cc.
+// Checkpoint save (sharded, atomic) and its commit. See the header and Note [checkpoint commit];
+// the async writer is in async_writer.cc, reading in checkpoint_load.cc.
 #include "checkpoints/checkpoint.h"
 
 #include <fcntl.h>
@@ -16,6 +16,7 @@
 #include <map>
 #include <utility>
 
+#include "checkpoints/save_parts.h"
 #include "checkpoints/slice_geometry.h"
 #include "framework/error.h"
 #include "framework/file_io.h"
@@ -106,14 +107,7 @@ const char* tensor_kind_name(ckpt::TensorKind kind) {
 
 // ---- save ------------------------------------------------------------------------------------
 
-namespace {
-
-// One slice of this rank's shard: what it is and where its elements come from.
-struct PlannedSlice {
-  const StateParam* p = nullptr;
-  ckpt::TensorKind kind = ckpt::PARAM;
-  ckpt::Slice slice;  // geometry; file, offset and checksum are set when written
-};
+namespace ckpt_save {
 
 // This rank's slices in file order (see the header's "who writes what").
 std::vector<PlannedSlice> plan_my_shard(const TrainState& state, const Topology& topo) {
@@ -317,10 +311,6 @@ void agree(const Topology& topo, const std::string& mine, const char* phase, int
              " (see its message)");
 }
 
-}  // namespace
-
-namespace {
-
 // Collective: rank 0 (re)creates `tmp` (and the store's root); every rank learns if it failed.
 void make_tmp_dir(const Topology& topo, const CheckpointStore& store, const std::string& tmp,
                   int64_t step) {
@@ -371,7 +361,9 @@ void finish_save(const Topology& topo, const config::Checkpoint& policy,
   }
 }
 
-}  // namespace
+}  // namespace ckpt_save
+
+using namespace ckpt_save;
 
 void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, const Topology& topo,
                      const CheckpointStore& store, const SaveHook& on_phase, const Pinned& pinned) {
@@ -396,84 +388,6 @@ void save_checkpoint(const TrainState& state, const config::KeelConfig& cfg, con
   }
   finish_save(topo, cfg.checkpoint(), store, tmp, manifest_header(state, cfg, topo), err, on_phase,
               pinned);
-}
-
-// ---- async save ------------------------------------------------------------------------------
-
-AsyncCheckpointWriter::AsyncCheckpointWriter(const config::KeelConfig& cfg, const Topology& topo,
-                                             const CheckpointStore& store, SaveHook on_phase,
-                                             Pinned pinned)
-    : cfg_(cfg),
-      topo_(topo),
-      store_(store),
-      on_phase_(std::move(on_phase)),
-      pinned_(std::move(pinned)) {}
-
-AsyncCheckpointWriter::~AsyncCheckpointWriter() {
-  // Not committed: the .tmp directory stays for the next start to remove.
-  if (thread_.joinable()) thread_.join();
-}
-
-void AsyncCheckpointWriter::begin(const TrainState& state) {
-  KEEL_CHECK(!pending_, kInternal, "checkpoint of step ", state.step,
-             ": the previous async save (step ", header_.step(), ") was not finished");
-  const double t0 = now();
-  tmp_ = store_.path_of(state.step) + ".tmp";
-  make_tmp_dir(topo_, store_, tmp_, state.step);
-  header_ = manifest_header(state, cfg_, topo_);
-  // The snapshot: this rank's slices, back to back, in host memory (reused between saves).
-  const std::vector<PlannedSlice> plan = plan_my_shard(state, topo_);
-  int64_t total = 0;
-  offsets_.clear();
-  for (const PlannedSlice& ps : plan) {
-    offsets_.push_back(total);
-    total += ps.slice.n();
-  }
-  const Device device = state.params().params().device();
-  if (!snapshot_ || snapshot_device_ != device) {
-    snapshot_ = std::make_unique<HostBuffer>(device);
-    snapshot_device_ = device;
-  }
-  float* snap = snapshot_->reserve(static_cast<size_t>(total));
-  snapshot_elems_ = total;
-  for (size_t i = 0; i < plan.size(); ++i) copy_slice(state, plan[i], snap + offsets_[i]);
-  snapshot_s_ = now() - t0;
-  // The thread gets copies of the plan's geometry and names, never the state.
-  std::vector<PlannedSlice> geometry = plan;
-  for (PlannedSlice& ps : geometry) ps.p = nullptr;
-  std::vector<std::string> names = names_of(plan);
-  error_.clear();
-  done_.store(false);
-  pending_ = true;
-  thread_ = std::thread([this, geometry = std::move(geometry), names = std::move(names)] {
-    const double w0 = now();
-    try {
-      write_shard(
-          geometry, names, [this](size_t i) { return snapshot_->data() + offsets_[i]; },
-          topo_.world_rank, header_.step(), tmp_, on_phase_);
-    } catch (const Error& e) {
-      error_ = e.what();
-    } catch (const std::exception& e) {
-      error_ = std::string("internal error: ") + e.what();
-    }
-    write_s_ = now() - w0;
-    done_.store(true);
-  });
-}
-
-int64_t AsyncCheckpointWriter::finish() {
-  KEEL_CHECK(pending_, kInternal, "no async checkpoint save to finish");
-  if (thread_.joinable()) thread_.join();
-  pending_ = false;
-  const int64_t step = header_.step();
-  finish_save(topo_, cfg_.checkpoint(), store_, tmp_, std::move(header_), error_, on_phase_,
-              pinned_);
-  return step;
-}
-
-double AsyncCheckpointWriter::now() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace keel

@@ -129,6 +129,14 @@ std::vector<int64_t> CheckpointStore::remove_newer_than(int64_t step) const {
   return order;
 }
 
+size_t CheckpointStore::remove_all() const {
+  const size_t n = steps().size();
+  std::error_code ec;
+  std::filesystem::remove_all(root_, ec);
+  KEEL_CHECK(!ec, kIo, root_, ": cannot delete: ", ec.message());
+  return n;
+}
+
 int CheckpointStore::remove_stale() const {
   int n = 0;
   std::error_code ec;

@@ -47,6 +47,10 @@ class CheckpointStore {
   // Removes step_*.tmp (and step_*.old) directories and LATEST.tmp.* files a crash left behind;
   // returns how many directories.
   int remove_stale() const;
+  // Deletes the whole store: every checkpoint, LATEST and whatever a crash left (--overwrite,
+  // starting a run over). Returns how many committed checkpoints it held; throws kIo naming the
+  // root.
+  size_t remove_all() const;
   // Of the lineage, keeps the newest `keep`, every step that is a multiple of `keep_every` (0:
   // none), every step `pinned` says to keep and LATEST's; removes the others. Checkpoints off the
   // lineage are neither counted nor removed. Returns the removed steps, newest first.

@@ -285,9 +285,7 @@ std::optional<int64_t> Trainer::resume() {
           KEEL_CHECK(ro.overwrite, kUsage, store_->root(), " holds ", steps.size(),
                      " checkpoint(s), the newest at step ", steps.front(),
                      ": drop --no-resume to resume from it, or add --overwrite to delete them");
-          std::error_code ec;
-          std::filesystem::remove_all(store_->root(), ec);
-          KEEL_CHECK(!ec, kIo, store_->root(), ": cannot delete: ", ec.message());
+          store_->remove_all();
           say("--overwrite: deleted " + std::to_string(steps.size()) + " checkpoint(s) in " +
               store_->root());
         }
@@ -390,9 +388,7 @@ void Trainer::start_lineage_at(const std::string& dir, int64_t step) {
              " checkpoint(s) of another history (the newest at step ", steps.front(),
              "): --resume-from ", dir,
              " there would mix two runs; use another --run-dir, or add --overwrite to delete them");
-  std::error_code ec;
-  std::filesystem::remove_all(store_->root(), ec);
-  KEEL_CHECK(!ec, kIo, store_->root(), ": cannot delete: ", ec.message());
+  store_->remove_all();
   say("--overwrite: deleted " + std::to_string(steps.size()) + " checkpoint(s) in " +
       store_->root());
 }

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "checkpoints/async_writer.h"
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
