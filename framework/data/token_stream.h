@@ -6,8 +6,9 @@
 // Note [token files are read, not mapped]: files stay open and every read is a pread(2) into the
 // caller's buffer whose length is checked. A file truncated while a run uses it (a mapping would
 // kill the process with SIGBUS on the next access to a page past the new end) makes the read
-// short, and the read throws kData naming the file and "truncated while in use". The pread costs
-// no more than the mapping's page faults on the training data path (README "Data").
+// short, and the read throws kData naming the file and "truncated while in use". The cost: a
+// system call per read; the sampler fills 8 windows of 1024 tokens in 8.2 us against 4.0 us from
+// a mapping, and keel-train's tokens/s shows no measurable difference.
 #pragma once
 
 #include <cstdint>
