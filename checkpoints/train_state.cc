@@ -42,4 +42,19 @@ void TrainState::write_moments(const StateParam& p, const float* m, const float*
   if (v) optimizer_.v().copy_from_host(at, p.moments.n, v);
 }
 
+uint64_t first_unskipped_sample(uint64_t next_sample, uint64_t global_batch,
+                                const std::vector<SkippedRange>& skipped) {
+  uint64_t first = next_sample;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (const SkippedRange& sk : skipped) {
+      if (first < sk.first_sample + sk.n && sk.first_sample < first + global_batch) {
+        first = sk.first_sample + sk.n;
+        moved = true;
+      }
+    }
+  }
+  return first;
+}
+
 }  // namespace keel

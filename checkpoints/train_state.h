@@ -46,6 +46,13 @@ struct GuardState {
   bool operator==(const GuardState&) const = default;
 };
 
+// The first training sample of a step of `global_batch` samples that would start at
+// `next_sample`: past every range the spike guard skipped that the step would overlap (repeatedly,
+// as moving past one may reach another). Skipped data is never read again, even after a rewind
+// to before it.
+uint64_t first_unskipped_sample(uint64_t next_sample, uint64_t global_batch,
+                                const std::vector<SkippedRange>& skipped);
+
 // One parameter as the state walker shows it: its registry entry (logical name, global shape,
 // shard dim, this rank's slice and arena offset), the arena elements of its values on this rank,
 // and the part of them whose AdamW moments this rank holds (all of them without ZeRO-1; the

@@ -1,6 +1,7 @@
 // Fault injection at named points (see header).
 #include "launch/fault_injector.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -44,6 +45,22 @@ void FaultInjector::at(FaultPoint point, int64_t step) const {
   std::fflush(stderr);
   if (!stall) std::raise(SIGKILL);
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+FaultInjector::Injection FaultInjector::inject(int64_t step, const std::vector<int64_t>& rewinds) {
+  const int64_t replayed_up_to =
+      rewinds.empty() ? 0 : *std::max_element(rewinds.begin(), rewinds.end());
+  auto injected = [&](int32_t at, int64_t& fired) {
+    const bool due = at > 0 && (step == at || (cfg_.inject_every() > 0 && step > at &&
+                                               (step - at) % cfg_.inject_every() == 0));
+    if (!due || step <= fired || step <= replayed_up_to) return false;
+    fired = step;
+    return true;
+  };
+  Injection in;
+  in.spike = injected(cfg_.inject_spike_at_step(), spike_fired_);
+  in.nan = injected(cfg_.inject_nan_at_step(), nan_fired_);
+  return in;
 }
 
 }  // namespace keel

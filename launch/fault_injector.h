@@ -3,10 +3,12 @@
 // debug.kill_rank / kill_at_step / fault / fault_point (a rank that dies, hangs or throws at the
 // start of a step, for the watchdog tests, or in the middle of a checkpoint save, for the crash
 // tests).
-// The spike guard's debug.inject_* faults join here when the guard is built.
+// And the spike guard's debug.inject_spike_at_step / inject_nan_at_step: a step whose learning
+// rate is scaled by debug.inject_factor, or whose gradients all become NaN.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "framework/config/keel.pb.h"
 
@@ -27,9 +29,21 @@ class FaultInjector {
   // throws keel::Error (kInternal) naming the rank and the step.
   void at(FaultPoint point, int64_t step) const;
 
+  // What debug.inject_* does to step `step` (1-based). Each injection fires once per step
+  // number: a step replayed after a rewind is not hit again (a real bad batch would have been
+  // skipped), also in a process resumed after the rewind (`rewinds`, the steps the guard rewound
+  // at, are part of the run state).
+  struct Injection {
+    bool spike = false;  // scale the step's learning rate by debug.inject_factor
+    bool nan = false;    // every gradient of the step becomes NaN (the loss stays finite)
+  };
+  Injection inject(int64_t step, const std::vector<int64_t>& rewinds);
+  double spike_factor() const { return cfg_.inject_factor(); }
+
  private:
   config::Debug cfg_;
   int world_rank_;
+  int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at
 };
 
 }  // namespace keel
