@@ -482,8 +482,9 @@ void validate_spike(const config::Spike& s) {
   KEEL_CHECK(s.rewind_window() >= 1, kConfig, "spike.rewind_window=", s.rewind_window(),
              " must be >= 1 step");
   KEEL_CHECK(s.max_skipped_steps() >= s.patience(), kConfig,
-             "spike.max_skipped_steps=", s.max_skipped_steps(), " must be >= spike.patience=",
-             s.patience(), " (a streak must be able to reach a rewind before it halts)");
+             "spike.max_skipped_steps=", s.max_skipped_steps(),
+             " must be >= spike.patience=", s.patience(),
+             " (a streak must be able to reach a rewind before it halts)");
 }
 
 void validate_train(const config::Train& t) {
