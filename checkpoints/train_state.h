@@ -32,7 +32,7 @@ struct SkippedRange {
   bool operator==(const SkippedRange&) const = default;
 };
 
-// The spike guard's state (launch/spike_guard.h): saved in every checkpoint so that a resumed
+// The spike guard's state (launch/train/spike_guard.h): saved in every checkpoint so that a resumed
 // run decides exactly as the uninterrupted one would, and never replays skipped data.
 struct GuardState {
   std::vector<SkippedRange> skipped;

@@ -3,7 +3,7 @@
 // system). Used for config.pbtxt now and for checkpoint manifests next.
 //
 // Note [EINTR]: keel-train's stop-signal handlers are installed without SA_RESTART
-// (launch/stop_signals.cc), so a system call that blocks when a SIGTERM or SIGUSR1 arrives on
+// (launch/train/stop_signals.cc), so a system call that blocks when a SIGTERM or SIGUSR1 arrives on
 // its thread (a write to a pipe or a slow file system, an open of a FIFO, an fsync on NFS) may
 // fail with EINTR. Every write, fsync, ftruncate and open here retries on EINTR; a close that
 // fails with EINTR has still released the descriptor on Linux, so it is not retried (a retry

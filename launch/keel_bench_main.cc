@@ -1,10 +1,10 @@
 // keel-bench: times training steps (forward, backward, clipping, AdamW) of named configs and
 // reports tokens/s, achieved GFLOP/s and the fraction of this machine's measured sgemm peak.
-// With --checkpoint it measures checkpoint throughput instead (launch/checkpoint_bench.h).
+// With --checkpoint it measures checkpoint throughput instead (launch/train/checkpoint_bench.h).
 // With --device CUDA it times the GPU configs on one GPU and quotes MFU against the GPU's
 // measured cuBLASLt peak at the run's precision (bf16 by default on a GPU: train.precision).
 //
-// The configs and the FLOPs per token: launch/bench_configs.h.
+// The configs and the FLOPs per token: launch/train/bench_configs.h.
 #include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
@@ -21,9 +21,9 @@
 #include "framework/error.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
-#include "launch/bench_configs.h"
-#include "launch/checkpoint_bench.h"
-#include "launch/trainer.h"
+#include "launch/train/bench_configs.h"
+#include "launch/train/checkpoint_bench.h"
+#include "launch/train/trainer.h"
 #include "parallel/mpi_env.h"
 #include "parallel/topology.h"
 #if KEEL_HAVE_CUDA
@@ -86,7 +86,7 @@ void usage() {
 // What keel-bench measures.
 enum class BenchMode {
   kSteps,       // training steps: tokens/s, GFLOP/s, fraction of the sgemm peak
-  kCheckpoint,  // --checkpoint: disk, save, load and the cost of saves (launch/checkpoint_bench.h)
+  kCheckpoint,  // --checkpoint: disk, save, load and the cost of saves (launch/train/checkpoint_bench.h)
 };
 
 // Whether `which` (--config) selects `name`.

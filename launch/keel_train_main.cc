@@ -23,10 +23,10 @@
 #if KEEL_HAVE_CUDA
 #include "framework/kernels/cuda/exec_context.h"
 #endif
-#include "launch/cli.h"
-#include "launch/nccl_tensor_comms.h"
-#include "launch/stop_signals.h"
-#include "launch/trainer.h"
+#include "launch/train/cli.h"
+#include "launch/train/nccl_tensor_comms.h"
+#include "launch/train/stop_signals.h"
+#include "launch/train/trainer.h"
 #include "layers/memory_estimate.h"
 #include "parallel/device_map.h"
 #include "parallel/mpi_env.h"

@@ -15,7 +15,7 @@ packages=(
   python3-venv python3-pip   # tests/run's venv for the export test (safetensors, transformers)
   python3-torch              # PyTorch for that venv (--system-site-packages): the export test
                              # loads the exported model with transformers and compares logits
-  python3-matplotlib         # launch/plot_run.py (RUN/plots/*.png), run by /usr/bin/python3;
+  python3-matplotlib         # launch/tools/plot_run.py (RUN/plots/*.png), run by /usr/bin/python3;
                              # without it keel-train skips the plots (plot_run.py exits 3)
   clang libclang-rt-dev      # tests/fuzz (tests/run): libFuzzer, ASan and UBSan (compiler-rt)
   libomp-dev                 # OpenMP for clang's build of keel (tests/fuzz)

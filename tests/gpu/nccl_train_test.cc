@@ -13,8 +13,8 @@
 #include "framework/config/config.h"
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/cuda/exec_context.h"
-#include "launch/nccl_tensor_comms.h"
-#include "launch/trainer.h"
+#include "launch/train/nccl_tensor_comms.h"
+#include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 #if KEEL_HAVE_NCCL
 #include "parallel/nccl_communicator.h"

@@ -1,4 +1,4 @@
-// keel-gpu-train-bench: keel-bench's GPU mode (launch/bench_configs.h: 124M with GPT-2 small's
+// keel-gpu-train-bench: keel-bench's GPU mode (launch/train/bench_configs.h: 124M with GPT-2 small's
 // shapes, 350M with GPT-2 medium's) without MPI, for the GPU check (tests/gpu/check.sh): the lent
 // GPU machine has no OpenMPI, and keel-bench starts MPI. Times whole training steps (forward,
 // backward, clipping, AdamW) of the in-process Trainer on GPU 0 and prints tokens/s, achieved
@@ -30,9 +30,9 @@
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/cuda/exec_context.h"
 #include "framework/kernels/exec_context.h"
-#include "launch/bench_configs.h"
-#include "launch/nccl_tensor_comms.h"
-#include "launch/trainer.h"
+#include "launch/train/bench_configs.h"
+#include "launch/train/nccl_tensor_comms.h"
+#include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 
 namespace keel {

@@ -42,7 +42,7 @@
 #include "framework/kernels/gemm.h"
 #include "framework/optim/optimizer.h"
 #include "framework/tensor.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "layers/gpt.h"
 #include "parallel/communicator.h"
 #include "tests/gpu/gpu_test_util.h"

@@ -1,4 +1,4 @@
-// AlertSink (launch/alerts.h): alerts.jsonl holds one parseable line per alert with every field
+// AlertSink (launch/train/alerts.h): alerts.jsonl holds one parseable line per alert with every field
 // (NaN and infinities as null, strings escaped, invalid UTF-8 as U+FFFD), byte for byte; the
 // human line is one line; the hook gets exactly that line on stdin, in order; emit() returns
 // while hooks wait; a non-zero exit and a signal are logged with their number; a hook that hangs
@@ -11,7 +11,7 @@
 // count of the rest, and is not slowed by it; ranks other than 0 and an empty run directory
 // write nothing. Time is never asserted except as a hang bound: emit() under 20 s while its hook
 // waits up to 60 s, a drain under its deadline plus 10 s.
-#include "launch/alerts.h"
+#include "launch/train/alerts.h"
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -600,13 +600,13 @@ TEST(AlertSink, BadTimeoutAndUnwritableDirAreErrors) {
       << io;
 }
 
-// launch/alert_webhook.sh as the hook, with a stand-in curl first on PATH that records its
+// launch/tools/alert_webhook.sh as the hook, with a stand-in curl first on PATH that records its
 // config (stdin), its arguments and the payload file: the URL reaches curl only through its
 // config, the payload is Slack's {"text": ...} naming the step, kind, action and message, and
 // the post is bounded by --max-time. Without KEEL_ALERT_WEBHOOK_URL it exits 2 and says why.
 TEST(AlertWebhookExample, PostsASlackPayloadAndRefusesWithoutAUrl) {
   TempDir dir;
-  const std::string script = std::string(KEEL_SOURCE_DIR) + "/launch/alert_webhook.sh";
+  const std::string script = std::string(KEEL_SOURCE_DIR) + "/launch/tools/alert_webhook.sh";
   ASSERT_EQ(access(script.c_str(), X_OK), 0) << script << " is not executable";
   make_fake_curl(dir);
   const std::string url = "http://hooks.invalid/T000/secret";

@@ -15,7 +15,7 @@
 #include "framework/config/config.h"
 #include "framework/data/corpus.h"
 #include "framework/kernels/gemm.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 #include "tests/launch/launch_test_util.h"
 

@@ -1,4 +1,4 @@
-// README's "Sizing a GPU run" table is what launch/plan_step_time.py prints, line for line, the
+// README's "Sizing a GPU run" table is what launch/tools/plan_step_time.py prints, line for line, the
 // script's arithmetic holds for one row recomputed here (124M at TP8 x DP16), and every row's
 // head count divides by its tp.
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@ using testing::read_file;
 using testing::run_command;
 using testing::TempDir;
 
-const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plan_step_time.py";
+const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/tools/plan_step_time.py";
 
 // The number after " key=" in one of the script's "key=value ..." lines.
 double value_of(const std::string& line, const std::string& key) {

@@ -1,4 +1,4 @@
-// launch/plot_run.py under Debian's /usr/bin/python3 (python3-matplotlib, launch/setup.sh), on a
+// launch/tools/plot_run.py under Debian's /usr/bin/python3 (python3-matplotlib, launch/setup.sh), on a
 // synthetic run with a rewind: metrics.jsonl logs steps 1..30, then 21..40 again (with a null
 // and a NaN loss, and val_loss every 10 steps), and alerts.jsonl holds four alerts written by
 // alert_json, one a rewind from step 30 to 20. It exits 0, prints exactly one line per PNG whose
@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <string>
 
-#include "launch/alerts.h"
+#include "launch/train/alerts.h"
 #include "tests/launch/launch_test_util.h"
 
 namespace keel {
@@ -24,7 +24,7 @@ using testing::run_command;
 using testing::TempDir;
 
 const std::string kPython = "/usr/bin/python3";
-const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/plot_run.py";
+const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/tools/plot_run.py";
 
 std::string metrics_line(int step, bool rewound) {
   const double loss = 5.0 * std::exp(-step / 30.0) + 1.0 + (rewound && step >= 25 ? 3.0 : 0.0);

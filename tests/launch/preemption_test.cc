@@ -1,4 +1,4 @@
-// Preemption through the real binaries (Note [preemption] in launch/stop_signals.cc): SIGTERM to
+// Preemption through the real binaries (Note [preemption] in launch/train/stop_signals.cc): SIGTERM to
 // one rank of a TP2 job under mpiexec -n 2 mid-run saves the step every rank agreed on and exits
 // 0, and the resumed run's losses and final checkpoint equal the uninterrupted run's bit for bit;
 // SIGUSR1 does the same in one process; SIGUSR1 to mpiexec reaches every rank at once (they save,
@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "launch/stop_signals.h"
+#include "launch/train/stop_signals.h"
 #include "parallel/watchdog.h"
 #include "tests/launch/launch_test_util.h"
 

@@ -47,7 +47,7 @@ const std::map<std::string, Expected>& expected() {
       {"olmo2_small", {"OLMo 2", "olmo2", "500000.0", ""}},
       {"qwen3_small", {"Qwen3", "qwen3", "1000000.0", ""}},
       {"gemma3_small", {"keel", "", "", "model.mlp=GEGLU (Qwen3's MLP is SwiGLU)"}},
-      {"sweep", {"keel", "", "", ""}},  // launch/keel-sweep's base config
+      {"sweep", {"keel", "", "", ""}},  // launch/tools/keel-sweep's base config
   };
   return e;
 }

@@ -4,7 +4,7 @@
 // Through keel-train: a second job on a run directory in use exits 2 naming the first job's pid
 // and touches nothing (the first job's metrics lines all stay); after the first is killed with
 // SIGKILL the kernel has released its lock, so the same command resumes at once.
-#include "launch/run_lock.h"
+#include "launch/train/run_lock.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-// launch/keel-sweep and launch/plot_sweep.py, driving the real keel-train on tiny grids:
+// launch/tools/keel-sweep and launch/tools/plot_sweep.py, driving the real keel-train on tiny grids:
 // - a 2 x 2 grid (two learning rates x NONE/RMS, z_loss 1e-4) writes a sweep.csv with exactly the
 //   documented columns, one row per run in grid order, every number parsing and in range, a
 //   sensitivity.csv that agrees with Wortsman et al.'s definition recomputed here from sweep.csv,
@@ -8,7 +8,7 @@
 //   finishes, its alert drawn in guard_run.png;
 // - bad usage, a sweep directory made with other settings, and a run keel-train rejects each exit
 //   2 with one line naming the cause;
-// - plot_sweep.py draws the committed example (launch/sweep_example) headless.
+// - plot_sweep.py draws the committed example (launch/examples/sweep) headless.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,8 +31,8 @@ using testing::run_command;
 using testing::TempDir;
 
 const std::string kPython = "/usr/bin/python3";
-const std::string kSweep = std::string(KEEL_SOURCE_DIR) + "/launch/keel-sweep";
-const std::string kPlot = std::string(KEEL_SOURCE_DIR) + "/launch/plot_sweep.py";
+const std::string kSweep = std::string(KEEL_SOURCE_DIR) + "/launch/tools/keel-sweep";
+const std::string kPlot = std::string(KEEL_SOURCE_DIR) + "/launch/tools/plot_sweep.py";
 const std::vector<std::string> kColumns = {"name",
                                            "lr",
                                            "qk_norm",
@@ -302,7 +302,7 @@ TEST(SweepTest, NonfiniteRunsStopAndTheGuardArmSkipsThem) {
   EXPECT_NE(r.out.find("plot_sweep: wrote " + out + "/plots/guard_run.png (points="),
             std::string::npos)
       << r.out;
-  expect_png(out + "/plots/guard_run.png", 1100, 500);  // launch/plot_run.py's drawing
+  expect_png(out + "/plots/guard_run.png", 1100, 500);  // launch/tools/plot_run.py's drawing
 }
 
 TEST(SweepTest, BadInputExitsTwoWithOneLine) {
@@ -344,7 +344,7 @@ TEST(SweepTest, BadInputExitsTwoWithOneLine) {
 TEST(SweepTest, PlotScriptDrawsTheCommittedExample) {
   TempDir dir("keel_sweep_test");
   const std::string copy = dir.file("example");
-  fs::copy(std::string(KEEL_SOURCE_DIR) + "/launch/sweep_example", copy,
+  fs::copy(std::string(KEEL_SOURCE_DIR) + "/launch/examples/sweep", copy,
            fs::copy_options::recursive);
   fs::remove_all(copy + "/plots");
   const auto r = run_command(command_line(kPython, {kPlot, copy}), dir);
@@ -378,11 +378,11 @@ TEST(SweepTest, PlotScriptDrawsTheCommittedExample) {
 namespace keel {
 namespace {
 
-// README's table and figures of the reference sweep come from the committed launch/sweep_example:
+// README's table and figures of the reference sweep come from the committed launch/examples/sweep:
 // each row is rebuilt here from sweep.csv and sensitivity.csv at the printed precision, and the
 // sensitivities are recomputed from the per-run final losses.
 TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
-  const std::string dir = std::string(KEEL_SOURCE_DIR) + "/launch/sweep_example";
+  const std::string dir = std::string(KEEL_SOURCE_DIR) + "/launch/examples/sweep";
   // Line breaks read as spaces, so rewrapping README's prose does not break the test.
   std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
   std::replace(readme.begin(), readme.end(), '\n', ' ');
@@ -455,7 +455,7 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
         "gradient-norm spike at step 22", "checkpoint of step 10, skipping 31 batches"}) {
     EXPECT_NE(readme.find(figure), std::string::npos) << figure;
   }
-  // The longer runs (launch/sweep_example/long): README's table, rebuilt from its sweep.csv.
+  // The longer runs (launch/examples/sweep/long): README's table, rebuilt from its sweep.csv.
   const auto long_rows = read_csv(dir + "/long/sweep.csv", kColumns);
   ASSERT_EQ(long_rows.size(), 10u);
   for (const char* lr : {"0.003", "0.01", "0.03", "0.1", "0.3"}) {

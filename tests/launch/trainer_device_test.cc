@@ -29,7 +29,7 @@
 #include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/exec_context.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 #include "tests/fake_device.h"
 #include "tests/launch/launch_test_util.h"

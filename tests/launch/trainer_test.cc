@@ -2,7 +2,7 @@
 // from another seed), gradient accumulation equal to one large batch, metrics.jsonl's fields and
 // round-trip float precision, evaluate() leaving the training state untouched, and z-loss
 // accounting. All on a tiny model in one process (Topology::single).
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 
 #include <gtest/gtest.h>
 

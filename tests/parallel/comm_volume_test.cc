@@ -1,6 +1,6 @@
 // Communication volume: the bytes every communicator of the topology moves in one training step
 // equal, exactly, the analytic formula below (derived from layers/gpt.cc, layers/attention.cc,
-// layers/mlp.cc, launch/trainer.cc and parallel/grad_sync.cc). Bytes are payload bytes as
+// layers/mlp.cc, launch/train/trainer.cc and parallel/grad_sync.cc). Bytes are payload bytes as
 // Communicator::bytes_moved counts them: n * 4 for an all-reduce of n floats (8 per double),
 // size * n * 4 for an all-gather or reduce-scatter of n floats per rank (the whole buffer), 0 in a
 // group of one.
@@ -66,7 +66,7 @@
 #include <string>
 #include <vector>
 
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "layers/params.h"
 #include "parallel/communicator.h"
 #include "parallel/topology.h"

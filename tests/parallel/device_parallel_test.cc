@@ -38,7 +38,7 @@
 
 #include "framework/kernels/exec_context.h"
 #include "framework/tensor.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "layers/params.h"
 #include "parallel/communicator.h"
 #include "parallel/staging_communicator.h"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "parallel/topology.h"
 #include "tests/parallel/parallel_test_util.h"
 

@@ -38,7 +38,7 @@
 #include <utility>
 #include <vector>
 
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "layers/params.h"
 #include "parallel/communicator.h"
 #include "parallel/topology.h"

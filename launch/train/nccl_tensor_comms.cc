@@ -1,7 +1,7 @@
 // NCCL tensor communicators for the Trainer (nccl_tensor_comms.h): groups of one. No MPI here, so
 // binaries that use only these (the GPU check's, on a machine without MPI) link none; the
 // MPI-bootstrapped ones are in nccl_tensor_comms_mpi.cc.
-#include "launch/nccl_tensor_comms.h"
+#include "launch/train/nccl_tensor_comms.h"
 
 #if KEEL_HAVE_NCCL
 #include "framework/error.h"

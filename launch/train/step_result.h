@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "launch/spike_guard.h"
+#include "launch/train/spike_guard.h"
 
 namespace keel {
 

@@ -15,8 +15,8 @@
 #include "framework/kernels/exec_context.h"
 #include "framework/metrics.h"
 #include "framework/tensorboard/tensorboard.h"
-#include "launch/alerts.h"
-#include "launch/step_result.h"
+#include "launch/train/alerts.h"
+#include "launch/train/step_result.h"
 
 namespace keel {
 

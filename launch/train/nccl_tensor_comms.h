@@ -8,7 +8,7 @@
 
 #include "framework/kernels/cuda/device.h"
 #include "framework/kernels/exec_context.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 
 namespace keel {

@@ -1,5 +1,5 @@
 // Fault injection at named points (see header).
-#include "launch/fault_injector.h"
+#include "launch/train/fault_injector.h"
 
 #include <algorithm>
 #include <chrono>

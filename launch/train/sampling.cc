@@ -1,5 +1,5 @@
 // Text sampling from the trained model (see sampling.h).
-#include "launch/sampling.h"
+#include "launch/train/sampling.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
-// keel-bench --checkpoint (launch/checkpoint_bench.h): disk speed, save and load throughput, and
+// keel-bench --checkpoint (launch/train/checkpoint_bench.h): disk speed, save and load throughput, and
 // the training time a synchronous or asynchronous save costs.
-#include "launch/checkpoint_bench.h"
+#include "launch/train/checkpoint_bench.h"
 
 #include <fcntl.h>
 #include <omp.h>
@@ -20,7 +20,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "framework/error.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 
 namespace keel {
 namespace {

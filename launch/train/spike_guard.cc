@@ -12,7 +12,7 @@
 // learning rate down. More than spike.max_rewinds rewinds within spike.rewind_window steps halt
 // the run (exit 3). A training loss that falls, or a gradient norm that drifts slowly, stays
 // under a median that trails it, so a healthy run raises nothing (measured in the README).
-#include "launch/spike_guard.h"
+#include "launch/train/spike_guard.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 
 namespace keel {
 

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """plot_sweep.py SWEEP: draws a keel-sweep directory's results into SWEEP/plots/.
 
-Reads SWEEP/sweep.csv (launch/keel-sweep), SWEEP/sweep.json (for ln vocab, the loss of a uniform
+Reads SWEEP/sweep.csv (launch/tools/keel-sweep), SWEEP/sweep.json (for ln vocab, the loss of a uniform
 prediction) and, for the per-step plots, SWEEP/runs/NAME/metrics.jsonl and alerts.jsonl. Writes:
 
   final_loss_vs_lr.png      (a) final loss against the peak learning rate, one curve per
@@ -10,7 +10,7 @@ prediction) and, for the per-step plots, SWEEP/runs/NAME/metrics.jsonl and alert
                             stable and first unstable learning rate (solid, dashed), and every
                             other QK-norm mode of the sweep at the same two learning rates
   guard_run.png             (c) the guard arm's loss with its spike, rewind and skip alerts
-                            (launch/plot_run.py's drawing), when the sweep ran the arm
+                            (launch/tools/plot_run.py's drawing), when the sweep ran the arm
   max_attn_logit_vs_lr.png  the largest attention logit of each run against the learning rate
   log_z_vs_lr.png           the final mean log Z (output-logit scale) against the learning rate
 

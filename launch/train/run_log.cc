@@ -1,6 +1,6 @@
 // The run's log (see run_log.h): metrics.jsonl, TensorBoard, the progress line and its ETA, and
 // their trimming on resume.
-#include "launch/run_log.h"
+#include "launch/train/run_log.h"
 
 #include <algorithm>
 #include <cmath>

@@ -25,13 +25,13 @@
 #include "framework/metrics.h"
 #include "framework/optim/optimizer.h"
 #include "framework/tensorboard/tensorboard.h"
-#include "launch/alerts.h"
-#include "launch/fault_injector.h"
-#include "launch/rewinder.h"
-#include "launch/run_lock.h"
-#include "launch/run_log.h"
-#include "launch/spike_guard.h"
-#include "launch/step_result.h"
+#include "launch/train/alerts.h"
+#include "launch/train/fault_injector.h"
+#include "launch/train/rewinder.h"
+#include "launch/train/run_lock.h"
+#include "launch/train/run_log.h"
+#include "launch/train/spike_guard.h"
+#include "launch/train/step_result.h"
 #include "layers/gpt.h"
 #include "parallel/grad_sync.h"
 #include "parallel/watchdog.h"
@@ -52,7 +52,7 @@ struct TrainerOptions {
   ResumeOptions resume;          // checkpoints live in run_dir/checkpoints (none without run_dir)
   // 0, or the stop signal this process received (keel-train: StopSignals::received). Polled at
   // the end of every step and agreed over all ranks: a signalled run saves and stops
-  // (Note [preemption] in launch/stop_signals.cc).
+  // (Note [preemption] in launch/train/stop_signals.cc).
   std::function<int()> stop_signal;
   // train.device other than CPU: the GPU this rank uses (parallel/device_map.h picks it).
   int device_index = 0;

@@ -1,5 +1,5 @@
 // The run-directory lock (Note [run-directory lock]).
-#include "launch/run_lock.h"
+#include "launch/train/run_lock.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

@@ -12,8 +12,8 @@
 #include "checkpoints/store.h"
 #include "checkpoints/train_state.h"
 #include "framework/config/keel.pb.h"
-#include "launch/spike_guard.h"
-#include "launch/step_result.h"
+#include "launch/train/spike_guard.h"
+#include "launch/train/step_result.h"
 #include "parallel/communicator.h"
 
 namespace keel {

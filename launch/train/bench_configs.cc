@@ -1,5 +1,5 @@
 // The benchmark configs, the FLOP count and the GPU's GEMM peak (bench_configs.h).
-#include "launch/bench_configs.h"
+#include "launch/train/bench_configs.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -12,7 +12,7 @@
 #include "framework/kernels/cuda/gemm.h"
 #include "framework/kernels/cuda/ops.h"
 #endif
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 
 namespace keel::bench {
 

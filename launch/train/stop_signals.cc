@@ -13,7 +13,7 @@
 // one fails with EINTR; the writes that matter retry (framework/file_io.cc). A rank stuck in a
 // collective because a peer died would otherwise wait silently for the launcher's SIGKILL: the
 // watchdog names its collective (Note [stop signal]).
-#include "launch/stop_signals.h"
+#include "launch/train/stop_signals.h"
 
 #include <unistd.h>
 

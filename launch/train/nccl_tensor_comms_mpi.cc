@@ -1,5 +1,5 @@
 // NCCL tensor communicators bootstrapped over MPI (nccl_tensor_comms.h): keel-train's.
-#include "launch/nccl_tensor_comms.h"
+#include "launch/train/nccl_tensor_comms.h"
 
 #if KEEL_HAVE_NCCL
 #include "parallel/nccl_communicator.h"

@@ -1,6 +1,6 @@
 // The training loop: a step in phases (compute gradients, decide, carry out the verdict, apply),
 // evaluation, checkpoint saves and the end-of-step agreement. See trainer.h.
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 
 #include <omp.h>
 
@@ -22,8 +22,8 @@
 #include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
 #include "framework/philox.h"
-#include "launch/fault_injector.h"
-#include "launch/sampling.h"
+#include "launch/train/fault_injector.h"
+#include "launch/train/sampling.h"
 #include "parallel/agree.h"
 #include "parallel/staging_communicator.h"
 

@@ -1,6 +1,6 @@
 // The spike guard's alert sink: alerts.jsonl, the stderr line, and the hook worker
 // (Note [alert hooks] in alerts.h).
-#include "launch/alerts.h"
+#include "launch/train/alerts.h"
 
 #include <fcntl.h>
 #include <poll.h>

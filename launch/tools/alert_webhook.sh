@@ -3,7 +3,7 @@
 # ({"text": ...}). keel-train runs alert.command through /bin/sh -c with the alert's JSON line
 # on stdin (launch/ALERTS.md), so:
 #   export KEEL_ALERT_WEBHOOK_URL=https://hooks.slack.com/services/...
-#   keel-train cfg.pbtxt --set alert.command=$PWD/launch/alert_webhook.sh
+#   keel-train cfg.pbtxt --set alert.command=$PWD/launch/tools/alert_webhook.sh
 # Needs python3 (builds the payload, no jq) and curl. The URL reaches curl through its config
 # on stdin, not its argv, so `ps` does not show the webhook's secret. Exits 2 when the URL is
 # unset or stdin is not an alert, and with curl's code when the post fails (keel-train logs the

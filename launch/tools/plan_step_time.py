@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """On-paper step time of a TP x DP GPU run, to size a job before booking it (README "Sizing a GPU
-run"). Compute: the PaLM FLOPs per token (launch/bench_configs.h) at an assumed MFU of the GPU's
+run"). Compute: the PaLM FLOPs per token (launch/train/bench_configs.h) at an assumed MFU of the GPU's
 dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step": the
 TP activations and their gradients move in bf16, parallel.tp_comm_dtype's default under
 train.precision=BF16, or in fp32 with --tp-comm-dtype FP32; the DP gradients in fp32) over NCCL
@@ -14,7 +14,7 @@ the embedding's fp32 output rounded and widened (12 bytes an element) and each o
 gradients widened after its all-reduce (6 bytes); the row-parallel outputs cost nothing extra (the
 GEMMs write bf16, the residual adds read it).
 
-usage: launch/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype BF16|FP32] [--sequence-parallel]
+usage: launch/tools/plan_step_time.py [--mfu 0.45] [--tp-comm-dtype BF16|FP32] [--sequence-parallel]
                                 [--markdown]
 """
 import argparse

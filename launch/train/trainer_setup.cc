@@ -11,7 +11,7 @@
 #include "framework/file_io.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
-#include "launch/trainer.h"
+#include "launch/train/trainer.h"
 #include "parallel/agree.h"
 #include "parallel/staging_communicator.h"
 

@@ -1,6 +1,6 @@
 // keel-train command line: keel-train [CONFIG.pbtxt] [--set path=value]... [--run-dir DIR]
 // [--no-resume [--overwrite] | --resume-from PATH [--overwrite]]
-#include "launch/cli.h"
+#include "launch/train/cli.h"
 
 #include <cstring>
 #include <string>

@@ -1,5 +1,5 @@
 // The spike guard's rewind and retention pin (see rewinder.h).
-#include "launch/rewinder.h"
+#include "launch/train/rewinder.h"
 
 #include <algorithm>
 
