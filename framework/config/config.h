@@ -11,7 +11,7 @@
 
 namespace keel {
 
-// The full default configuration (parsed from a text-format string embedded in config.cc, so the
+// The full default configuration (parsed from a text-format string in config_defaults.cc, so the
 // defaults read like a .pbtxt). Not yet validated: d_ff, max_positions and data.format are still
 // the "resolve me" values 0 / 0 / AUTO.
 config::KeelConfig default_config();
