@@ -280,7 +280,9 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     std::printf(
         "\nkeel-train: outputs in %s/ (metrics.jsonl, alerts.jsonl, tensorboard/, "
         "config.pbtxt%s)\n",
-        args.run_dir.c_str(), cfg.checkpoint().every() > 0 ? ", checkpoints/" : "");
+        args.run_dir.c_str(),
+        cfg.checkpoint().every() > 0 || cfg.checkpoint().every_minutes() > 0 ? ", checkpoints/"
+                                                                             : "");
     if (cfg.train().plot()) plot_run(args.run_dir);
     std::fflush(stdout);  // the results are out before sampling starts
     if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {

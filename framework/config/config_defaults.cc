@@ -79,6 +79,7 @@ data {
 }
 checkpoint {
   every: 0
+  every_minutes: 30
   keep: 3
   keep_every: 0
   async: false

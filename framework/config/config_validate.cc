@@ -295,7 +295,10 @@ void validate(KeelConfig& cfg) {
              " must be >= 0 (0 disables)");
   validate_data(*cfg.mutable_data(), cfg.train());
   KEEL_CHECK(cfg.checkpoint().every() >= 0, kConfig, "checkpoint.every=", cfg.checkpoint().every(),
-             " must be >= 0 (0 disables checkpoints)");
+             " must be >= 0 (0: no saves by step count)");
+  KEEL_CHECK(cfg.checkpoint().every_minutes() >= 0, kConfig,
+             "checkpoint.every_minutes=", cfg.checkpoint().every_minutes(),
+             " must be >= 0 (0: no saves by wall clock)");
   KEEL_CHECK(cfg.checkpoint().keep() >= 1, kConfig, "checkpoint.keep=", cfg.checkpoint().keep(),
              " must be >= 1");
   KEEL_CHECK(cfg.checkpoint().keep_every() >= 0, kConfig,

@@ -82,6 +82,8 @@ SaveHook Trainer::save_hook() const {
 
 void Trainer::save_checkpoint() {
   KEEL_CHECK(store_ != nullptr, kUsage, "save_checkpoint needs a run directory");
+  last_save_wtime_ = omp_get_wtime();
+  timed_save_due_ = false;
   if (async_) {
     // One save in flight at a time: the previous one is committed (or reported) first.
     if (async_->pending()) finish_checkpoint();
@@ -93,6 +95,8 @@ void Trainer::save_checkpoint() {
 
 void Trainer::save_now() {
   const double t0 = omp_get_wtime();
+  last_save_wtime_ = t0;
+  timed_save_due_ = false;
   keel::save_checkpoint(*state_, cfg_, topo_, *store_, save_hook(),
                         [this](int64_t s) { return rewinder_->pinned(s); });
   saved_step_ = state_->step;
@@ -139,11 +143,14 @@ void Trainer::finish_checkpoint() {
 }
 
 Trainer::StepControl Trainer::agree_on_control() {
-  // Every rank's [stop signal number, whether it has one, async write still running]: one small
-  // all-gather per step, so that every rank stops, and commits, at the same step.
+  // Every rank's [stop signal number, whether it has one, async write still running, a timed
+  // save due by its clock]: one small all-gather per step, so that every rank stops, commits and
+  // saves at the same step. Only rank 0's clock counts for the timed save.
   const int sig = opts_.stop_signal ? opts_.stop_signal() : 0;
+  const double minutes = cfg_.checkpoint().every_minutes();
+  const bool due = store_ && minutes > 0 && omp_get_wtime() - last_save_wtime_ >= minutes * 60.0;
   const std::vector<int64_t> mine = {sig, sig ? 1 : 0,
-                                     async_ && async_->pending() && !async_->done_locally()};
+                                     async_ && async_->pending() && !async_->done_locally(), due};
   const std::vector<int64_t> table =
       topo_.world_size > 1 ? every_rank(topo_.world_comm, mine) : mine;
   StepControl c;
@@ -152,6 +159,7 @@ Trainer::StepControl Trainer::agree_on_control() {
     c.stop_signal = std::max(c.stop_signal, static_cast<int>(row[0]));
     if (row[1] != 0) c.signalled_rank = topo_.world_size > 1 ? r : topo_.world_rank;
     c.writes_running = c.writes_running || row[2] != 0;
+    if (r == 0) c.save_due = row[3] != 0;
   }
   return c;
 }
@@ -447,6 +455,13 @@ void Trainer::run() {
   const auto& t = cfg_.train();
   log_.start(omp_get_wtime());
   const int every = cfg_.checkpoint().every();
+  // Note [timed saves]: checkpoint.every_minutes (on by default) saves at the first step end
+  // after that much wall-clock time since the last save, so a long run can always resume and the
+  // guard always has a checkpoint to rewind to. Clocks differ across ranks, so rank 0's verdict
+  // travels in the end-of-step agreement and applies at the next step end, on every rank alike.
+  const bool periodic = every > 0 || cfg_.checkpoint().every_minutes() > 0;
+  last_save_wtime_ = omp_get_wtime();
+  timed_save_due_ = false;
   while (state_->step < t.steps()) {
     const StepResult r = step();
     log_.count(r.seconds, tokens_per_step());
@@ -466,11 +481,12 @@ void Trainer::run() {
     }
     // No periodic save while the guard sees anomalies (the state may be what spiked), nor of a
     // step the guard rewound from.
-    if (store_ && every > 0 && !r.rewound &&
-        ((r.step % every == 0 && state_->guard.streak == 0) || last)) {
+    const bool due = (every > 0 && r.step % every == 0) || timed_save_due_;
+    if (store_ && periodic && !r.rewound && ((due && state_->guard.streak == 0) || last)) {
       save_checkpoint();
     }
     const StepControl c = agree_on_control();
+    timed_save_due_ = timed_save_due_ || c.save_due;
     if (async_ && async_->pending() && !c.writes_running) finish_checkpoint();
     if (c.stop_signal != 0) {
       stop_for_signal(c);

@@ -137,6 +137,7 @@ class Trainer {
     int stop_signal = 0;          // 0: go on
     int signalled_rank = -1;      // the highest rank the signal reached
     bool writes_running = false;  // some rank's async checkpoint write is not done
+    bool save_due = false;        // rank 0: checkpoint.every_minutes have passed since a save
   };
   StepControl agree_on_control();
   void stop_for_signal(const StepControl& c);
@@ -173,6 +174,10 @@ class Trainer {
   std::unique_ptr<Resumer> resumer_;              // rank 0's decisions over store_
   std::unique_ptr<Rewinder> rewinder_;
   int64_t saved_step_ = -1;  // the newest step this run has saved
+  // Saving by wall clock (checkpoint.every_minutes): rank 0's clock at the last save begun (or
+  // at the start), and whether the ranks have agreed that a save is due (Note [timed saves]).
+  double last_save_wtime_ = 0.0;
+  bool timed_save_due_ = false;
   std::optional<int64_t> failed_save_;
   int stopped_by_signal_ = 0;
   SpikeGuard guard_;

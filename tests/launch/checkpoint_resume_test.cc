@@ -393,6 +393,43 @@ TEST_F(CheckpointResume, AStaleTemporaryIsRemovedAndRetentionKeepsThePolicy) {
   EXPECT_EQ(left("guarded"), expected);
 }
 
+// Note [timed saves]: checkpoint.every_minutes is on by default (30 minutes), so a run saves at
+// its end (and every 30 minutes) with checkpoint.every=0; both 0 save nothing.
+TEST_F(CheckpointResume, ByDefaultARunEndsWithACheckpoint) {
+  const CommandResult d = train("default", 1, {"--set", "checkpoint.every=0"});
+  ASSERT_EQ(d.exit_code, 0) << d.out << d.err;
+  EXPECT_TRUE(fs::exists(ckpt("default", 20)));
+  EXPECT_EQ(read_file(dir_.file("default") + "/checkpoints/LATEST"), "step_00000020\n");
+  EXPECT_NE(d.out.find("config.pbtxt, checkpoints/)"), std::string::npos) << d.out;
+  const CommandResult again = train("default", 1, {"--set", "checkpoint.every=0"});
+  ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_NE(again.out.find("resuming from " + ckpt("default", 20) + " at step 20"),
+            std::string::npos)
+      << again.out;
+  const CommandResult off =
+      train("off", 1, {"--set", "checkpoint.every=0", "--set", "checkpoint.every_minutes=0"});
+  ASSERT_EQ(off.exit_code, 0) << off.out << off.err;
+  EXPECT_FALSE(fs::exists(dir_.file("off") + "/checkpoints/LATEST"));
+  EXPECT_NE(off.out.find("config.pbtxt)"), std::string::npos) << off.out;
+}
+
+// A tiny checkpoint.every_minutes makes every step end past due: rank 0's verdict applies at the
+// next step end on every rank alike, so steps 2 to 20 are saved, in one process and at TP2xDP2
+// (a rank saving a step the others do not would hang the save's collectives).
+TEST_F(CheckpointResume, SavesByWallClockOnEveryRankAlike) {
+  for (int ranks : {1, 4}) {
+    SCOPED_TRACE(ranks);
+    const std::string run = "timed" + std::to_string(ranks);
+    std::vector<std::string> args = {"--set", "checkpoint.every=0",
+                                     "--set", "checkpoint.every_minutes=1e-9",
+                                     "--set", "checkpoint.keep=100"};
+    if (ranks == 4) args.insert(args.end(), {"--set", "parallel.tp=2"});
+    const CommandResult r = train(run, ranks, args);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    for (int s = 1; s <= 20; ++s) EXPECT_EQ(fs::exists(ckpt(run, s)), s >= 2) << "step " << s;
+  }
+}
+
 // Note [lineage]: --resume-from an older checkpoint of the run directory starts a new lineage
 // there. The newer checkpoints of the branch it abandons are deleted (and the line says so), the
 // logs lose the abandoned steps, and a plain restart afterwards resumes the new branch, never the
