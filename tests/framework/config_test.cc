@@ -458,16 +458,17 @@ TEST(Config, UnspecifiedOrUnknownEnumIsAnError) {
                   {"model.norm is unspecified"});
 }
 
-// README's "Config fields" table names every field a user can set (as `section.field`), so a new
-// field cannot land undocumented; and names no field the config does not have.
+// The "Config fields" table of docs/config.md names every field a user can set (as
+// `section.field`), so a new field cannot land undocumented; and names no field the config does
+// not have.
 TEST(Config, ReadmeDocumentsEveryField) {
-  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  ASSERT_TRUE(in) << "cannot read README.md";
-  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t begin = readme.find("### Config fields");
+  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/docs/config.md");
+  ASSERT_TRUE(in) << "cannot read docs/config.md";
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = doc.find("\n## Config fields\n");
   ASSERT_NE(begin, std::string::npos);
-  const size_t end = readme.find("\n### ", begin + 1);
-  const std::string table = readme.substr(begin, end - begin);
+  const size_t end = doc.find("\n## ", begin + 1);
+  const std::string table = doc.substr(begin, end - begin);
   const KeelConfig cfg = default_config();
   const google::protobuf::Descriptor* top = cfg.GetDescriptor();
   std::vector<std::string> fields;
@@ -481,7 +482,7 @@ TEST(Config, ReadmeDocumentsEveryField) {
   EXPECT_GT(fields.size(), 60u);
   for (const std::string& f : fields) {
     EXPECT_NE(table.find("`" + f + "`"), std::string::npos)
-        << f << " is missing from README's \"Config fields\" table";
+        << f << " is missing from docs/config.md's \"Config fields\" table";
   }
   // Every `a.b` the table's first column names is a field.
   size_t pos = 0;
@@ -493,7 +494,7 @@ TEST(Config, ReadmeDocumentsEveryField) {
       const size_t close = cell.find('`', q + 1);
       const std::string name = cell.substr(q + 1, close - q - 1);
       EXPECT_NE(std::find(fields.begin(), fields.end(), name), fields.end())
-          << "README documents " << name << ", which is not a config field";
+          << "docs/config.md documents " << name << ", which is not a config field";
       ++named;
       q = close;
     }
@@ -502,17 +503,18 @@ TEST(Config, ReadmeDocumentsEveryField) {
   EXPECT_EQ(named, static_cast<int>(fields.size()));
 }
 
-// Every default the "Config fields" table prints is the built-in default (kDefaultsText), and
-// kDefaultsText sets every field explicitly (so it is the one place the defaults live). A cell
-// naming several fields lists their defaults in the same order; "0 (auto: ...)" compares its 0.
+// Every default the "Config fields" table (docs/config.md) prints is the built-in default
+// (kDefaultsText), and kDefaultsText sets every field explicitly (so it is the one place the
+// defaults live). A cell naming several fields lists their defaults in the same order; "0 (auto:
+// ...)" compares its 0.
 TEST(Config, ReadmeDefaultsAreTheDefaults) {
   namespace pb = google::protobuf;
-  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  ASSERT_TRUE(in) << "cannot read README.md";
-  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t begin = readme.find("### Config fields");
+  std::ifstream in(std::string(KEEL_SOURCE_DIR) + "/docs/config.md");
+  ASSERT_TRUE(in) << "cannot read docs/config.md";
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = doc.find("\n## Config fields\n");
   ASSERT_NE(begin, std::string::npos);
-  const std::string table = readme.substr(begin, readme.find("\n### ", begin + 1) - begin);
+  const std::string table = doc.substr(begin, doc.find("\n## ", begin + 1) - begin);
   const KeelConfig cfg = default_config();
   auto trim = [](std::string t) {
     const size_t paren = t.find(" (");
@@ -568,9 +570,9 @@ TEST(Config, ReadmeDefaultsAreTheDefaults) {
       if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT ||
           f->cpp_type() == pb::FieldDescriptor::CPPTYPE_DOUBLE) {
         EXPECT_NEAR(std::stod(actual), std::stod(want), 1e-6 * std::abs(std::stod(want)))
-            << name << ": README says " << want << ", the default is " << actual;
+            << name << ": docs/config.md says " << want << ", the default is " << actual;
       } else {
-        EXPECT_EQ(actual, want) << name << ": README says " << want << ", the default is "
+        EXPECT_EQ(actual, want) << name << ": docs/config.md says " << want << ", the default is "
                                 << actual;
       }
       ++checked;

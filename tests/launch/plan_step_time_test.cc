@@ -1,6 +1,6 @@
-// README's "Sizing a GPU run" table is what launch/tools/plan_step_time.py prints, line for line, the
-// script's arithmetic holds for one row recomputed here (124M at TP8 x DP16), and every row's
-// head count divides by its tp.
+// The "Sizing a GPU run" tables of docs/distributed.md are what launch/tools/plan_step_time.py
+// prints, line for line, the script's arithmetic holds for one row recomputed here (124M at
+// TP8 x DP16), and every row's head count divides by its tp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,10 +26,10 @@ double value_of(const std::string& line, const std::string& key) {
 }
 
 // Both tables: the default (bf16 on the TP wire) and --tp-comm-dtype FP32 (whose TP1 row, the
-// same as the first table's, README leaves out).
+// same as the first table's, the page leaves out).
 TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
   TempDir dir("keel_plan_step_time_test");
-  const std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
+  const std::string doc = read_file(std::string(KEEL_SOURCE_DIR) + "/docs/distributed.md");
   for (const std::string flags : {"", " --tp-comm-dtype FP32", " --sequence-parallel"}) {
     const auto r = run_command("python3 " + kScript + " --markdown" + flags, dir);
     ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -37,8 +37,8 @@ TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
     std::string line;
     int rows = 0;
     while (std::getline(lines, line)) {
-      EXPECT_NE(readme.find(line + "\n"), std::string::npos)
-          << "not in README.md (" << flags << "): " << line;
+      EXPECT_NE(doc.find(line + "\n"), std::string::npos)
+          << "not in docs/distributed.md (" << flags << "): " << line;
       ++rows;
     }
     EXPECT_EQ(rows, 6) << flags;  // header, rule, four layouts
@@ -63,10 +63,10 @@ TEST(PlanStepTime, EveryRowSplitsWholeHeads) {
   EXPECT_EQ(rows, 4);
 }
 
-// 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: README's TP formula
-// A[w (2 + 4L) BT C + 4 x 3 BT] + 8 bytes, w = 2 with bf16 on the TP wire (the default, whose TP
-// time adds A BT C (12 + 6 (1 + 2L)) bytes of HBM traffic at 3.35 TB/s) or 4 (--tp-comm-dtype
-// FP32), and the fp32 arena over TP for DP.
+// 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: the TP formula of
+// docs/distributed.md, A[w (2 + 4L) BT C + 4 x 3 BT] + 8 bytes, w = 2 with bf16 on the TP wire
+// (the default, whose TP time adds A BT C (12 + 6 (1 + 2L)) bytes of HBM traffic at 3.35 TB/s) or
+// 4 (--tp-comm-dtype FP32), and the fp32 arena over TP for DP.
 class PlanStepTimeWire : public ::testing::TestWithParam<int> {};
 
 TEST_P(PlanStepTimeWire, ArithmeticOfOneRow) {
@@ -95,10 +95,11 @@ INSTANTIATE_TEST_SUITE_P(Wire, PlanStepTimeWire, ::testing::Values(2, 4),
                            return i.param == 2 ? std::string("BF16") : std::string("FP32");
                          });
 
-// --sequence-parallel, 124M at TP8 x DP16 (16 x 2 of 1024 tokens): README's formula with
-// sequence parallelism, fp32 all-gathers and reduce-scatters of (4 + 10L) BT C per micro-batch
-// moving 7/8 of each buffer per rank in a ring, plus all-reduces (2 (7/8)) of the loss statistics,
-// the 2L + 1 LayerNorms' weight and bias gradients and the 8-byte norm; no bf16 casts.
+// --sequence-parallel, 124M at TP8 x DP16 (16 x 2 of 1024 tokens): the formula of
+// docs/distributed.md with sequence parallelism, fp32 all-gathers and reduce-scatters of
+// (4 + 10L) BT C per micro-batch moving 7/8 of each buffer per rank in a ring, plus all-reduces
+// (2 (7/8)) of the loss statistics, the 2L + 1 LayerNorms' weight and bias gradients and the
+// 8-byte norm; no bf16 casts.
 TEST(PlanStepTime, SequenceParallelArithmeticOfOneRow) {
   TempDir dir("keel_plan_step_time_test");
   const auto r = run_command("python3 " + kScript + " --sequence-parallel", dir);

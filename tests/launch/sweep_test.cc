@@ -378,14 +378,14 @@ TEST(SweepTest, PlotScriptDrawsTheCommittedExample) {
 namespace keel {
 namespace {
 
-// README's table and figures of the reference sweep come from the committed launch/examples/sweep:
+// The tables and figures of docs/stability-sweeps.md come from the committed launch/examples/sweep:
 // each row is rebuilt here from sweep.csv and sensitivity.csv at the printed precision, and the
 // sensitivities are recomputed from the per-run final losses.
 TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
   const std::string dir = std::string(KEEL_SOURCE_DIR) + "/launch/examples/sweep";
-  // Line breaks read as spaces, so rewrapping README's prose does not break the test.
-  std::string readme = read_file(std::string(KEEL_SOURCE_DIR) + "/README.md");
-  std::replace(readme.begin(), readme.end(), '\n', ' ');
+  // Line breaks read as spaces, so rewrapping the page's prose does not break the test.
+  std::string doc = read_file(std::string(KEEL_SOURCE_DIR) + "/docs/stability-sweeps.md");
+  std::replace(doc.begin(), doc.end(), '\n', ' ');
   const auto rows = read_csv(dir + "/sweep.csv", kColumns);
   ASSERT_EQ(rows.size(), 65u) << "64 grid runs and the guard arm";
   const auto sens = read_csv(dir + "/sensitivity.csv",
@@ -436,7 +436,9 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
                                                                : "?") +
                             " | " + fmt("%.3f", at01) + " | " + fmt("%.3f", at03) + " | " +
                             (peak > 1000 ? with_commas(peak) : fmt("%.1f", peak)) + " |";
-    EXPECT_NE(readme.find(row), std::string::npos) << "README lacks the row\n" << row;
+    EXPECT_NE(doc.find(row), std::string::npos)
+        << "docs/stability-sweeps.md lacks the row\n"
+        << row;
   }
   // The guard arm's figures.
   const Row& arm = rows.back();
@@ -453,9 +455,10 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
   for (const char* figure :
        {"final loss 2.286, against 2.358 without the guard", "reached 557",
         "gradient-norm spike at step 22", "checkpoint of step 10, skipping 31 batches"}) {
-    EXPECT_NE(readme.find(figure), std::string::npos) << figure;
+    EXPECT_NE(doc.find(figure), std::string::npos) << figure;
   }
-  // The longer runs (launch/examples/sweep/long): README's table, rebuilt from its sweep.csv.
+  // The longer runs (launch/examples/sweep/long): the page's second table, rebuilt from its
+  // sweep.csv.
   const auto long_rows = read_csv(dir + "/long/sweep.csv", kColumns);
   ASSERT_EQ(long_rows.size(), 10u);
   for (const char* lr : {"0.003", "0.01", "0.03", "0.1", "0.3"}) {
@@ -475,7 +478,9 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
                             " | " + with_commas(none_logit) + " | " +
                             fmt("%.3f", number(rms->at("final_loss"))) + " | " +
                             fmt("%.1f", number(rms->at("max_attn_logit"))) + " |";
-    EXPECT_NE(readme.find(row), std::string::npos) << "README lacks the row\n" << row;
+    EXPECT_NE(doc.find(row), std::string::npos)
+        << "docs/stability-sweeps.md lacks the row\n"
+        << row;
   }
   const auto long_sens = read_csv(dir + "/long/sensitivity.csv",
                                   {"qk_norm", "z_loss", "lr_sensitivity", "best_final_loss",
@@ -484,7 +489,7 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
   EXPECT_EQ(long_sens[0].at("max_stable_lr"), "0.01");
   EXPECT_EQ(long_sens[1].at("max_stable_lr"), "0.1");
   EXPECT_NE(
-      readme.find("LR sensitivity is " + fmt("%.3f", number(long_sens[0].at("lr_sensitivity"))) +
+      doc.find("LR sensitivity is " + fmt("%.3f", number(long_sens[0].at("lr_sensitivity"))) +
                   " without QK-norm and " + fmt("%.3f", number(long_sens[1].at("lr_sensitivity"))) +
                   " with it"),
       std::string::npos);
