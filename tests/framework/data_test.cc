@@ -638,8 +638,8 @@ TEST(Sampler, FromDatasetAndConfig) {
   // The default job: 3,800,000 training tokens hold 29687 windows of 128 + 1.
   const config::KeelConfig defaults = load_config("", {});
   EXPECT_EQ(Sampler(Dataset::open(defaults), defaults).windows_per_epoch(), 29687);
-  // README ("Data"): the default job (launch/configs/default.pbtxt: 600 steps of 16 sequences)
-  // reads 32.3% of an epoch.
+  // docs/data.md ("Sampling"): the default job (launch/configs/default.pbtxt: 600 steps of 16
+  // sequences) reads 32.3% of an epoch.
   const config::KeelConfig job =
       load_config(std::string(KEEL_SOURCE_DIR) + "/launch/configs/default.pbtxt", {});
   const double windows = static_cast<double>(Sampler(Dataset::open(job), job).windows_per_epoch());
@@ -706,13 +706,13 @@ Measured measure(const std::vector<uint8_t>& bytes) {
 
 TEST(Corpus, EntropyFiguresMatchTheMeasuredText) {
   // The default corpus (data.builtin_seed=7, data.builtin_bytes=4000000) has the figures the
-  // README quotes, at the precision it prints them.
+  // docs/data.md quotes, at the precision it prints them.
   const Corpus c = generate_corpus(7, 4000000);
   ASSERT_EQ(c.bytes.size(), 4000000u);
   std::printf("[corpus] entropy rate %.9g nats/byte, unigram entropy %.9g nats\n",
               c.entropy_rate_nats_per_byte, c.unigram_entropy_nats);
-  EXPECT_NEAR(c.entropy_rate_nats_per_byte, 0.3075, 0.00005);  // README: 0.3075 nats/byte
-  EXPECT_NEAR(c.unigram_entropy_nats, 2.854, 0.0005);          // README: 2.854 nats
+  EXPECT_NEAR(c.entropy_rate_nats_per_byte, 0.3075, 0.00005);  // docs/data.md: 0.3075 nats/byte
+  EXPECT_NEAR(c.unigram_entropy_nats, 2.854, 0.0005);          // docs/data.md: 2.854 nats
   EXPECT_LT(c.entropy_rate_nats_per_byte, c.unigram_entropy_nats / 4);
   EXPECT_NEAR(c.entropy_rate_nats_per_byte, c.entropy_nats_per_word / c.mean_bytes_per_word, 1e-12);
 

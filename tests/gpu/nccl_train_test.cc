@@ -1,9 +1,9 @@
 // The multi-GPU path on one GPU: a training job whose TP and DP tensor collectives go through
 // 1-rank NCCL communicators (TrainerOptions::tensor_comms_for_one_rank) equals the same job on
 // the GPU without NCCL bit for bit (a 1-rank NCCL all-reduce leaves its buffer as it is), and
-// moves the bytes README's formula gives a group of one: none. With a RoPE + SwiGLU block and
-// PROJECTION-scope QK-norm, so every kind of TP collective in the layers (activations, norm
-// statistics, the loss's row statistics) runs. Skips without a GPU or without NCCL.
+// moves the bytes docs/distributed.md's formula gives a group of one: none. With a RoPE + SwiGLU
+// block and PROJECTION-scope QK-norm, so every kind of TP collective in the layers (activations,
+// norm statistics, the loss's row statistics) runs. Skips without a GPU or without NCCL.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -85,7 +85,7 @@ TEST(NcclTrain, OneRankNcclJobEqualsTheJobWithoutNccl) {
   EXPECT_EQ(nccl.losses, plain.losses);
   EXPECT_EQ(nccl.grad_norms, plain.grad_norms);
   EXPECT_TRUE(nccl.params == plain.params) << "parameters differ after 4 steps";
-  EXPECT_EQ(nccl.tp_bytes, 0);  // README: a group of one moves nothing
+  EXPECT_EQ(nccl.tp_bytes, 0);  // docs/distributed.md: a group of one moves nothing
   EXPECT_EQ(nccl.dp_bytes, 0);
 #else
   GTEST_SKIP() << "this build has no NCCL (keel_nccl)";

@@ -2,9 +2,9 @@
 // steps: it exits 0 and ends with exactly one summary line
 //   config=S tokens_per_s=... gflops=... peak_gflops=... peak_fraction=... ranks=... tp=... dp=...
 // whose numbers are positive and finite, peak_fraction > 0, gflops = tokens_per_s x the
-// PaLM FLOPs per token of the model (README "Benchmark"), peak_fraction = gflops / peak_gflops,
-// peak_gflops = ranks x the per-rank sgemm peak of the header line, and the layout figures match
-// the launch (under DP the data-parallel group moved bytes, TP none).
+// PaLM FLOPs per token of the model (docs/performance.md, "Benchmark"), peak_fraction = gflops /
+// peak_gflops, peak_gflops = ranks x the per-rank sgemm peak of the header line, and the layout
+// figures match the launch (under DP the data-parallel group moved bytes, TP none).
 //
 // keel-bench --checkpoint on the same tiny model, in one process (scratch directory in $TMPDIR)
 // and on 2 ranks (in --dir): it exits 0 and prints exactly one ckpt=disk, save, load, sync_cost

@@ -1,5 +1,5 @@
 // keel-train warns, once, with its start-up banner, when OpenBLAS runs its generic Prescott
-// kernels on a CPU with AVX2 or AVX-512 (README "BLAS and threads"), naming the
+// kernels on a CPU with AVX2 or AVX-512 (docs/performance.md, "BLAS and threads"), naming the
 // OPENBLAS_CORETYPE that fixes it; with that setting it says nothing. keel-bench says the same on
 // stderr. OPENBLAS_CORETYPE forces OpenBLAS's choice, so both cases are provoked on any AVX2
 // machine.

@@ -292,8 +292,8 @@ TEST_F(KeelTrainCli, ThreadsFarAboveTheCores) {
     SCOPED_TRACE(set);
     expect_refused(train({"--set", set}), "config", {set});
   }
-  // README's two caps: OpenBLAS's compiled limit (64 in Debian's build) and 4 x the machine's
-  // hardware threads, each named with its number.
+  // docs/config.md's two caps (train.threads): OpenBLAS's compiled limit (64 in Debian's build) and
+  // 4 x the machine's hardware threads, each named with its number.
   expect_refused(train({"--set", "train.threads=65"}), "config",
                  {"train.threads=65 exceeds OpenBLAS's limit of 64 threads"});
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -282,7 +282,8 @@ TEST(StopSignals, TheSameSignalAgainWithinTheWindowIsIgnored) {
 }
 
 TEST(StopSignals, TheSameSignalAfterTheWindowEndsTheProcess) {
-  static_assert(StopSignals::kRepeatWindowSeconds == 5, "the README and the lines say 5 s");
+  static_assert(StopSignals::kRepeatWindowSeconds == 5,
+                "docs/checkpoints.md and the lines say 5 s");
   EXPECT_EXIT(
       {
         StopSignals signals(2);

@@ -263,8 +263,9 @@ TEST(MemoryEstimate, Bf16TpWireScratch) {
   EXPECT_EQ(act(bf16, 2, Device::kCpu), act(fp32_wire, 2, Device::kCpu));
 }
 
-// README's figure: GPT-2 124M's shapes (QK-norm on, learned positions, GELU) at 16 x 1024 tokens
-// keep 4.4 GB less of activations under BF16 on a GPU than under FP32 (Note [act-dtype]).
+// docs/gpu.md's figure ("Mixed precision"): GPT-2 124M's shapes (QK-norm on, learned positions,
+// GELU) at 16 x 1024 tokens keep 4.4 GB less of activations under BF16 on a GPU than under FP32
+// (Note [act-dtype]).
 TEST(MemoryEstimate, Bf16ActivationsSaveFourPointFourGBAtGpt2Small) {
   const std::vector<std::string> shapes = {
       "model.vocab_size=50304", "model.d_model=768", "model.n_layers=12",    "model.n_heads=12",
@@ -278,8 +279,8 @@ TEST(MemoryEstimate, Bf16ActivationsSaveFourPointFourGBAtGpt2Small) {
   EXPECT_NEAR(saved / 1e9, 4.4, 0.05);
 }
 
-// README ("Activation recomputation"): GPT-2 small shapes on a GPU under BF16, 16 x 1024 tokens
-// per micro-batch: train.recompute_layers=12 keeps 3.54 GB of activations, 6.97 GB less than
+// docs/model.md ("Activation recomputation"): GPT-2 small shapes on a GPU under BF16, 16 x 1024
+// tokens per micro-batch: train.recompute_layers=12 keeps 3.54 GB of activations, 6.97 GB less than
 // keeping every block's (10.51 GB), and 6 (half the blocks) 3.17 GB less.
 TEST(MemoryEstimate, RecomputationAtGpt2Small) {
   const std::vector<std::string> shapes = {
@@ -298,9 +299,10 @@ TEST(MemoryEstimate, RecomputationAtGpt2Small) {
   EXPECT_NEAR((keep - half) / 1e9, 3.17, 0.005);
 }
 
-// README ("Sequence parallelism"): activations per GPU under BF16 of GPT-2 124M's shapes at TP4
-// (micro-batch 16 x 1024) and the 1.3B of "Sizing a GPU run" at TP8 (d_model 2048, 24 layers, 16
-// heads, 8 x 2048), without and with sequence parallelism, and with it plus full recomputation.
+// docs/distributed.md ("Sequence parallelism"): activations per GPU under BF16 of GPT-2 124M's
+// shapes at TP4 (micro-batch 16 x 1024) and the 1.3B of "Sizing a GPU run" at TP8 (d_model 2048, 24
+// layers, 16 heads, 8 x 2048), without and with sequence parallelism, and with it plus full
+// recomputation.
 TEST(MemoryEstimate, SequenceParallelAtTp4AndTp8) {
   struct Row {
     std::vector<std::string> sets;

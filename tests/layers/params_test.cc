@@ -157,7 +157,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// README ("QK-norm and z-loss"): L2 QK-norm's learned logit scale g starts at
+// docs/model.md ("QK-norm and z-loss"): L2 QK-norm's learned logit scale g starts at
 // log2(seq_len^2 - seq_len) (Henry et al. 2020), one per head with HEAD scope, else one.
 TEST(ModelParams, L2ScaleStartsAtLog2OfSeqLenSquaredMinusSeqLen) {
   for (const char* scope : {"HEAD_SHARED", "HEAD", "PROJECTION"}) {
