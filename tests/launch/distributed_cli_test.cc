@@ -26,11 +26,12 @@ struct JobResult {
   double seconds_after_marker = -1.0;
 };
 
-// keel-train's arguments shared by every job: one thread, no sampling, no evaluation.
-std::string common_args() {
-  return std::string(KEEL_TRAIN_BIN) +
-         " --run-dir /tmp/keel_distributed_cli_test --set train.threads=1"
-         " --set train.sample_chars=0 --set train.eval_every=0 ";
+// keel-train's arguments shared by every job: its own run directory under `dir` (keel-train
+// resumes from a run directory it finds, so no two jobs share one), one thread, no sampling, no
+// evaluation.
+std::string common_args(const TempDir& dir) {
+  return std::string(KEEL_TRAIN_BIN) + " --run-dir " + shell_quote(dir.file("run")) +
+         " --set train.threads=1 --set train.sample_chars=0 --set train.eval_every=0 ";
 }
 
 // Runs `mpiexec_args` (what follows mpiexec's global options) with stdout and stderr merged.
@@ -60,9 +61,10 @@ JobResult run_mpiexec(const std::string& mpiexec_args, const std::string& marker
   return r;
 }
 
-// Every rank runs keel-train with the same arguments.
+// Every rank runs keel-train with the same arguments, in a fresh run directory.
 JobResult run_job(int ranks, const std::string& args, const std::string& marker = "") {
-  return run_mpiexec("-n " + std::to_string(ranks) + " " + common_args() + args, marker);
+  const TempDir dir("keel_distributed_cli");
+  return run_mpiexec("-n " + std::to_string(ranks) + " " + common_args(dir) + args, marker);
 }
 
 int count(const std::string& s, const std::string& part) {
@@ -180,7 +182,7 @@ TEST(DistributedCli, ErrorOnOneRankOnlyNamesThatRankAndEndsTheJob) {
     text += "the quick brown fox " + std::to_string(i) + ". ";
   const std::string good = dir.write("train.txt", text);
   const std::string missing = dir.file("missing_on_rank_1.txt");
-  const std::string args = common_args() + kTiny;
+  const std::string args = common_args(dir) + kTiny;
   const JobResult r = run_mpiexec("-n 1 " + args + " --set data.path=" + shell_quote(good) +
                                   " : -n 1 " + args + " --set data.path=" + shell_quote(missing));
   EXPECT_EQ(r.code, 2) << r.output;  // MPI_Abort's code: the error's
