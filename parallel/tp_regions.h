@@ -36,8 +36,8 @@ namespace keel {
 // here, once. Every TP collective of activations and their gradients goes through TpRegion; the
 // others are the QK-norm statistics of PROJECTION scope (layers/attention.cc), a sequence-parallel
 // norm's weight gradients (layers/norm.cc) and the vocab-parallel loss's row statistics
-// (layers/vocab_parallel_loss.cc), so the communication formula in README.md is read off these
-// call sites. The sums move bf16 for bf16 memory, and for fp32 memory on the bf16 wire (Note
+// (layers/vocab_parallel_loss.cc), so the communication formula in docs/distributed.md is read off
+// these call sites. The sums move bf16 for bf16 memory, and for fp32 memory on the bf16 wire (Note
 // [bf16 wire] in parallel/communicator.h); the gathers and scatters move fp32.
 //
 // `n` is always the element count of this rank's rows (rows(B) x C: all B T rows without SP);

@@ -1,5 +1,5 @@
 // Vectorisable float approximations of exp and tanh for the element-wise kernels (libm's scalar
-// tanhf made GELU the most expensive op of a training step; see README "Performance").
+// tanhf made GELU the most expensive op of a training step; see docs/performance.md).
 // Accuracy: fast_expf relative error < 2e-7 on [-87, 88]; fast_tanhf absolute error < 2e-7.
 // Shared by the CPU and CUDA backends (__host__ __device__).
 #pragma once

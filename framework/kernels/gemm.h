@@ -46,7 +46,8 @@ int max_threads();
 bool set_flush_denormals(bool on);
 // "" when the BLAS picked kernels that suit this CPU; otherwise one line saying what it picked and
 // the OPENBLAS_CORETYPE that fixes it. OpenBLAS older than the CPU falls back to its generic SSE3
-// "Prescott" kernels, about 4.7x slower for sgemm on an AVX-512 Xeon (README "BLAS and threads").
+// "Prescott" kernels, about 4.7x slower for sgemm on an AVX-512 Xeon (docs/performance.md, "BLAS
+// and threads").
 std::string blas_kernel_warning();
 // dst[n] (=) = host_src[n]: the batch's token ids (or targets) from the host into the model's
 // buffer. On the CPU a memcpy; the CUDA form (cuda/ops.h) is a host-to-device copy on the stream.

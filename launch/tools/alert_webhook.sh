@@ -1,7 +1,7 @@
 #!/bin/sh
 # Example alert hook: posts each spike-guard alert to a Slack-compatible incoming webhook
 # ({"text": ...}). keel-train runs alert.command through /bin/sh -c with the alert's JSON line
-# on stdin (launch/ALERTS.md), so:
+# on stdin (docs/alerts.md), so:
 #   export KEEL_ALERT_WEBHOOK_URL=https://hooks.slack.com/services/...
 #   keel-train cfg.pbtxt --set alert.command=$PWD/launch/tools/alert_webhook.sh
 # Needs python3 (builds the payload, no jq) and curl. The URL reaches curl through its config

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""On-paper step time of a TP x DP GPU run, to size a job before booking it (README "Sizing a GPU
-run"). Compute: the PaLM FLOPs per token (launch/train/bench_configs.h) at an assumed MFU of the GPU's
-dense bf16 peak. Communication: keel's bytes per step (README "Communication volume per step": the
-TP activations and their gradients move in bf16, parallel.tp_comm_dtype's default under
-train.precision=BF16, or in fp32 with --tp-comm-dtype FP32; the DP gradients in fp32) over NCCL
+"""On-paper step time of a TP x DP GPU run, to size a job before booking it (docs/distributed.md,
+"Sizing a GPU run"). Compute: the PaLM FLOPs per token (launch/train/bench_configs.h) at an assumed
+MFU of the GPU's dense bf16 peak. Communication: keel's bytes per step (docs/distributed.md,
+"Communication volume per step": the TP activations and their gradients move in bf16,
+parallel.tp_comm_dtype's default under train.precision=BF16, or in fp32 with --tp-comm-dtype FP32; the DP gradients in fp32) over NCCL
 ring all-reduces, 2 (n - 1) / n x bytes per rank, at the link's published per-GPU bandwidth in
 one direction: NVLink 4 inside a node for TP, the node's
 InfiniBand NICs (one 400 Gb/s NDR NIC per GPU) across nodes for DP. Nothing is counted as
@@ -48,7 +48,8 @@ def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_byte
     per_rank = global_batch // dp
     A = per_rank // micro  # micro-batches per step
     BT = micro * T
-    # README's TP formula (RMS QK-norm with HEAD_SHARED gains; their gradients are negligible)
+    # docs/distributed.md's TP formula (RMS QK-norm with HEAD_SHARED gains; their gradients are
+    # negligible)
     w = tp_wire_bytes
     tp_elems = A * (2 + 4 * L) * BT * C if tp > 1 else 0  # activations and their gradients
     tp_bytes = w * tp_elems + 4 * A * 3 * BT + 8 if tp > 1 else 0
@@ -57,7 +58,7 @@ def plan(name, V, C, L, heads, T, global_batch, micro, tp, dp, mfu, tp_wire_byte
     cast_s = cast_bytes / HBM_BYTES_S
     tp_s = 2 * (tp - 1) / tp * tp_bytes / NVLINK_BYTES_S + cast_s
     if sp and tp > 1:
-        # Sequence parallelism (README "Sequence parallelism"): fp32 all-gathers and
+        # Sequence parallelism (docs/distributed.md, "Sequence parallelism"): fp32 all-gathers and
         # reduce-scatters of [BT, C], each counted as the whole buffer and moving (n - 1) / n of it
         # per rank in a ring, replace the activation all-reduces; the loss statistics and each
         # block and final LayerNorm's weight and bias gradients (2C floats) stay all-reduces.
@@ -83,7 +84,7 @@ def main():
                    help="parallel.tp_comm_dtype (BF16: its default under train.precision=BF16)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="parallel.sequence_parallel=true (its collectives move fp32)")
-    p.add_argument("--markdown", action="store_true", help="print README's table")
+    p.add_argument("--markdown", action="store_true", help="print the table in docs/distributed.md")
     a = p.parse_args()
     wire = 2 if a.tp_comm_dtype == "BF16" and not a.sequence_parallel else 4
     rows = [plan(*c, mfu=a.mfu, tp_wire_bytes=wire, sp=a.sequence_parallel) for c in CONFIGS]

@@ -3,7 +3,7 @@
 
 Reads RUN/metrics.jsonl (one object per logged step: step, loss, z_loss, grad_norm, lr,
 tokens_per_s, max_attn_logit, sometimes val_loss; null, NaN or a missing key is a gap) and
-RUN/alerts.jsonl when there is one (launch/ALERTS.md). Writes loss.png (loss and val_loss),
+RUN/alerts.jsonl when there is one (docs/alerts.md). Writes loss.png (loss and val_loss),
 grad_norm.png (log scale when every value is positive), lr.png and max_attn_logit.png, and
 prints one line per PNG:
     plot_run: wrote RUN/plots/loss.png (points=70 segments=2 alerts=4 rewinds=1)

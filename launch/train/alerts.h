@@ -15,7 +15,7 @@
 // holds even where the process does not ignore it). When more than kMaxPendingHooks alerts wait,
 // the oldest is dropped, said once. The end of the run (drain(), or the destructor after a stop)
 // waits at most alert.drain_timeout_s in all: then the running hook is killed, the queued ones
-// are not run, and one line counts them. See launch/ALERTS.md.
+// are not run, and one line counts them. See docs/alerts.md.
 #pragma once
 
 #include <atomic>

@@ -11,7 +11,8 @@
 // spike.skip_batches batches of data from where the streak began, and optionally cools the
 // learning rate down. More than spike.max_rewinds rewinds within spike.rewind_window steps halt
 // the run (exit 3). A training loss that falls, or a gradient norm that drifts slowly, stays
-// under a median that trails it, so a healthy run raises nothing (measured in the README).
+// under a median that trails it, so a healthy run raises nothing (measured in docs/spike-guard.md,
+// "False positives").
 #include "launch/train/spike_guard.h"
 
 #include <algorithm>
