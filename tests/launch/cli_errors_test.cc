@@ -486,6 +486,9 @@ TEST_F(KeelTrainCli, ValidShardsAndTextTrain) {
   std::string text;
   while (text.size() < 3000) text += "the quick brown fox jumps over the lazy dog. ";
   const std::string path = write("ok.txt", text);
+  // A finished run ends with a checkpoint (checkpoint.every_minutes), which a run on other data
+  // in the same directory refuses to resume: this one starts afresh.
+  std::filesystem::remove_all(run_dir());
   r = train({"--set", "data.path=" + path, "--set", "model.vocab_size=128"});
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(r.err, "");
