@@ -145,6 +145,21 @@ void check_vocab(const TokenStream::File& file, int64_t offset, int64_t n, int32
   }
 }
 
+// out[0, n) = the n tokens of `width` bytes (1, 2 or 4; unsigned) at `src`. uint32 tokens were
+// checked against the vocabulary (an int32) at open, so they fit.
+void widen(const uint8_t* src, int width, int64_t n, int32_t* out) {
+  if (width == 1) {
+    for (int64_t j = 0; j < n; ++j) out[j] = src[j];
+  } else if (width == 2) {
+    const auto* t = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < n; ++j) out[j] = t[j];
+  } else {
+    KEEL_ASSERT(width == 4);
+    const auto* t = reinterpret_cast<const uint32_t*>(src);
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<int32_t>(t[j]);
+  }
+}
+
 int32_t header_field(std::string_view head, int index) {
   int32_t value;
   std::memcpy(&value, head.data() + 4 * index, 4);
@@ -160,25 +175,34 @@ std::shared_ptr<const TokenStream::File> open_file(const std::string& path) {
 
 }  // namespace
 
-int64_t shard_token_count(std::string_view head, int64_t file_bytes, const std::string& file) {
+ShardHeader read_shard_header(std::string_view head, int64_t file_bytes, const std::string& file) {
   KEEL_CHECK(
       file_bytes >= kShardHeaderBytes && static_cast<int64_t>(head.size()) >= kShardHeaderBytes,
       kData, file, ": truncated: ", file_bytes, " bytes, shorter than the ", kShardHeaderBytes,
       "-byte llm.c shard header");
   const int32_t magic = header_field(head, 0);
-  KEEL_CHECK(magic == kShardMagic, kData, file, ": bad magic ", magic, " (expected ", kShardMagic,
-             ", an llm.c token shard)");
   const int32_t version = header_field(head, 1);
-  KEEL_CHECK(version == kShardVersion, kData, file, ": unsupported version ", version,
-             " (expected ", kShardVersion, " = uint16 tokens)");
+  KEEL_CHECK(magic == kShardMagic || magic == kShardMagicU32, kData, file, ": bad magic ", magic,
+             " (expected an llm.c token shard: ", kShardMagic, " for uint16 tokens or ",
+             kShardMagicU32, " for uint32 tokens)");
+  const bool u16 = magic == kShardMagic;
+  KEEL_CHECK(version == (u16 ? kShardVersion : kShardVersionU32), kData, file,
+             ": unsupported version ", version, " for magic ", magic, " (expected magic ",
+             kShardMagic, " version ", kShardVersion, " = uint16 tokens, or magic ", kShardMagicU32,
+             " version ", kShardVersionU32, " = uint32 tokens)");
+  const int width = u16 ? 2 : 4;
   const int64_t n = header_field(head, 2);
   KEEL_CHECK(n > 0, kData, file, ": header says ", n, " tokens (expected > 0)");
-  const int64_t held = (file_bytes - kShardHeaderBytes) / 2;
+  const int64_t held = (file_bytes - kShardHeaderBytes) / width;
   KEEL_CHECK(held >= n, kData, file, ": truncated: header says ", n, " tokens, file holds ", held);
-  KEEL_CHECK(file_bytes == kShardHeaderBytes + 2 * n, kData, file, ": header says ", n,
+  KEEL_CHECK(file_bytes == kShardHeaderBytes + width * n, kData, file, ": header says ", n,
              " tokens but the file holds ", file_bytes - kShardHeaderBytes,
              " bytes of tokens (trailing bytes)");
-  return n;
+  return {n, width};
+}
+
+int64_t shard_token_count(std::string_view head, int64_t file_bytes, const std::string& file) {
+  return read_shard_header(head, file_bytes, file).tokens;
 }
 
 TokenStream TokenStream::from_bytes(std::vector<uint8_t> bytes, const std::string& description,
@@ -224,10 +248,14 @@ TokenStream TokenStream::open_shards(const std::string& pattern, int32_t vocab_s
     std::shared_ptr<const File> file = open_file(path);
     std::string head(static_cast<size_t>(std::min(file->bytes(), kShardHeaderBytes)), '\0');
     file->read(0, static_cast<int64_t>(head.size()), head.data());
-    const int64_t n = shard_token_count(head, file->bytes(), path);
-    check_vocab<uint16_t>(*file, kShardHeaderBytes, n, vocab_size, "token", "");
-    s.segments_.push_back({nullptr, nullptr, file, kShardHeaderBytes, 2, s.size_, n});
-    s.size_ += n;
+    const ShardHeader h = read_shard_header(head, file->bytes(), path);
+    if (h.width == 2) {
+      check_vocab<uint16_t>(*file, kShardHeaderBytes, h.tokens, vocab_size, "token", "");
+    } else {
+      check_vocab<uint32_t>(*file, kShardHeaderBytes, h.tokens, vocab_size, "token", "");
+    }
+    s.segments_.push_back({nullptr, nullptr, file, kShardHeaderBytes, h.width, s.size_, h.tokens});
+    s.size_ += h.tokens;
   }
   s.description_ = files.size() == 1
                        ? "shard '" + files[0] + "'"
@@ -253,9 +281,9 @@ std::optional<int64_t> TokenStream::peek_size(const std::string& source, bool sh
       if (pread(fd.get(), header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
         return std::nullopt;
       }
-      if (header[0] != kShardMagic || header[1] != kShardVersion || header[2] <= 0) {
-        return std::nullopt;
-      }
+      const bool u16 = header[0] == kShardMagic && header[1] == kShardVersion;
+      const bool u32 = header[0] == kShardMagicU32 && header[1] == kShardVersionU32;
+      if (!(u16 || u32) || header[2] <= 0) return std::nullopt;
       total += header[2];
     } catch (const Error&) {
       return std::nullopt;
@@ -272,13 +300,7 @@ size_t TokenStream::segment_of(int64_t i) const {
 
 void TokenStream::read_segment(const Segment& seg, int64_t k, int64_t n, int32_t* out) {
   if (seg.data != nullptr) {
-    if (seg.width == 1) {
-      const uint8_t* src = seg.data + k;
-      for (int64_t j = 0; j < n; ++j) out[j] = src[j];
-    } else {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(seg.data) + k;
-      for (int64_t j = 0; j < n; ++j) out[j] = src[j];
-    }
+    widen(seg.data + k * seg.width, seg.width, n, out);
     return;
   }
   // Through a block on the stack: one pread per block, then a forward (vectorised) widening.
@@ -288,13 +310,7 @@ void TokenStream::read_segment(const Segment& seg, int64_t k, int64_t n, int32_t
   for (int64_t first = 0; first < n; first += per_block) {
     const int64_t len = std::min(per_block, n - first);
     seg.file->read(seg.offset + (k + first) * seg.width, len * seg.width, raw);
-    int32_t* dst = out + first;
-    if (seg.width == 1) {
-      for (int64_t j = 0; j < len; ++j) dst[j] = raw[j];
-    } else {
-      const auto* src = reinterpret_cast<const uint16_t*>(raw);
-      for (int64_t j = 0; j < len; ++j) dst[j] = src[j];
-    }
+    widen(raw, seg.width, len, out + first);
   }
 }
 

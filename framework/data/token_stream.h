@@ -1,5 +1,6 @@
 // A read-only view of a token stream: in-memory bytes (the built-in corpus), a text file read as
-// bytes, or llm.c token shards (one file or a sorted glob, concatenated in order). Every token is
+// bytes, or llm.c token shards with uint16 or uint32 tokens (one file or a sorted glob,
+// concatenated in order; the two widths may be mixed). Every token is
 // checked against the vocabulary once at open. Copies share the underlying storage; views are
 // cheap to copy and safe to read from many threads.
 //
@@ -20,16 +21,29 @@
 
 namespace keel {
 
-// llm.c shard layout: int32 header[256] = {magic, version, n_tokens, 0...}, then uint16 tokens.
-inline constexpr int32_t kShardMagic = 20240520;
+// llm.c shard layouts (docs/data.md, byte for byte): little-endian int32 header[256] =
+// {magic, version, n_tokens, 0...}, then n_tokens little-endian tokens. llm.c's GPT-2 shards
+// (dev/data/data_common.py "gpt-2") hold uint16 tokens; its LLaMA-3 shards ("llama-3") hold
+// uint32 tokens under their own magic and version, which keel reads and keel-data writes as they
+// are, so shards move between keel and llm.c unchanged.
+inline constexpr int32_t kShardMagic = 20240520;  // uint16 tokens
 inline constexpr int32_t kShardVersion = 1;
+inline constexpr int32_t kShardMagicU32 = 20240801;  // uint32 tokens
+inline constexpr int32_t kShardVersionU32 = 7;
 inline constexpr int64_t kShardHeaderBytes = 256 * 4;
 
-// The token count an llm.c shard's header declares, checked against the file's size: `head` holds
-// the file's first min(file_bytes, kShardHeaderBytes) bytes (bytes beyond the header are ignored)
-// and `file` names the file in errors. Throws kData when the file is shorter than the header, the
-// magic or version is wrong, the header declares no tokens, or the file does not hold exactly the
-// declared tokens (truncated, or trailing bytes).
+struct ShardHeader {
+  int64_t tokens;  // n_tokens, > 0
+  int width;       // bytes per token: 2 (uint16) or 4 (uint32)
+};
+
+// What an llm.c shard's header declares, checked against the file's size: `head` holds the file's
+// first min(file_bytes, kShardHeaderBytes) bytes (bytes beyond the header are ignored) and `file`
+// names the file in errors. Throws kData when the file is shorter than the header, the magic or
+// version is neither layout's, the header declares no tokens, or the file does not hold exactly
+// the declared tokens (truncated, or trailing bytes).
+ShardHeader read_shard_header(std::string_view head, int64_t file_bytes, const std::string& file);
+// read_shard_header(...).tokens.
 int64_t shard_token_count(std::string_view head, int64_t file_bytes, const std::string& file);
 
 class TokenStream {
@@ -42,7 +56,8 @@ class TokenStream {
   // A text file read as bytes. `field` (e.g. "data.path") names the setting in errors.
   static TokenStream open_text(const std::string& path, int32_t vocab_size,
                                const std::string& field);
-  // One llm.c shard file or a glob(3) pattern of them, sorted by name and concatenated. Each file
+  // One llm.c shard file or a glob(3) pattern of them, sorted by name and concatenated (uint16 and
+  // uint32 shards may be mixed: each is read at its own width). Each file
   // stays open (one descriptor per shard; the soft RLIMIT_NOFILE is raised towards the hard one
   // when a glob matches more files than it allows).
   static TokenStream open_shards(const std::string& pattern, int32_t vocab_size,
@@ -66,8 +81,8 @@ class TokenStream {
   class File;  // an open token file (token_stream.cc)
 
  private:
-  // A run of tokens of one width (1: uint8, 2: uint16): in memory at `data`, kept alive by
-  // `owner`, or (data == nullptr) in `file` from byte `offset` on.
+  // A run of tokens of one width (1: uint8, 2: uint16, 4: uint32): in memory at `data`, kept alive
+  // by `owner`, or (data == nullptr) in `file` from byte `offset` on.
   struct Segment {
     std::shared_ptr<const void> owner;
     const uint8_t* data;

@@ -96,12 +96,16 @@ TEST(Shards, MalformedShardsNameTheFileAndReason) {
   const std::string magic = dir.file("magic.bin");
   write_shard(magic, iota_tokens(10, 0), {.magic = 123});
   EXPECT_HAS(error_of(ErrorKind::kData, open(magic)),
-             magic + ": bad magic 123 (expected 20240520, an llm.c token shard)");
+             magic +
+                 ": bad magic 123 (expected an llm.c token shard: 20240520 for uint16 tokens or "
+                 "20240801 for uint32 tokens)");
 
   const std::string version = dir.file("version.bin");
   write_shard(version, iota_tokens(10, 0), {.version = 2});
   EXPECT_HAS(error_of(ErrorKind::kData, open(version)),
-             version + ": unsupported version 2 (expected 1 = uint16 tokens)");
+             version +
+                 ": unsupported version 2 for magic 20240520 (expected magic 20240520 "
+                 "version 1 = uint16 tokens, or magic 20240801 version 7 = uint32 tokens)");
 
   const std::string truncated = dir.file("truncated.bin");
   write_shard(truncated, iota_tokens(50, 0), {.header_tokens = 100});

@@ -44,17 +44,23 @@ cp "$tmp/tp2/checkpoints/step_00000002/manifest.pb" "$corpus/manifest_fuzz/tp2.p
 cp "$tmp/one_export/model.safetensors" "$corpus/safetensors_fuzz/keel-names.safetensors"
 cp "$tmp/tp2_export/model.safetensors" "$corpus/safetensors_fuzz/gpt2-names.safetensors"
 
-# shards: llm.c's layout (int32 header[256] = {20240520, 1, n}, then n uint16 tokens)
+# shards: llm.c's layouts (int32 header[256] = {20240520, 1, n}, then n uint16 tokens; or
+# {20240801, 7, n}, then n uint32 tokens)
 python3 - "$corpus/shard_fuzz" <<'PY'
 import struct, sys
 out = sys.argv[1]
-def shard(name, tokens):
-    header = [20240520, 1, len(tokens)] + [0] * 253
+def shard(name, tokens, u32=False):
+    header = [20240801, 7] if u32 else [20240520, 1]
+    header += [len(tokens)] + [0] * 253
     with open(f"{out}/{name}", "wb") as f:
-        f.write(struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens))
+        f.write(struct.pack("<256i", *header))
+        f.write(struct.pack(f"<{len(tokens)}{'I' if u32 else 'H'}", *tokens))
 shard("one-token.bin", [7])
 shard("ramp.bin", list(range(0, 50257, 997)))
 shard("last-of-vocab.bin", [50256, 0, 50256, 1])
+shard("u32-ramp.bin", list(range(0, 50257, 1999)), u32=True)
+shard("u32-last-of-vocab.bin", [50256, 0, 50256, 1], u32=True)
+shard("u32-out-of-vocab.bin", [3, 65536 + 7], u32=True)
 PY
 
 # The config dictionary: every section and field name (from the run's config.pbtxt, which

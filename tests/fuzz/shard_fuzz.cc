@@ -1,5 +1,5 @@
-// Fuzzes the llm.c token-shard reader: an input is a whole shard file. The header check on the
-// bytes (shard_token_count) and the reader on the file (TokenStream::open_shards, through a
+// Fuzzes the llm.c token-shard reader: an input is a whole shard file, uint16 (magic 20240520) or
+// uint32 (magic 20240801). The header check on the bytes (read_shard_header) and the reader on the file (TokenStream::open_shards, through a
 // temporary file) must agree; a shard that opens must read back exactly its bytes, as a shard and
 // as a text file, and peek_size must count what open_shards counts. Then the file is cut short
 // (by an amount the input's last byte picks) while the stream is open: reading it all must either
@@ -21,7 +21,7 @@
 
 namespace {
 
-constexpr int32_t kVocab = 50257;  // GPT-2's: uint16 tokens past it are refused
+constexpr int32_t kVocab = 50257;  // GPT-2's: tokens past it are refused
 
 // A file in a directory of this process's own, made once (in memory, /dev/shm, where there is
 // one: every input writes and truncates it), and removed at exit.
@@ -47,24 +47,28 @@ void one_input(const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   const int64_t size = static_cast<int64_t>(bytes.size());
 
-  int64_t n = -1;
+  keel::ShardHeader h{-1, 0};
   const bool header_ok = keel::fuzz::accepts(
-      [&] { n = keel::shard_token_count(bytes.substr(0, keel::kShardHeaderBytes), size, path); });
+      [&] { h = keel::read_shard_header(bytes.substr(0, keel::kShardHeaderBytes), size, path); });
+  const int64_t n = h.tokens;
+  const int width = h.width;
   keel::TokenStream s;
   const bool opened =
       keel::fuzz::accepts([&] { s = keel::TokenStream::open_shards(path, kVocab, "data.path"); });
   keel::fuzz::check(header_ok || !opened, "open_shards opened a shard whose header is refused");
   if (!opened) return;
-  keel::fuzz::check(s.size() == n && n == (size - keel::kShardHeaderBytes) / 2,
+  keel::fuzz::check(width == 2 || width == 4, "a shard of another width than 2 or 4 bytes");
+  keel::fuzz::check(s.size() == n && n == (size - keel::kShardHeaderBytes) / width,
                     "open_shards counts another size than the header");
   keel::fuzz::check(keel::TokenStream::peek_size(path, true) == n, "peek_size disagrees");
 
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   s.copy(0, n, tokens.data());
   for (int64_t i = 0; i < n; ++i) {
-    uint16_t t;
-    std::memcpy(&t, bytes.data() + keel::kShardHeaderBytes + 2 * i, 2);
-    keel::fuzz::check(tokens[i] == t && t < kVocab, "a token reads back wrong");
+    uint32_t t = 0;  // little-endian host: the low bytes of a uint32 hold the uint16
+    std::memcpy(&t, bytes.data() + keel::kShardHeaderBytes + width * i, width);
+    keel::fuzz::check(static_cast<uint32_t>(tokens[i]) == t && t < kVocab,
+                      "a token reads back wrong");
   }
   const uint8_t pick = static_cast<uint8_t>(bytes.back());
   const int64_t mid = n * pick / 256;
@@ -81,7 +85,7 @@ void one_input(const std::string& bytes) {
 
   // Cut to the header and `keep` of the n tokens (all of them when pick is 255).
   const int64_t keep = pick == 255 ? n : n * pick / 255;
-  keel::fuzz::check(truncate(path.c_str(), keel::kShardHeaderBytes + 2 * keep) == 0,
+  keel::fuzz::check(truncate(path.c_str(), keel::kShardHeaderBytes + width * keep) == 0,
                     "truncate failed");
   bool read_all = false;
   try {
