@@ -35,26 +35,31 @@ endforeach()
 list(REMOVE_DUPLICATES keel_quick_keys)
 set_property(GLOBAL PROPERTY keel_quick_taken "")
 
-# keel_discover(TARGET LABEL [gtest_discover_tests options]): the binary's tests through
-# gtest_discover_tests, labelled LABEL, and quick where quick.txt's lines for TARGET match.
-function(keel_discover target label)
+# keel_discover(TARGET LABELS [gtest_discover_tests options]): the binary's tests through
+# gtest_discover_tests, labelled LABELS (a list), and quick where quick.txt's lines for TARGET
+# match. gtest_discover_tests passes on only the first entry of a list-valued property, so a
+# binary with more than one label, or with tests in quick.txt, is labelled by keel_quick_finish().
+function(keel_discover target labels)
+  list(GET labels 0 first)
   gtest_discover_tests(${target} DISCOVERY_TIMEOUT 60 ${ARGN}
-                       PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=2" LABELS ${label})
+                       PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=2" LABELS ${first})
   get_property(res GLOBAL PROPERTY keel_quick_re_${target})
-  if(res)
-    set_property(DIRECTORY APPEND PROPERTY keel_quick_discovered ${target} ${label})
+  list(LENGTH labels n)
+  if(res OR n GREATER 1)
+    set_property(DIRECTORY APPEND PROPERTY keel_relabelled ${target})
+    set_property(DIRECTORY PROPERTY keel_labels_${target} "${labels}")
   endif()
 endfunction()
 
 # keel_quick_finish(GUARD [ALL]): after the last test of a directory. Adds quick to the labels of
-# the directory's ctest entries that quick.txt names, and writes the script that does the same for
-# its discovered tests when ctest reads them; a line for them that selects nothing adds the failing
-# entry GUARD naming it. With ALL (the last directory), quick.txt's names that no directory took
-# count as selecting nothing too.
+# the directory's ctest entries that quick.txt names, and writes the script that labels its
+# discovered tests when ctest reads them (quick on those quick.txt names); a line for them that
+# selects nothing adds the failing entry GUARD naming it. With ALL (the last directory),
+# quick.txt's names that no directory took count as selecting nothing too.
 function(keel_quick_finish guard)
   string(CONCAT script
-    "# Written by tests/tiers.cmake: the label quick on the tests tests/quick.txt names.\n"
-    "set(keel_quick_unmatched \"\")\n")
+    "# Written by tests/tiers.cmake: the labels of discovered tests, quick on those tests/quick.txt"
+    " names.\nset(keel_quick_unmatched \"\")\n")
   foreach(key ${keel_quick_keys})
     get_property(entry GLOBAL PROPERTY keel_quick_entry_${key})
     if(entry AND TEST ${key})
@@ -66,19 +71,31 @@ function(keel_quick_finish guard)
       set_property(GLOBAL APPEND PROPERTY keel_quick_taken ${key})
     endif()
   endforeach()
-  get_property(pairs DIRECTORY PROPERTY keel_quick_discovered)
-  while(pairs)
-    list(POP_FRONT pairs target label)
+  get_property(targets DIRECTORY PROPERTY keel_relabelled)
+  foreach(target ${targets})
     set_property(GLOBAL APPEND PROPERTY keel_quick_taken ${target})
+    get_property(labels DIRECTORY PROPERTY keel_labels_${target})
     get_property(res GLOBAL PROPERTY keel_quick_re_${target})
+    set(i 0)
     foreach(re ${res})
-      string(APPEND script "set(n 0)\nforeach(t IN LISTS ${target}_TESTS)\n"
-        "  if(t MATCHES [==[${re}]==])\n"
-        "    set_tests_properties(\${t} PROPERTIES LABELS \"${label};quick\")\n"
-        "    math(EXPR n \"\${n} + 1\")\n  endif()\nendforeach()\n"
-        "if(n EQUAL 0)\n  list(APPEND keel_quick_unmatched [==[${target} ${re}]==])\nendif()\n")
+      string(APPEND script "set(n${i} 0)\n")
+      math(EXPR i "${i} + 1")
     endforeach()
-  endwhile()
+    string(APPEND script "foreach(t IN LISTS ${target}_TESTS)\n  set(l \"${labels}\")\n")
+    set(i 0)
+    foreach(re ${res})
+      string(APPEND script "  if(t MATCHES [==[${re}]==])\n    set(l \"${labels};quick\")\n"
+                           "    math(EXPR n${i} \"\${n${i}} + 1\")\n  endif()\n")
+      math(EXPR i "${i} + 1")
+    endforeach()
+    string(APPEND script "  set_tests_properties(\${t} PROPERTIES LABELS \"\${l}\")\nendforeach()\n")
+    set(i 0)
+    foreach(re ${res})
+      string(APPEND script "if(n${i} EQUAL 0)\n"
+                           "  list(APPEND keel_quick_unmatched [==[${target} ${re}]==])\nendif()\n")
+      math(EXPR i "${i} + 1")
+    endforeach()
+  endforeach()
   if("ALL" IN_LIST ARGN)
     get_property(taken GLOBAL PROPERTY keel_quick_taken)
     set(untaken ${keel_quick_keys})
