@@ -25,13 +25,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/export.h"
+#include "framework/data/data_dir.h"
 #include "framework/data/fingerprint.h"
 #include "framework/error.h"
 #include "framework/file_io.h"
@@ -55,7 +58,8 @@ const char* kUsage =
     "          architecture's names and OUT_DIR/config.json (load with\n"
     "          AutoModelForCausalLM.from_pretrained(OUT_DIR)), any other model keel's names\n"
     "          and a line per architecture saying which options prevent it\n"
-    "          (checkpoints/EXPORT.md)\n";
+    "          (checkpoints/EXPORT.md); a run on a keel-data directory also gets its\n"
+    "          tokenizer.json and a tokenizer_config.json (AutoTokenizer.from_pretrained)\n";
 
 std::string step_list(const std::vector<int64_t>& steps) {
   std::string s;
@@ -334,6 +338,36 @@ std::string config_json(const ExportPlan& plan) {
   return c.dump(2) + "\n";
 }
 
+// The run's tokenizer beside the model, when it trained on a keel-data directory that is still
+// where its data.path says: OUT_DIR/tokenizer.json (a copy) and OUT_DIR/tokenizer_config.json
+// (the fast tokenizer class and the end-of-text token), so AutoTokenizer.from_pretrained(OUT_DIR)
+// loads it. Returns the data directory, or "" when there is none.
+std::string export_tokenizer(const keel::ckpt::Manifest& m, const std::string& out_dir) {
+  const std::string data_dir = keel::data_dir_of(m.config().data().path());
+  std::error_code ec;
+  const fs::path tok = fs::path(data_dir) / keel::kDataDirTokenizer;
+  if (data_dir.empty() || !fs::exists(tok, ec)) return "";
+  std::ifstream in(tok, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  KEEL_CHECK(in.good() || in.eof(), kIo, tok.string(), ": cannot read");
+  std::string eot = "<|endoftext|>";
+  try {
+    std::ifstream meta(fs::path(data_dir) / keel::kDataDirMetadata);
+    const nlohmann::json j = nlohmann::json::parse(meta);
+    eot = j.at("end_of_text").at("token").get<std::string>();
+  } catch (const nlohmann::json::exception&) {
+    // keel-data's metadata names it; without it, keel-data's own token
+  }
+  nlohmann::ordered_json cfg = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                {"bos_token", eot},
+                                {"eos_token", eot},
+                                {"model_max_length", m.config().model().seq_len()}};
+  keel::write_file_atomic(out_dir + "/tokenizer.json", text.str());
+  keel::write_file_atomic(out_dir + "/tokenizer_config.json", cfg.dump(2) + "\n");
+  return data_dir;
+}
+
 int export_checkpoint(const std::string& dir, const std::string& out_dir) {
   const keel::ckpt::Manifest m = keel::read_manifest(dir);
   const ExportPlan plan = keel::plan_export(dir, m);
@@ -352,6 +386,7 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
   const std::string config_path = out_dir + "/config.json";
   int64_t params = 0, bytes = 0;
   bool removed_config = false;
+  std::string tokenizer_from;
   try {
     const std::map<std::string, std::string> metadata = {
         {"format", "pt"},  // transformers refuses a safetensors file without it
@@ -382,6 +417,7 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
                  ": cannot remove the config.json of an earlier export: ", ec.message());
       removed_config = true;
     }
+    tokenizer_from = export_tokenizer(m, out_dir);
   } catch (...) {
     if (!existed) fs::remove(out_dir, ec);  // only when still empty
     throw;
@@ -399,6 +435,10 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
               static_cast<long long>(m.step()), dir.c_str(), plan.tensors.size(),
               static_cast<long long>(params), static_cast<long long>(bytes), model_path.c_str(),
               what.c_str());
+  if (!tokenizer_from.empty()) {
+    std::printf("tokenizer.json and tokenizer_config.json from %s -> %s\n", tokenizer_from.c_str(),
+                out_dir.c_str());
+  }
   return 0;
 }
 

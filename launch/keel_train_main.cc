@@ -3,21 +3,30 @@
 // layout; 3 halted by the spike guard; 1 any other failure (DESIGN.md).
 #include <mpi.h>
 #include <omp.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 
 #include "framework/config/config.h"
+#include "framework/data/data_dir.h"
 #include "framework/data/dataset.h"
+#include "framework/data/tokenizer_json.h"
 #include "framework/error.h"
+#include "framework/file_io.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/kernels/gemm.h"
 #if KEEL_HAVE_CUDA
@@ -25,6 +34,7 @@
 #endif
 #include "launch/train/cli.h"
 #include "launch/train/nccl_tensor_comms.h"
+#include "launch/train/sampling.h"
 #include "launch/train/stop_signals.h"
 #include "launch/train/trainer.h"
 #include "layers/memory_estimate.h"
@@ -153,6 +163,41 @@ void plot_run(const std::string& run_dir) {
   }
 }
 
+// A config file's text, as load_config reads it: a regular file (a FIFO is refused, not waited
+// on) of at most 64 MiB.
+std::string read_config_text(const std::string& path) {
+  constexpr int64_t kMaxBytes = int64_t{64} << 20;
+  struct stat st {};
+  KEEL_CHECK(stat(path.c_str(), &st) == 0, kConfig, path,
+             ": cannot open config file: ", std::strerror(errno));
+  KEEL_CHECK(!S_ISDIR(st.st_mode), kConfig, path, ": is a directory, not a config file");
+  KEEL_CHECK(S_ISREG(st.st_mode), kConfig, path, ": is ", keel::file_type_name(st.st_mode),
+             ", not a regular config file");
+  KEEL_CHECK(st.st_size <= kMaxBytes, kConfig, path, ": is ", st.st_size,
+             " bytes; a config file is at most ", kMaxBytes, " bytes");
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  KEEL_CHECK(in.good() || in.eof(), kConfig, path, ": cannot read config file");
+  return text.str();
+}
+
+// load_config (framework/config/config.h) with one step between the --set overrides and
+// validate(): a data.path that names a keel-data directory becomes its shard globs, and
+// model.vocab_size 0 takes the data's (resolve_data_dir), which validate() would refuse.
+keel::config::KeelConfig load_train_config(const keel::TrainArgs& args,
+                                           std::optional<keel::DataDir>& data_dir) {
+  using namespace keel;
+  config::KeelConfig cfg = default_config();
+  if (!args.config_path.empty()) {
+    merge_config_text(read_config_text(args.config_path), args.config_path, cfg);
+  }
+  for (const std::string& set : args.sets) apply_set(set, cfg);
+  data_dir = resolve_data_dir(cfg);
+  validate(cfg);
+  return cfg;
+}
+
 int64_t count_logical_params(keel::GPT& model) {
   int64_t n = 0;
   const keel::ParamStore& ps = model.params();
@@ -167,7 +212,8 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     if (mpi.world_rank() == 0) std::printf("%s", train_usage());
     return 0;
   }
-  config::KeelConfig cfg = load_config(args.config_path, args.sets);
+  std::optional<DataDir> data_dir;
+  config::KeelConfig cfg = load_train_config(args, data_dir);
 #if KEEL_HAVE_CUDA
   // train.device=AUTO|CUDA can pick a GPU (without one, or without a driver, AUTO is the CPU).
   kernels::cuda::register_cuda_exec_factory();
@@ -243,6 +289,12 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
                                : (", activations of " + std::to_string(recompute) + " of " +
                                   std::to_string(d.L) + " blocks recomputed in backward")
                                      .c_str());
+    if (data_dir) {
+      std::printf(
+          "keel-train: data directory %s (keel-data): vocabulary %lld%s, model.vocab_size %d\n",
+          data_dir->dir.c_str(), static_cast<long long>(data_dir->vocab_size),
+          data_dir->tokenizer.empty() ? "" : " (tokenizer.json)", cfg.model().vocab_size());
+    }
     const std::string blas = kernels::blas_kernel_warning();
     if (!blas.empty()) std::printf("keel-train: warning: %s\n", blas.c_str());
     std::fflush(stdout);
@@ -285,8 +337,16 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
                                                                              : "");
     if (cfg.train().plot()) plot_run(args.run_dir);
     std::fflush(stdout);  // the results are out before sampling starts
-    if (cfg.train().sample_chars() > 0 && d.V <= 256 && topo.tp == 1) {
-      const std::string text = trainer.sample(cfg.train().sample_chars(), cfg.train().seed());
+    // Decoded through the data's tokenizer when it has one; else byte-level vocabularies only.
+    std::optional<TokenizerJson> tokenizer;
+    if (data_dir && !data_dir->tokenizer.empty()) {
+      tokenizer = TokenizerJson::load(data_dir->tokenizer);
+    }
+    if (cfg.train().sample_chars() > 0 && (tokenizer || d.V <= 256) && topo.tp == 1) {
+      const std::string text =
+          tokenizer ? sample_text(trainer.model(), trainer.dataset(), topo,
+                                  cfg.train().sample_chars(), cfg.train().seed(), 0.8f, &*tokenizer)
+                    : trainer.sample(cfg.train().sample_chars(), cfg.train().seed());
       std::printf("keel-train: sample from the trained model:\n%s\n", text.c_str());
       std::fflush(stdout);
     }

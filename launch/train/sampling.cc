@@ -11,10 +11,14 @@
 namespace keel {
 
 std::string sample_text(GPT& model, const Dataset& data, const Topology& topo, int64_t n_chars,
-                        uint64_t seed, float temperature) {
+                        uint64_t seed, float temperature, const TokenizerJson* tokenizer) {
   const ModelDims& d = model.dims();
   KEEL_CHECK(topo.tp == 1, kUsage, "sampling reads whole logit rows: it needs parallel.tp=1");
   const int64_t T = d.T;
+  // A token's text: its bytes through the tokenizer, or the token itself as a byte.
+  const auto text_of = [tokenizer](int32_t tok) {
+    return tokenizer ? tokenizer->decode(tok) : std::string(1, static_cast<char>(tok));
+  };
   std::string out;
   // Prompt: the start of a validation window (or of the training data), so the model continues
   // text in its own domain.
@@ -22,9 +26,11 @@ std::string sample_text(GPT& model, const Dataset& data, const Topology& topo, i
   int64_t len = std::min<int64_t>(16, src.size());
   std::vector<int32_t> ctx(len);  // the whole text so far; len == ctx.size() throughout
   src.copy(0, len, ctx.data());
-  for (int64_t i = 0; i < len; ++i) out += static_cast<char>(ctx[i]);
+  for (int64_t i = 0; i < len; ++i) out += text_of(ctx[i]);
+  const size_t prompt_bytes = out.size();
   std::vector<double> p(d.V);
-  for (int64_t i = 0; i < n_chars; ++i) {
+  for (int64_t i = 0; i < n_chars && out.size() - prompt_bytes < static_cast<size_t>(n_chars);
+       ++i) {
     const int64_t start = std::max<int64_t>(0, len - T);
     std::vector<int32_t> window(ctx.begin() + start,
                                 ctx.begin() + std::min<int64_t>(len, start + T));
@@ -46,7 +52,7 @@ std::string sample_text(GPT& model, const Dataset& data, const Topology& topo, i
     }
     ctx.push_back(tok);
     ++len;
-    out += static_cast<char>(tok);
+    out += text_of(tok);
   }
   return out;
 }
