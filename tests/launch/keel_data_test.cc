@@ -283,6 +283,9 @@ TEST(KeelData, RefusalsExitTwoWithOneLineNamingTheCause) {
   write_file(dir.file("one.jsonl"), "{\"text\": \"only one\"}\n");
   refused({dir.file("one.jsonl"), "--out", dir.file("o3"), "--vocab-size", "260"},
           "the inputs hold 1 document: the validation split needs a second one");
+  // Refusals found after the tokenizer was written leave nothing behind either.
+  EXPECT_FALSE(fs::exists(dir.file("o2")));
+  EXPECT_FALSE(fs::exists(dir.file("o3")));
 }
 
 }  // namespace
