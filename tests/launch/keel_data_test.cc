@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -230,6 +231,33 @@ tok.save(sys.argv[1])
   // Byte-level with no merges: one token per byte of text, plus one per document.
   EXPECT_EQ(meta["train"]["tokens"].get<int64_t>() + meta["val"]["tokens"].get<int64_t>(),
             corpus.text_bytes + 33);
+  // One worker and shards of 1000 tokens: the same tokens, in the same order.
+  const std::string out1 = dir.file("data1");
+  const CommandResult r1 =
+      keel_data({corpus.root, "--out", out1, "--tokenizer", tok, "--val-fraction", "0.2",
+                 "--workers", "1", "--shard-tokens", "1000"},
+                dir);
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  const nlohmann::json meta1 = read_json(out1 + "/keel-data.json");
+  EXPECT_EQ(meta1["train"]["shards"].size(),
+            static_cast<size_t>((meta["train"]["tokens"].get<int64_t>() + 999) / 1000));
+  for (const std::string split : {"train", "val"}) {
+    const TokenStream a = TokenStream::open_shards(out + "/" + split + "_*.bin", 100257, "p");
+    const TokenStream b = TokenStream::open_shards(out1 + "/" + split + "_*.bin", 100257, "p");
+    ASSERT_EQ(a.size(), b.size()) << split;
+    std::vector<int32_t> ta(static_cast<size_t>(a.size())), tb(ta.size());
+    a.copy(0, a.size(), ta.data());
+    b.copy(0, b.size(), tb.data());
+    EXPECT_EQ(ta, tb) << split;
+  }
+  for (const auto& name : meta1["train"]["shards"]) {
+    const std::string head = read_file(out1 + "/" + name.get<std::string>()).substr(0, 12);
+    int32_t fields[3];
+    std::memcpy(fields, head.data(), 12);
+    EXPECT_EQ(fields[0], kShardMagicU32);
+    EXPECT_LE(fields[2], 1000) << name;
+  }
+
   const CommandResult t = train_on(out, "0", dir, "run");
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
   EXPECT_HAS(t.out, "vocabulary 100257 (tokenizer.json), model.vocab_size 100257");
