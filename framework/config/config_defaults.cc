@@ -100,6 +100,9 @@ spike {
   max_rewinds: 3
   rewind_window: 1000
   max_skipped_steps: 20
+  replay: true
+  on_hardware_fault: CONTINUE
+  keep_anomalies: 20
 }
 alert {
   command: ""
@@ -115,6 +118,8 @@ debug {
   kill_at_step: 0
   fault: KILL
   fault_point: STEP_BEGIN
+  inject_bitflip_at_step: 0
+  inject_bitflip_rank: 0
 }
 )text";
 

@@ -136,6 +136,8 @@ void validate_spike(const config::Spike& s) {
              "spike.max_skipped_steps=", s.max_skipped_steps(),
              " must be >= spike.patience=", s.patience(),
              " (a streak must be able to reach a rewind before it halts)");
+  KEEL_CHECK(s.keep_anomalies() >= 0, kConfig, "spike.keep_anomalies=", s.keep_anomalies(),
+             " must be >= 0 (0: keep no anomaly evidence)");
 }
 
 void validate_train(const config::Train& t) {
@@ -307,6 +309,12 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(cfg.debug().inject_spike_at_step() >= 0, kConfig,
              "debug.inject_spike_at_step=", cfg.debug().inject_spike_at_step(),
              " must be >= 0 (0: never)");
+  KEEL_CHECK(cfg.debug().inject_bitflip_at_step() >= 0, kConfig,
+             "debug.inject_bitflip_at_step=", cfg.debug().inject_bitflip_at_step(),
+             " must be >= 0 (0: never)");
+  KEEL_CHECK(cfg.debug().inject_bitflip_rank() >= 0, kConfig,
+             "debug.inject_bitflip_rank=", cfg.debug().inject_bitflip_rank(),
+             " must be >= 0 (a world rank)");
   KEEL_CHECK(cfg.debug().inject_nan_at_step() >= 0, kConfig,
              "debug.inject_nan_at_step=", cfg.debug().inject_nan_at_step(),
              " must be >= 0 (0: never)");

@@ -60,6 +60,8 @@ FaultInjector::Injection FaultInjector::inject(int64_t step, const std::vector<i
   Injection in;
   in.spike = injected(cfg_.inject_spike_at_step(), spike_fired_);
   in.nan = injected(cfg_.inject_nan_at_step(), nan_fired_);
+  in.bitflip = injected(cfg_.inject_bitflip_at_step(), bitflip_fired_) &&
+               world_rank_ == cfg_.inject_bitflip_rank();
   return in;
 }
 

@@ -4,7 +4,8 @@
 // start of a step, for the watchdog tests, or in the middle of a checkpoint save, for the crash
 // tests).
 // And the spike guard's debug.inject_spike_at_step / inject_nan_at_step: a step whose learning
-// rate is scaled by debug.inject_factor, or whose gradients all become NaN.
+// rate is scaled by debug.inject_factor, or whose gradients all become NaN; and
+// debug.inject_bitflip_at_step, a flipped bit in one rank's gradients (Note [replay]).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,9 @@ class FaultInjector {
   struct Injection {
     bool spike = false;  // scale the step's learning rate by debug.inject_factor
     bool nan = false;    // every gradient of the step becomes NaN (the loss stays finite)
+    // debug.inject_bitflip_at_step, on debug.inject_bitflip_rank only: one bit of one of this
+    // rank's gradients flips, on the step's first computation only (Note [replay]).
+    bool bitflip = false;
   };
   Injection inject(int64_t step, const std::vector<int64_t>& rewinds);
   double spike_factor() const { return cfg_.inject_factor(); }
@@ -43,7 +47,7 @@ class FaultInjector {
  private:
   config::Debug cfg_;
   int world_rank_;
-  int64_t spike_fired_ = 0, nan_fired_ = 0;  // the last steps debug.inject_* fired at
+  int64_t spike_fired_ = 0, nan_fired_ = 0, bitflip_fired_ = 0;  // the last steps each fired at
 };
 
 }  // namespace keel

@@ -29,6 +29,11 @@ struct StepResult {
   uint64_t first_sample = 0;    // the step's first training sample
   GuardVerdict guard;           // the spike guard's verdict on the step
   bool rewound = false;         // the guard rewound after this step (state_->step went back)
+  // This rank's loss partials (cross-entropy, z-loss, log Z summed over its micro-batches)
+  // before the all-reduce: what a replay compares besides the gradients (Note [replay]).
+  double local_stats[3] = {0.0, 0.0, 0.0};
+  // The step was computed twice (Note [replay]): "same", or "different" with the ranks named.
+  std::string replay;
 };
 
 // What the decide phase chose for the step's gradients.
@@ -37,6 +42,9 @@ enum class StepDecision {
   kSkip,    // an anomalous step: no update (Note [spike guard])
   kRewind,  // rewind to a checkpoint before the anomalies, skip their data
   kHalt,    // too many rewinds: restore the last good checkpoint and stop (exit 3)
+  // a replay of the step differed (suspected hardware) and spike.on_hardware_fault=STOP: save
+  // the state (no update applied) and stop (exit 4)
+  kHardwareStop,
 };
 
 // The decide phase's verdict (STYLE.md, a verdict as a value): what to do with the step's

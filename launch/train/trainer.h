@@ -80,6 +80,8 @@ class Trainer {
   // The step of a checkpoint save that failed with no later save succeeding (the run should then
   // exit non-zero), if any.
   std::optional<int64_t> failed_checkpoint() const { return failed_save_; }
+  // A replay found a rank computing differently and spike.on_hardware_fault=STOP ended the run.
+  bool hardware_stop() const { return hardware_stop_; }
   // The stop signal that ended run() early (after saving), or 0.
   int stopped_by_signal() const { return stopped_by_signal_; }
   // The spike guard halted the run (keel-train exits 3).
@@ -143,8 +145,18 @@ class Trainer {
   void stop_for_signal(const StepControl& c);
   SaveHook save_hook() const;  // debug.fault_point's save points
   // The step's phases.
-  StepResult compute_gradients();
+  // replay_of: recompute the step with the first computation's injections, less its bit flip
+  // (Note [replay] in forensics.h); null: the step's first computation.
+  StepResult compute_gradients(const FaultInjector::Injection* replay_of = nullptr);
   Verdict decide(StepResult& r);
+  // The anomalous step r computed again and compared (Note [replay]): nothing when the replay is
+  // identical or spike.on_hardware_fault=CONTINUE took it, else the verdict to stop. `before`:
+  // the guard's state before it observed r.
+  std::optional<Verdict> replay(StepResult& r, const GuardState& before);
+  // Collective: RUN/anomalies/step_N/ for the anomalous step r (Note [anomaly evidence]).
+  void keep_evidence(const StepResult& r, const StepResult* replayed);
+  // The gradients this rank holds (ZeRO-1: its reduce-scattered slice), for fingerprints.
+  const Tensor& held_grads(int64_t* n) const;
   void carry_out(const Verdict& v, StepResult& r);  // the one place a verdict is acted on
   void report(const StepResult& r, const std::string& kind, const std::string& action,
               const std::string& checkpoint, int64_t rewound_to, const std::string& message);
@@ -184,6 +196,10 @@ class Trainer {
   std::unique_ptr<AlertSink> alerts_;
   bool halted_ = false;
   std::optional<int64_t> resumed_from_;
+  FaultInjector::Injection injection_;   // what debug.inject_* did to the current step
+  uint64_t step_start_sample_ = 0;       // state_->sampler.next_sample when the step began
+  std::string host_;                     // this machine's name, for replay verdicts
+  bool hardware_stop_ = false;           // stopped by spike.on_hardware_fault=STOP (exit 4)
   std::unique_ptr<GradSync> grad_sync_;  // plain DP (dp > 1, zero_stage 0)
   Tensor shard_grads_;                   // [shard_n] reduce-scattered gradients (ZeRO-1)
   std::vector<int> tp_partial_ids_;      // gradients to all-reduce over TP each step

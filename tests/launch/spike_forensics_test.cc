@@ -1,0 +1,165 @@
+// Spike forensics through the real keel-train (Note [replay] in launch/train/forensics.h): an
+// injected bit flip in one rank's gradients is told apart from an injected loss spike, in one
+// process and under mpiexec -n 4 at TP2xDP2. The flip's step replays differently: a
+// nondeterministic_step alert names the flipped rank and its host, and spike.on_hardware_fault
+// decides (CONTINUE: the replayed result is applied, no rewind; STOP: exit 4 with the state
+// saved). The spike's step replays identically: the guard skips and rewinds as before, and no
+// nondeterministic_step alert is raised. Every anomaly leaves RUN/anomalies/step_N/ with the
+// batch and the per-layer statistics, bounded by spike.keep_anomalies.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/launch/launch_test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CommandResult;
+using testing::read_file;
+using testing::run_command;
+using testing::TempDir;
+
+const std::vector<std::string> kJob = {
+    "--set", "model.d_model=32",     "--set", "model.n_layers=2",
+    "--set", "model.n_heads=4",      "--set", "model.seq_len=16",
+    "--set", "train.global_batch=8", "--set", "train.steps=40",
+    "--set", "train.log_every=1",    "--set", "train.eval_every=0",
+    "--set", "train.sample_chars=0", "--set", "train.threads=1",
+    "--set", "checkpoint.every=10",  "--set", "spike.warmup_steps=20",
+    "--set", "spike.window=20",      "--set", "data.builtin_bytes=100000",
+    "--set", "optim.warmup_steps=5", "--set", "spike.grad_min_ratio=100"};
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+// The alert lines of `kind`.
+std::vector<std::string> alerts_of(const std::string& run, const std::string& kind) {
+  std::vector<std::string> out;
+  for (const std::string& l : lines(read_file(run + "/alerts.jsonl"))) {
+    if (l.find("\"kind\": \"" + kind + "\"") != std::string::npos) out.push_back(l);
+  }
+  return out;
+}
+
+class SpikeForensics : public ::testing::Test {
+ protected:
+  CommandResult train(const std::string& run, int ranks, std::vector<std::string> extra) {
+    std::vector<std::string> args = kJob;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), {"--run-dir", dir_.file(run)});
+    return run_command(testing::train_command(args, ranks), dir_);
+  }
+  std::string anomaly(const std::string& run, int step) const {
+    char name[32];
+    std::snprintf(name, sizeof(name), "step_%08d", step);
+    return dir_.file(run) + "/anomalies/" + name;
+  }
+  // A bit flip at step 30 on `rank`: told apart as hardware; the run goes on with the replay.
+  void expect_bitflip_named(int ranks, int rank, const std::vector<std::string>& layout) {
+    std::vector<std::string> extra = layout;
+    extra.insert(extra.end(), {"--set", "debug.inject_bitflip_at_step=30", "--set",
+                               "debug.inject_bitflip_rank=" + std::to_string(rank)});
+    const std::string run = "flip" + std::to_string(ranks);
+    const CommandResult r = train(run, ranks, extra);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const std::vector<std::string> hw = alerts_of(dir_.file(run), "nondeterministic_step");
+    ASSERT_EQ(hw.size(), 1u) << read_file(dir_.file(run) + "/alerts.jsonl");
+    EXPECT_NE(hw[0].find("\"step\": 30"), std::string::npos) << hw[0];
+    EXPECT_NE(hw[0].find("changed: rank " + std::to_string(rank) + " (host "), std::string::npos)
+        << hw[0];
+    EXPECT_NE(hw[0].find("suspected hardware fault"), std::string::npos) << hw[0];
+    // The replayed (healthy) result was applied: nothing else was alerted (no skip, no rewind).
+    EXPECT_EQ(lines(read_file(dir_.file(run) + "/alerts.jsonl")).size(), 1u)
+        << read_file(dir_.file(run) + "/alerts.jsonl");
+    const std::string summary = read_file(anomaly(run, 30) + "/summary.json");
+    EXPECT_NE(summary.find("\"replay\": \"different\""), std::string::npos) << summary;
+    EXPECT_NE(summary.find("\"kind\": \"grad_spike\""), std::string::npos) << summary;
+    // The evidence: the batch (8 x 16 int32 token ids) and a gradient norm per block and one for
+    // the rest.
+    EXPECT_EQ(fs::file_size(anomaly(run, 30) + "/tokens.bin"), 8u * 16u * 4u);
+    const size_t at = summary.find("\"grad_norm_layers\": [");
+    ASSERT_NE(at, std::string::npos) << summary;
+    const std::string layers = summary.substr(at, summary.find(']', at) - at);
+    EXPECT_EQ(std::count(layers.begin(), layers.end(), ','), 2) << layers;
+    EXPECT_NE(read_file(anomaly(run, 30) + "/alerts.jsonl").find("nondeterministic_step"),
+              std::string::npos);
+  }
+  TempDir dir_{"keel_spike_forensics"};
+};
+
+TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareInOneProcess) { expect_bitflip_named(1, 0, {}); }
+
+TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareAtTp2Dp2) {
+  expect_bitflip_named(4, 2, {"--set", "parallel.tp=2"});
+}
+
+// An injected loss spike (the learning rate of step 30 x 1000) replays identically: the guard's
+// usual skip and rewind, no hardware verdict, and the evidence says "same".
+TEST_F(SpikeForensics, AnInjectedSpikeReplaysTheSame) {
+  for (int ranks : {1, 4}) {
+    SCOPED_TRACE(ranks);
+    const std::string run = "spike" + std::to_string(ranks);
+    std::vector<std::string> extra = {"--set", "debug.inject_spike_at_step=30"};
+    if (ranks == 4) extra.insert(extra.end(), {"--set", "parallel.tp=2"});
+    const CommandResult r = train(run, ranks, extra);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_TRUE(alerts_of(dir_.file(run), "nondeterministic_step").empty());
+    EXPECT_FALSE(alerts_of(dir_.file(run), "rewind").empty())
+        << read_file(dir_.file(run) + "/alerts.jsonl");
+    int replayed = 0;
+    for (const auto& e : fs::directory_iterator(dir_.file(run) + "/anomalies")) {
+      const std::string summary = read_file(e.path().string() + "/summary.json");
+      EXPECT_NE(summary.find("\"replay\": \"same\""), std::string::npos) << summary;
+      ++replayed;
+    }
+    EXPECT_GE(replayed, 1);
+  }
+}
+
+// spike.on_hardware_fault=STOP: exit 4, one nondeterministic_step alert with action halt, and a
+// checkpoint of the state before the flipped step's update.
+TEST_F(SpikeForensics, StopOnAHardwareFaultExits4WithTheStateSaved) {
+  const CommandResult r =
+      train("stop", 1,
+            {"--set", "debug.inject_bitflip_at_step=30", "--set", "spike.on_hardware_fault=STOP"});
+  EXPECT_EQ(r.exit_code, 4) << r.out << r.err;
+  const std::vector<std::string> hw = alerts_of(dir_.file("stop"), "nondeterministic_step");
+  ASSERT_EQ(hw.size(), 1u);
+  EXPECT_NE(hw[0].find("\"action\": \"halt\""), std::string::npos) << hw[0];
+  EXPECT_NE(r.err.find("suspected hardware fault"), std::string::npos) << r.err;
+  EXPECT_EQ(read_file(dir_.file("stop") + "/checkpoints/LATEST"), "step_00000029\n");
+}
+
+// spike.replay=false: the flip is not told apart (the guard skips it as a gradient spike), and
+// spike.keep_anomalies bounds the evidence to the newest directories.
+TEST_F(SpikeForensics, WithoutReplayAFlipIsAGradSpikeAndEvidenceIsBounded) {
+  const CommandResult r =
+      train("noreplay", 1,
+            {"--set", "debug.inject_bitflip_at_step=25", "--set", "debug.inject_every=5", "--set",
+             "spike.replay=false", "--set", "spike.keep_anomalies=2"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(alerts_of(dir_.file("noreplay"), "nondeterministic_step").empty());
+  EXPECT_FALSE(alerts_of(dir_.file("noreplay"), "grad_spike").empty());
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(dir_.file("noreplay") + "/anomalies")) {
+    kept.push_back(e.path().filename().string());
+    EXPECT_NE(read_file(e.path().string() + "/summary.json").find("\"replay\": \"not replayed\""),
+              std::string::npos);
+  }
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept.size(), 2u);
+}
+
+}  // namespace
+}  // namespace keel
