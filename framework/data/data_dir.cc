@@ -64,8 +64,11 @@ std::optional<DataDir> resolve_data_dir(config::KeelConfig& cfg) {
   std::error_code ec;
   if (dir.empty() || !fs::is_directory(dir, ec)) return std::nullopt;
   const std::string meta = (fs::path(dir) / kDataDirMetadata).string();
-  if (!fs::exists(meta, ec)) return std::nullopt;  // a plain directory: Dataset says why not
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  KEEL_CHECK(fs::exists(meta, ec), kData, "data.path='", dir, "' is a directory without ",
+             kDataDirMetadata,
+             ": give a text file, llm.c shards (a file or a glob), or a directory "
+             "launch/tools/keel-data wrote");
   KEEL_CHECK(d.format() == config::AUTO || d.format() == config::SHARDS, kConfig,
              "data.format=", config::DataFormat_Name(d.format()), " but data.path='", dir,
              "' is a keel-data directory (it holds ", kDataDirMetadata,

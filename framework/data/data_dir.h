@@ -26,8 +26,8 @@ struct DataDir {
 // set, data.format to SHARDS (refusing TEXT and BUILTIN), and model.vocab_size to the data's
 // when it is 0; then refuses (kConfig, naming both numbers) a model.vocab_size below the
 // tokenizer's (a larger one pads the embedding, as llm.c pads GPT-2's 50257 to 50304). Throws
-// kData naming the file for malformed metadata or tokenizer. Returns nullopt, and changes
-// nothing, when data.path is not such a directory.
+// kData naming the file for malformed metadata or tokenizer, and for a directory without
+// keel-data.json. Returns nullopt, and changes nothing, when data.path is not a directory.
 std::optional<DataDir> resolve_data_dir(config::KeelConfig& cfg);
 
 // The keel-data directory whose training shards `data_path` (a resolved data.path, as a

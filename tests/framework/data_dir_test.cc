@@ -233,8 +233,16 @@ TEST(DataDir, RefusalsAndWhatIsLeftAlone) {
   EXPECT_HAS(error_of(ErrorKind::kData, [&] { resolve_data_dir(c); }),
              odd + "/keel-data.json: not JSON");
 
-  // Not keel-data directories: a plain directory, a file, an empty path. Nothing changes.
-  for (const std::string& path : {tmp.path(), dir + "/train_000000.bin", std::string()}) {
+  // A directory keel-data did not write is refused, not read as a text file.
+  const std::string plain_dir = tmp.file("plain");
+  std::filesystem::create_directories(plain_dir);
+  config::KeelConfig p = config_for(plain_dir + "/", 0);
+  EXPECT_HAS(error_of(ErrorKind::kData, [&] { resolve_data_dir(p); }),
+             "data.path='" + plain_dir +
+                 "' is a directory without keel-data.json: give a text "
+                 "file, llm.c shards");
+  // Not directories: a file, a glob, an empty path. Nothing changes.
+  for (const std::string& path : {dir + "/train_000000.bin", tmp.file("x_*.bin"), std::string()}) {
     config::KeelConfig plain = config_for(path, 0);
     EXPECT_FALSE(resolve_data_dir(plain).has_value()) << path;
     EXPECT_EQ(plain.data().path(), path);
