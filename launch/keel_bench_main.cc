@@ -86,7 +86,8 @@ void usage() {
 // What keel-bench measures.
 enum class BenchMode {
   kSteps,       // training steps: tokens/s, GFLOP/s, fraction of the sgemm peak
-  kCheckpoint,  // --checkpoint: disk, save, load and the cost of saves (launch/train/checkpoint_bench.h)
+  kCheckpoint,  // --checkpoint: disk, save, load and the cost of saves
+                // (launch/train/checkpoint_bench.h)
 };
 
 // Whether `which` (--config) selects `name`.

@@ -1,5 +1,5 @@
-// keel-bench --checkpoint (launch/train/checkpoint_bench.h): disk speed, save and load throughput, and
-// the training time a synchronous or asynchronous save costs.
+// keel-bench --checkpoint (launch/train/checkpoint_bench.h): disk speed, save and load throughput,
+// and the training time a synchronous or asynchronous save costs.
 #include "launch/train/checkpoint_bench.h"
 
 #include <fcntl.h>

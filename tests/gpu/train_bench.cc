@@ -1,9 +1,9 @@
-// keel-gpu-train-bench: keel-bench's GPU mode (launch/train/bench_configs.h: 124M with GPT-2 small's
-// shapes, 350M with GPT-2 medium's) without MPI, for the GPU check (tests/gpu/check.sh): the lent
-// GPU machine has no OpenMPI, and keel-bench starts MPI. Times whole training steps (forward,
-// backward, clipping, AdamW) of the in-process Trainer on GPU 0 and prints tokens/s, achieved
-// TFLOP/s and MFU against the GPU's measured cuBLASLt peak at the run's precision, ending with one
-// keel-bench summary line per config.
+// keel-gpu-train-bench: keel-bench's GPU mode (launch/train/bench_configs.h: 124M with GPT-2
+// small's shapes, 350M with GPT-2 medium's) without MPI, for the GPU check (tests/gpu/check.sh):
+// the lent GPU machine has no OpenMPI, and keel-bench starts MPI. Times whole training steps
+// (forward, backward, clipping, AdamW) of the in-process Trainer on GPU 0 and prints tokens/s,
+// achieved TFLOP/s and MFU against the GPU's measured cuBLASLt peak at the run's precision, ending
+// with one keel-bench summary line per config.
 //
 // With --nccl it also times each config with its TP and DP collectives on 1-rank NCCL
 // communicators (the multi-GPU path on one GPU), interleaved with the plain run over 3 rounds,

@@ -1,5 +1,5 @@
-// AlertSink (launch/train/alerts.h): alerts.jsonl holds one parseable line per alert with every field
-// (NaN and infinities as null, strings escaped, invalid UTF-8 as U+FFFD), byte for byte; the
+// AlertSink (launch/train/alerts.h): alerts.jsonl holds one parseable line per alert with every
+// field (NaN and infinities as null, strings escaped, invalid UTF-8 as U+FFFD), byte for byte; the
 // human line is one line; the hook gets exactly that line on stdin, in order; emit() returns
 // while hooks wait; a non-zero exit and a signal are logged with their number; a hook that hangs
 // (with a grandchild, and with a stdin it never reads) is killed with its process group after

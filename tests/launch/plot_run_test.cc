@@ -1,5 +1,5 @@
-// launch/tools/plot_run.py under Debian's /usr/bin/python3 (python3-matplotlib, launch/setup.sh), on a
-// synthetic run with a rewind: metrics.jsonl logs steps 1..30, then 21..40 again (with a null
+// launch/tools/plot_run.py under Debian's /usr/bin/python3 (python3-matplotlib, launch/setup.sh),
+// on a synthetic run with a rewind: metrics.jsonl logs steps 1..30, then 21..40 again (with a null
 // and a NaN loss, and val_loss every 10 steps), and alerts.jsonl holds four alerts written by
 // alert_json, one a rewind from step 30 to 20. It exits 0, prints exactly one line per PNG whose
 // counts show it read both files (points per plot, 2 segments, 4 alerts, 1 rewind), and writes

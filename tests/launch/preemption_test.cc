@@ -1,5 +1,5 @@
-// Preemption through the real binaries (Note [preemption] in launch/train/stop_signals.cc): SIGTERM to
-// one rank of a TP2 job under mpiexec -n 2 mid-run saves the step every rank agreed on and exits
+// Preemption through the real binaries (Note [preemption] in launch/train/stop_signals.cc): SIGTERM
+// to one rank of a TP2 job under mpiexec -n 2 mid-run saves the step every rank agreed on and exits
 // 0, and the resumed run's losses and final checkpoint equal the uninterrupted run's bit for bit;
 // SIGUSR1 does the same in one process; SIGUSR1 to mpiexec reaches every rank at once (they save,
 // stop, and the next run resumes there), SIGTERM to it after odls_base_sigkill_timeout seconds;

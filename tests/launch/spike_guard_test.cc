@@ -1,7 +1,7 @@
-// The spike guard's decisions (launch/train/spike_guard.h, Note [spike guard]): robust statistics, no
-// detection before warm-up or a full window, non-finite values at once, spikes against the median
-// and the robust deviation with the relative floor, anomalous values kept out of the baseline,
-// patience before a rewind, the learning-rate cool-down ramp and the halt policy.
+// The spike guard's decisions (launch/train/spike_guard.h, Note [spike guard]): robust statistics,
+// no detection before warm-up or a full window, non-finite values at once, spikes against the
+// median and the robust deviation with the relative floor, anomalous values kept out of the
+// baseline, patience before a rewind, the learning-rate cool-down ramp and the halt policy.
 #include "launch/train/spike_guard.h"
 
 #include <gtest/gtest.h>

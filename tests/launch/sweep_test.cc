@@ -1,4 +1,5 @@
-// launch/tools/keel-sweep and launch/tools/plot_sweep.py, driving the real keel-train on tiny grids:
+// launch/tools/keel-sweep and launch/tools/plot_sweep.py, driving the real keel-train on tiny
+// grids:
 // - a 2 x 2 grid (two learning rates x NONE/RMS, z_loss 1e-4) writes a sweep.csv with exactly the
 //   documented columns, one row per run in grid order, every number parsing and in range, a
 //   sensitivity.csv that agrees with Wortsman et al.'s definition recomputed here from sweep.csv,
@@ -436,9 +437,8 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
                                                                : "?") +
                             " | " + fmt("%.3f", at01) + " | " + fmt("%.3f", at03) + " | " +
                             (peak > 1000 ? with_commas(peak) : fmt("%.1f", peak)) + " |";
-    EXPECT_NE(doc.find(row), std::string::npos)
-        << "docs/stability-sweeps.md lacks the row\n"
-        << row;
+    EXPECT_NE(doc.find(row), std::string::npos) << "docs/stability-sweeps.md lacks the row\n"
+                                                << row;
   }
   // The guard arm's figures.
   const Row& arm = rows.back();
@@ -478,9 +478,8 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
                             " | " + with_commas(none_logit) + " | " +
                             fmt("%.3f", number(rms->at("final_loss"))) + " | " +
                             fmt("%.1f", number(rms->at("max_attn_logit"))) + " |";
-    EXPECT_NE(doc.find(row), std::string::npos)
-        << "docs/stability-sweeps.md lacks the row\n"
-        << row;
+    EXPECT_NE(doc.find(row), std::string::npos) << "docs/stability-sweeps.md lacks the row\n"
+                                                << row;
   }
   const auto long_sens = read_csv(dir + "/long/sensitivity.csv",
                                   {"qk_norm", "z_loss", "lr_sensitivity", "best_final_loss",
@@ -488,11 +487,10 @@ TEST(SweepTest, ReadmeMatchesTheCommittedExample) {
   ASSERT_EQ(long_sens.size(), 2u);
   EXPECT_EQ(long_sens[0].at("max_stable_lr"), "0.01");
   EXPECT_EQ(long_sens[1].at("max_stable_lr"), "0.1");
-  EXPECT_NE(
-      doc.find("LR sensitivity is " + fmt("%.3f", number(long_sens[0].at("lr_sensitivity"))) +
-                  " without QK-norm and " + fmt("%.3f", number(long_sens[1].at("lr_sensitivity"))) +
-                  " with it"),
-      std::string::npos);
+  EXPECT_NE(doc.find("LR sensitivity is " + fmt("%.3f", number(long_sens[0].at("lr_sensitivity"))) +
+                     " without QK-norm and " +
+                     fmt("%.3f", number(long_sens[1].at("lr_sensitivity"))) + " with it"),
+            std::string::npos);
 
   const std::string alerts = read_file(dir + "/runs/lr0.01_NONE_z0.0001_guard/alerts.jsonl");
   EXPECT_NE(alerts.find("\"step\": 22, \"kind\": \"grad_spike\""), std::string::npos) << alerts;
