@@ -65,8 +65,8 @@ std::optional<DataDir> resolve_data_dir(config::KeelConfig& cfg) {
   if (dir.empty() || !fs::is_directory(dir, ec)) return std::nullopt;
   const std::string meta = (fs::path(dir) / kDataDirMetadata).string();
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  KEEL_CHECK(fs::exists(meta, ec), kData, "data.path='", dir, "' is a directory without ",
-             kDataDirMetadata,
+  KEEL_CHECK(fs::exists(meta, ec), kData, "data.path='", dir,
+             "' is not a regular file but a directory without ", kDataDirMetadata,
              ": give a text file, llm.c shards (a file or a glob), or a directory "
              "launch/tools/keel-data wrote");
   KEEL_CHECK(d.format() == config::AUTO || d.format() == config::SHARDS, kConfig,

@@ -239,7 +239,7 @@ TEST(DataDir, RefusalsAndWhatIsLeftAlone) {
   config::KeelConfig p = config_for(plain_dir + "/", 0);
   EXPECT_HAS(error_of(ErrorKind::kData, [&] { resolve_data_dir(p); }),
              "data.path='" + plain_dir +
-                 "' is a directory without keel-data.json: give a text "
+                 "' is not a regular file but a directory without keel-data.json: give a text "
                  "file, llm.c shards");
   // Not directories: a file, a glob, an empty path. Nothing changes.
   for (const std::string& path : {dir + "/train_000000.bin", tmp.file("x_*.bin"), std::string()}) {
