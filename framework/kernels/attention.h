@@ -2,6 +2,8 @@
 // q element (b, t, h, d) lives at q[(b * T + t) * ldq + h * D + d]; likewise k, v, out and their
 // gradients with their own row strides. scale[h] multiplies q.k for head h (1/sqrt(D), or the
 // learned L2 QK-norm scale). probs[B, H, T, T] holds the softmax (zero above the diagonal).
+// Grouped-query attention: k and v hold Hkv heads (Hkv divides H); query head h reads k/v head
+// h / (H / Hkv), and dk, dv of a k/v head sum its group's query heads.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,8 @@ struct AttentionShape {
   int64_t ldq, ldk, ldv, ldo;
   int threads = 0;  // OpenMP threads the backward may use (its workspace is sized for them);
                     // 0: omp_get_max_threads() at call time
+  int64_t Hkv = 0;  // k/v heads; 0: H (multi-head attention)
+  int64_t kv_heads() const { return Hkv > 0 ? Hkv : H; }
 };
 
 // out = softmax(causal(scale * q k^T)) v (=). *max_abs_logit = largest |scale * q.k| over the

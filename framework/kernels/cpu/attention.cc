@@ -1,6 +1,8 @@
 // CPU causal attention. One OpenMP task per (batch, head); inside it, row blocks of kBlock
 // queries see only keys [0, block end), so the GEMMs skip the masked upper triangle (about half
 // the FLOPs of full T x T products). GEMMs inside the parallel region run single-threaded.
+// The backward runs one task per (batch, k/v head) over the query heads of its group in
+// increasing order, so dk and dv sum the group in a fixed order (one head: multi-head attention).
 #include "framework/kernels/attention.h"
 
 #include <omp.h>
@@ -21,14 +23,14 @@ constexpr int64_t kBlock = 64;
 template <typename T>
 void attention_forward(const AttentionShape& s, T* out, T* probs, const T* q, const T* k,
                        const T* v, const T* scale, T* max_abs_logit) {
-  const int64_t B = s.B, TT = s.T, H = s.H, D = s.D;
+  const int64_t B = s.B, TT = s.T, H = s.H, D = s.D, G = H / s.kv_heads();
   T max_logit = T(0);
 #pragma omp parallel for schedule(static) reduction(max : max_logit)
   for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H;
+    const int64_t b = bh / H, h = bh % H, hk = h / G;
     const T* qb = q + b * TT * s.ldq + h * D;
-    const T* kb = k + b * TT * s.ldk + h * D;
-    const T* vb = v + b * TT * s.ldv + h * D;
+    const T* kb = k + b * TT * s.ldk + hk * D;
+    const T* vb = v + b * TT * s.ldv + hk * D;
     T* ob = out + b * TT * s.ldo + h * D;
     T* P = probs + bh * TT * TT;
     const T sc = scale[h];
@@ -69,60 +71,65 @@ template <typename T>
 void attention_backward(const AttentionShape& s, T* dq, T* dk, T* dv, T* dscale, const T* dout,
                         const T* probs, const T* q, const T* k, const T* v, const T* scale,
                         T* workspace) {
-  const int64_t B = s.B, TT = s.T, H = s.H, D = s.D;
+  const int64_t B = s.B, TT = s.T, H = s.H, D = s.D, Hkv = s.kv_heads(), G = H / Hkv;
   const int threads = s.threads > 0 ? s.threads : omp_get_max_threads();
   T* partials = workspace + static_cast<int64_t>(threads) * 2 * TT * TT;  // [B * H] dscale terms
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H;
+  for (int64_t bk = 0; bk < B * Hkv; ++bk) {
+    const int64_t b = bk / Hkv, hk = bk % Hkv;
     T* dS = workspace + static_cast<int64_t>(omp_get_thread_num()) * 2 * TT * TT;
     T* QK = dS + TT * TT;
-    const T* qb = q + b * TT * s.ldq + h * D;
-    const T* kb = k + b * TT * s.ldk + h * D;
-    const T* vb = v + b * TT * s.ldv + h * D;
-    const T* dob = dout + b * TT * s.ldo + h * D;
-    T* dqb = dq + b * TT * s.ldq + h * D;
-    T* dkb = dk + b * TT * s.ldk + h * D;
-    T* dvb = dv + b * TT * s.ldv + h * D;
-    const T* P = probs + bh * TT * TT;
-    const T sc = scale[h];
-    double dscale_acc = 0.0;
-    for (int64_t r0 = 0; r0 < TT; r0 += kBlock) {
-      const int64_t r1 = std::min(TT, r0 + kBlock);
-      // dP[r0:r1, 0:r1] = dO[r0:r1] V[0:r1]^T
-      gemm<T>(false, true, r1 - r0, r1, D, T(1), dob + r0 * s.ldo, s.ldo, vb, s.ldv, T(0),
-              dS + r0 * TT, TT);
-      if (dscale) {
-        gemm<T>(false, true, r1 - r0, r1, D, T(1), qb + r0 * s.ldq, s.ldq, kb, s.ldk, T(0),
-                QK + r0 * TT, TT);
-      }
-      // dS = P * (dP - sum_u P dP): softmax backward, row by row.
-      for (int64_t t = r0; t < r1; ++t) {
-        T* drow = dS + t * TT;
-        const T* prow = P + t * TT;
-        T dot = T(0);
-        for (int64_t u = 0; u <= t; ++u) dot += prow[u] * drow[u];
-        for (int64_t u = 0; u <= t; ++u) drow[u] = prow[u] * (drow[u] - dot);
-        std::fill(drow + t + 1, drow + r1, T(0));
+    const T* kb = k + b * TT * s.ldk + hk * D;
+    const T* vb = v + b * TT * s.ldv + hk * D;
+    T* dkb = dk + b * TT * s.ldk + hk * D;
+    T* dvb = dv + b * TT * s.ldv + hk * D;
+    // The group's query heads in turn: the first writes dk, dv (=), the others add to them.
+    for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+      const int64_t bh = b * H + h;
+      const T beta = h == hk * G ? T(0) : T(1);
+      const T* qb = q + b * TT * s.ldq + h * D;
+      const T* dob = dout + b * TT * s.ldo + h * D;
+      T* dqb = dq + b * TT * s.ldq + h * D;
+      const T* P = probs + bh * TT * TT;
+      const T sc = scale[h];
+      double dscale_acc = 0.0;
+      for (int64_t r0 = 0; r0 < TT; r0 += kBlock) {
+        const int64_t r1 = std::min(TT, r0 + kBlock);
+        // dP[r0:r1, 0:r1] = dO[r0:r1] V[0:r1]^T
+        gemm<T>(false, true, r1 - r0, r1, D, T(1), dob + r0 * s.ldo, s.ldo, vb, s.ldv, T(0),
+                dS + r0 * TT, TT);
         if (dscale) {
-          const T* qkrow = QK + t * TT;
-          for (int64_t u = 0; u <= t; ++u) dscale_acc += static_cast<double>(drow[u]) * qkrow[u];
+          gemm<T>(false, true, r1 - r0, r1, D, T(1), qb + r0 * s.ldq, s.ldq, kb, s.ldk, T(0),
+                  QK + r0 * TT, TT);
         }
+        // dS = P * (dP - sum_u P dP): softmax backward, row by row.
+        for (int64_t t = r0; t < r1; ++t) {
+          T* drow = dS + t * TT;
+          const T* prow = P + t * TT;
+          T dot = T(0);
+          for (int64_t u = 0; u <= t; ++u) dot += prow[u] * drow[u];
+          for (int64_t u = 0; u <= t; ++u) drow[u] = prow[u] * (drow[u] - dot);
+          std::fill(drow + t + 1, drow + r1, T(0));
+          if (dscale) {
+            const T* qkrow = QK + t * TT;
+            for (int64_t u = 0; u <= t; ++u) dscale_acc += static_cast<double>(drow[u]) * qkrow[u];
+          }
+        }
+        // dQ[r0:r1] = sc * dS[r0:r1, 0:r1] K[0:r1]
+        gemm<T>(false, false, r1 - r0, D, r1, sc, dS + r0 * TT, TT, kb, s.ldk, T(0),
+                dqb + r0 * s.ldq, s.ldq);
       }
-      // dQ[r0:r1] = sc * dS[r0:r1, 0:r1] K[0:r1]
-      gemm<T>(false, false, r1 - r0, D, r1, sc, dS + r0 * TT, TT, kb, s.ldk, T(0), dqb + r0 * s.ldq,
-              s.ldq);
+      // Column blocks: keys [c0, c1) are seen by queries [c0, T) only.
+      for (int64_t c0 = 0; c0 < TT; c0 += kBlock) {
+        const int64_t c1 = std::min(TT, c0 + kBlock);
+        // dV[c0:c1] = P[c0:T, c0:c1]^T dO[c0:T];  dK[c0:c1] = sc * dS[c0:T, c0:c1]^T Q[c0:T]
+        gemm<T>(true, false, c1 - c0, D, TT - c0, T(1), P + c0 * TT + c0, TT, dob + c0 * s.ldo,
+                s.ldo, beta, dvb + c0 * s.ldv, s.ldv);
+        gemm<T>(true, false, c1 - c0, D, TT - c0, sc, dS + c0 * TT + c0, TT, qb + c0 * s.ldq, s.ldq,
+                beta, dkb + c0 * s.ldk, s.ldk);
+      }
+      partials[bh] = static_cast<T>(dscale_acc);
     }
-    // Column blocks: keys [c0, c1) are seen by queries [c0, T) only.
-    for (int64_t c0 = 0; c0 < TT; c0 += kBlock) {
-      const int64_t c1 = std::min(TT, c0 + kBlock);
-      // dV[c0:c1] = P[c0:T, c0:c1]^T dO[c0:T];  dK[c0:c1] = sc * dS[c0:T, c0:c1]^T Q[c0:T]
-      gemm<T>(true, false, c1 - c0, D, TT - c0, T(1), P + c0 * TT + c0, TT, dob + c0 * s.ldo, s.ldo,
-              T(0), dvb + c0 * s.ldv, s.ldv);
-      gemm<T>(true, false, c1 - c0, D, TT - c0, sc, dS + c0 * TT + c0, TT, qb + c0 * s.ldq, s.ldq,
-              T(0), dkb + c0 * s.ldk, s.ldk);
-    }
-    partials[bh] = static_cast<T>(dscale_acc);
   }
   if (dscale) {
     for (int64_t bh = 0; bh < B * H; ++bh) dscale[bh % H] += partials[bh];

@@ -300,7 +300,19 @@ void CudaExec::norm_backward_from_partials(NormOp op, const NormShape& s, int64_
 
 // ---- attention.h (Note [cuda-exec-attention]) ----
 
-int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const { return s.B * s.H * s.T; }
+// Grouped-query attention (k/v heads shared by groups of query heads) has no CUDA kernel yet:
+// keel's fused kernels and the cuDNN SDPA call here read one k/v head per query head.
+static void require_one_kv_head_per_query_head(const AttentionShape& s) {
+  KEEL_CHECK(s.kv_heads() == s.H, kConfig, "model.n_kv_heads: grouped-query attention (", s.H,
+             " query heads on ", s.kv_heads(),
+             " k/v heads on this rank) runs on the CPU only so far; use train.device=CPU or "
+             "model.n_kv_heads=0");
+}
+
+int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const {
+  require_one_kv_head_per_query_head(s);
+  return s.B * s.H * s.T;
+}
 
 int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const { return 0; }
 
@@ -347,6 +359,7 @@ static const Bf16* bf16_rows(Context& ctx, ActIn a, bool is_bf16_rows, int64_t l
 void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
                                  ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) {
+  require_one_kv_head_per_query_head(s);
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_forward", "out");
   const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_forward", "q");
   const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_forward", "k");
@@ -403,6 +416,7 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
                                   ActIn k, const float* v, const float* scale,
                                   float* /*workspace*/) {
+  require_one_kv_head_per_query_head(s);
   const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, "attention_backward", "dout");
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_backward", "out");
   const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_backward", "q");
