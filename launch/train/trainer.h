@@ -4,7 +4,8 @@
 // -> apply (clipping, AdamW, ZeRO-1 all-gather). The loop calls out at named points to the
 // owners of the rest: the run's log (run_log.h: metrics, TensorBoard, progress), the checkpoint
 // store and resume (checkpoints/resume.h), the rewinder (rewinder.h), fault injection
-// (fault_injector.h), text sampling (sampling.h). Construction is in trainer_setup.cc. Everything a
+// (fault_injector.h), text sampling (sampling.h); an anomalous step is replayed before the guard
+// acts (forensics.h; trainer_replay.cc). Construction is in trainer_setup.cc. Everything a
 // step decides comes from (config, TrainState), so two runs with the same seed are bit-identical.
 // The run's state lives in one TrainState (Note [run state]) that checkpoints save and load.
 #pragma once
