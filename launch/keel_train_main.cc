@@ -304,12 +304,10 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   if (trainer.hardware_stop()) {
     if (mpi.world_rank() == 0) {
       std::fprintf(stderr,
-                   "keel-train: stopped at step %lld: a replay of step %lld computed differently "
-                   "(suspected hardware fault, spike.on_hardware_fault=STOP; see %s/alerts.jsonl "
-                   "and %s/anomalies/); the newest checkpoint is the state before that step: "
-                   "resume on other nodes\n",
-                   static_cast<long long>(trainer.steps_done()),
-                   static_cast<long long>(trainer.steps_done() + 1), args.run_dir.c_str(),
+                   "keel-train: stopped at step %lld on a suspected hardware fault "
+                   "(spike.on_hardware_fault=STOP; see %s/alerts.jsonl and %s/anomalies/): the "
+                   "newest checkpoint is the last state known good; resume on other nodes\n",
+                   static_cast<long long>(trainer.steps_done()), args.run_dir.c_str(),
                    args.run_dir.c_str());
     }
     return 4;

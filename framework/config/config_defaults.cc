@@ -103,6 +103,8 @@ spike {
   replay: true
   on_hardware_fault: CONTINUE
   keep_anomalies: 20
+  replay_every: 0
+  check_replicas: true
 }
 alert {
   command: ""
@@ -120,6 +122,7 @@ debug {
   fault_point: STEP_BEGIN
   inject_bitflip_at_step: 0
   inject_bitflip_rank: 0
+  inject_param_bitflip_at_step: 0
 }
 )text";
 

@@ -138,6 +138,8 @@ void validate_spike(const config::Spike& s) {
              " (a streak must be able to reach a rewind before it halts)");
   KEEL_CHECK(s.keep_anomalies() >= 0, kConfig, "spike.keep_anomalies=", s.keep_anomalies(),
              " must be >= 0 (0: keep no anomaly evidence)");
+  KEEL_CHECK(s.replay_every() >= 0, kConfig, "spike.replay_every=", s.replay_every(),
+             " must be >= 0 (0: replay only anomalous steps)");
 }
 
 void validate_train(const config::Train& t) {
@@ -311,6 +313,9 @@ void validate(KeelConfig& cfg) {
              " must be >= 0 (0: never)");
   KEEL_CHECK(cfg.debug().inject_bitflip_at_step() >= 0, kConfig,
              "debug.inject_bitflip_at_step=", cfg.debug().inject_bitflip_at_step(),
+             " must be >= 0 (0: never)");
+  KEEL_CHECK(cfg.debug().inject_param_bitflip_at_step() >= 0, kConfig,
+             "debug.inject_param_bitflip_at_step=", cfg.debug().inject_param_bitflip_at_step(),
              " must be >= 0 (0: never)");
   KEEL_CHECK(cfg.debug().inject_bitflip_rank() >= 0, kConfig,
              "debug.inject_bitflip_rank=", cfg.debug().inject_bitflip_rank(),

@@ -62,6 +62,8 @@ FaultInjector::Injection FaultInjector::inject(int64_t step, const std::vector<i
   in.nan = injected(cfg_.inject_nan_at_step(), nan_fired_);
   in.bitflip = injected(cfg_.inject_bitflip_at_step(), bitflip_fired_) &&
                world_rank_ == cfg_.inject_bitflip_rank();
+  in.param_bitflip = injected(cfg_.inject_param_bitflip_at_step(), param_bitflip_fired_) &&
+                     world_rank_ == cfg_.inject_bitflip_rank();
   return in;
 }
 

@@ -40,6 +40,9 @@ class FaultInjector {
     // debug.inject_bitflip_at_step, on debug.inject_bitflip_rank only: one bit of one of this
     // rank's gradients flips, on the step's first computation only (Note [replay]).
     bool bitflip = false;
+    // debug.inject_param_bitflip_at_step, on debug.inject_bitflip_rank only: one bit of one of
+    // this rank's parameters flips after the step's update (a DP replica diverges).
+    bool param_bitflip = false;
   };
   Injection inject(int64_t step, const std::vector<int64_t>& rewinds);
   double spike_factor() const { return cfg_.inject_factor(); }
@@ -47,7 +50,8 @@ class FaultInjector {
  private:
   config::Debug cfg_;
   int world_rank_;
-  int64_t spike_fired_ = 0, nan_fired_ = 0, bitflip_fired_ = 0;  // the last steps each fired at
+  // the last steps each injection fired at
+  int64_t spike_fired_ = 0, nan_fired_ = 0, bitflip_fired_ = 0, param_bitflip_fired_ = 0;
 };
 
 }  // namespace keel

@@ -35,7 +35,7 @@ uint64_t local_print(const double* stats, int n_stats, const Tensor& grads, int6
   return h;
 }
 
-int64_t flip_gradient_bit(const Tensor& t, int64_t offset, int64_t n) {
+int64_t flip_bit(const Tensor& t, int64_t offset, int64_t n, int bit) {
   constexpr int64_t kChunk = int64_t{1} << 16;
   std::vector<float> buf(static_cast<size_t>(std::min(std::max<int64_t>(n, 1), kChunk)));
   int64_t at = offset;
@@ -52,7 +52,7 @@ int64_t flip_gradient_bit(const Tensor& t, int64_t offset, int64_t n) {
   t.copy_to_host(at, 1, &v);
   uint32_t b;
   std::memcpy(&b, &v, sizeof(b));
-  b ^= uint32_t{1} << 30;
+  b ^= uint32_t{1} << bit;
   std::memcpy(&v, &b, sizeof(b));
   t.copy_from_host(at, 1, &v);
   return at;

@@ -59,9 +59,9 @@ struct ReplayVerdict {
 ReplayVerdict compare_replay(Communicator* world, const StepPrint& first, const StepPrint& replay,
                              const std::string& host);
 
-// debug.inject_bitflip_at_step: flips bit 30 of the first non-zero element of [offset, offset +
-// n) of fp32 `t` (or of element `offset` when all are zero). Returns the element's index.
-int64_t flip_gradient_bit(const Tensor& t, int64_t offset, int64_t n);
+// debug.inject_*bitflip*: flips bit `bit` of the first non-zero element of [offset, offset + n)
+// of fp32 `t` (or of element `offset` when all are zero). Returns the element's index.
+int64_t flip_bit(const Tensor& t, int64_t offset, int64_t n, int bit);
 
 // This machine's host name ("an unknown host" when it has none).
 std::string host_name();

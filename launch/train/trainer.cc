@@ -191,6 +191,18 @@ StepResult Trainer::step() {
   StepResult r = compute_gradients();
   const Verdict v = decide(r);
   if (v.what == StepDecision::kApply) apply_update(r);
+  if (injection_.param_bitflip) {
+    const Tensor& params = model_->params().params();
+    // The lowest mantissa bit: a corruption too small to spike, which only the replica check
+    // (Note [replica check]) sees.
+    const int64_t at = flip_bit(params, 0, params.numel(), 0);
+    std::fprintf(stderr,
+                 "keel-train: debug.inject_param_bitflip_at_step=%lld: rank %d flips bit 0 of "
+                 "its parameter element %lld\n",
+                 static_cast<long long>(state_->step + 1), topo_.world_rank,
+                 static_cast<long long>(at));
+    std::fflush(stderr);
+  }
   r.step = ++state_->step;
   carry_out(v, r);
   // A device runs the optimizer's update after the host has moved on: the step's time includes
@@ -205,8 +217,10 @@ Verdict Trainer::decide(StepResult& r) {
   // Every input of this decision is all-reduced, so every rank decides alike (DESIGN.md 5).
   const GuardState before = state_->guard;
   r.guard = guard_.observe(state_->guard, state_->step + 1, r.first_sample, r.loss, r.grad_norm);
-  if (r.guard.anomaly != Anomaly::kNone) {
-    if (cfg_.spike().replay()) {
+  const int replay_every = cfg_.spike().replay_every();
+  const bool sampled = replay_every > 0 && (state_->step + 1) % replay_every == 0;
+  if (r.guard.anomaly != Anomaly::kNone || sampled) {
+    if (cfg_.spike().replay() || sampled) {
       if (std::optional<Verdict> stop = replay(r, before)) return *stop;
     } else {
       keep_evidence(r, nullptr);
@@ -413,7 +427,7 @@ StepResult Trainer::compute_gradients(const FaultInjector::Injection* replay_of)
     // After every collective: only this rank's own gradients change (Note [replay]).
     int64_t n = 0;
     const Tensor& g = held_grads(&n);
-    const int64_t at = flip_gradient_bit(g, 0, n);
+    const int64_t at = flip_bit(g, 0, n, 30);
     std::fprintf(stderr,
                  "keel-train: debug.inject_bitflip_at_step=%lld: rank %d flips bit 30 of its "
                  "gradient element %lld\n",
@@ -533,6 +547,11 @@ void Trainer::run() {
     // step the guard rewound from.
     const bool due = (every > 0 && r.step % every == 0) || timed_save_due_;
     if (store_ && periodic && !r.rewound && ((due && state_->guard.streak == 0) || last)) {
+      if (!check_replicas()) {
+        log_.flush();
+        alerts_->drain();
+        return;
+      }
       save_checkpoint();
     }
     const StepControl c = agree_on_control();

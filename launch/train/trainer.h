@@ -156,6 +156,10 @@ class Trainer {
   std::optional<Verdict> replay(StepResult& r, const GuardState& before);
   // Collective: RUN/anomalies/step_N/ for the anomalous step r (Note [anomaly evidence]).
   void keep_evidence(const StepResult& r, const StepResult* replayed);
+  // Collective, before a periodic save with DP > 1: the DP replicas' parameter checksums
+  // compared (Note [replica check] in trainer_replay.cc). False: spike.on_hardware_fault=STOP
+  // stopped the run, and the save must not happen.
+  bool check_replicas();
   // The gradients this rank holds (ZeRO-1: its reduce-scattered slice), for fingerprints.
   const Tensor& held_grads(int64_t* n) const;
   void carry_out(const Verdict& v, StepResult& r);  // the one place a verdict is acted on

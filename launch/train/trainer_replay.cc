@@ -7,6 +7,7 @@
 
 #include "launch/train/forensics.h"
 #include "launch/train/trainer.h"
+#include "parallel/agree.h"
 
 namespace keel {
 
@@ -39,7 +40,8 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
   if (v.same) {
     state_->guard = observed;
     r.replay = "same";
-    keep_evidence(r, &again);
+    // A healthy step replayed by spike.replay_every leaves no evidence.
+    if (r.guard.anomaly != Anomaly::kNone) keep_evidence(r, &again);
     return std::nullopt;
   }
   const std::string policy = config::HardwareFault_Name(cfg_.spike().on_hardware_fault());
@@ -121,6 +123,67 @@ void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed) {
         static_cast<uint64_t>(sampler_.sample_offset(r.first_sample + static_cast<uint64_t>(i))));
   }
   write_anomaly(opts_.run_dir + "/anomalies", e, keep);
+}
+
+// Note [replica check]
+// ~~~~~~~~~~~~~~~~~~~~
+// DP replicas hold the same parameters by construction: the same initial values, the same
+// all-reduced (or all-gathered) updates. A corrupted word on one replica's device need not cause
+// a spike, and without ZeRO-1 nothing ever overwrites it: the replicas drift apart, and the
+// checkpoint keeps DP rank 0's. So before each periodic save (spike.check_replicas, on by default)
+// every rank hashes the parameters it holds (XXH3) and the ranks compare each replica with DP
+// rank 0 of the same TP rank. A mismatch is a suspected hardware fault: an alert
+// replica_mismatch names the ranks and hosts that differ from DP rank 0, and
+// spike.on_hardware_fault decides: CONTINUE copies DP rank 0's parameters to its replicas (the
+// reference is DP rank 0 by convention: with two replicas nothing tells which one is wrong) and
+// saves; STOP stops without saving (exit 4), the previous checkpoint being the last one known
+// good. The cost is one hash of the parameters and one small all-gather per save.
+bool Trainer::check_replicas() {
+  if (!cfg_.spike().check_replicas() || topo_.dp < 2 || !topo_.world_comm) return true;
+  if (host_.empty()) host_ = host_name();
+  const Tensor& params = model_->params().params();
+  const uint64_t h = local_print(nullptr, 0, params, 0, params.numel());
+  const std::vector<int64_t> mine = {static_cast<int64_t>(h), topo_.dp_rank, topo_.tp_rank};
+  const std::vector<int64_t> table = every_rank(topo_.world_comm, mine);
+  const int world = topo_.world_size;
+  std::vector<int64_t> reference(static_cast<size_t>(topo_.tp), 0);
+  for (int r = 0; r < world; ++r) {
+    if (table[3 * r + 1] == 0) reference[static_cast<size_t>(table[3 * r + 2])] = table[3 * r];
+  }
+  ReplayVerdict v;
+  std::vector<char> names(64 * static_cast<size_t>(world));
+  char my_host[64] = {};
+  std::snprintf(my_host, sizeof(my_host), "%s", host_.c_str());
+  topo_.world_comm->all_gather_bytes(my_host, names.data(), 64);
+  for (int r = 0; r < world; ++r) {
+    if (table[3 * r] == reference[static_cast<size_t>(table[3 * r + 2])]) continue;
+    v.ranks.push_back(r);
+    v.hosts.emplace_back(&names[64 * static_cast<size_t>(r)]);
+  }
+  if (v.ranks.empty()) return true;
+  const bool stop = cfg_.spike().on_hardware_fault() == config::STOP;
+  const std::string message =
+      "DP replicas differ at step " + std::to_string(state_->step) + ": " + describe_ranks(v) +
+      " hold parameters unlike DP rank 0's of the same TP rank: suspected hardware fault; "
+      "spike.on_hardware_fault=" +
+      config::HardwareFault_Name(cfg_.spike().on_hardware_fault()) +
+      (stop ? ": the run stops without saving (exit 4); the previous checkpoint is the last one "
+              "known good"
+            : ": DP rank 0's parameters are copied to its replicas and the checkpoint is saved");
+  StepResult shown = last_;
+  shown.step = state_->step;
+  report(shown, "replica_mismatch", stop ? "halt" : "repair", "", -1, message);
+  if (stop) {
+    halted_ = true;
+    hardware_stop_ = true;
+    return false;
+  }
+  // DP rank 0's parameters to every replica, staged through the host.
+  std::vector<float> buf(static_cast<size_t>(params.numel()));
+  params.copy_to_host(0, params.numel(), buf.data());
+  topo_.dp_comm->broadcast_bytes(buf.data(), static_cast<int64_t>(buf.size() * sizeof(float)), 0);
+  params.copy_from_host(0, params.numel(), buf.data());
+  return true;
 }
 
 }  // namespace keel

@@ -1,11 +1,12 @@
-// Spike forensics through the real keel-train (Note [replay] in launch/train/forensics.h): an
-// injected bit flip in one rank's gradients is told apart from an injected loss spike, in one
-// process and under mpiexec -n 4 at TP2xDP2. The flip's step replays differently: a
+// Spike forensics through the real keel-train (Note [replay] in launch/train/forensics.h, Note
+// [replica check] in launch/train/trainer_replay.cc): an injected bit flip in one rank's gradients
+// is told apart from an injected loss spike, in one process and under mpiexec -n 4 at TP2xDP2. The flip's step replays differently: a
 // nondeterministic_step alert names the flipped rank and its host, and spike.on_hardware_fault
 // decides (CONTINUE: the replayed result is applied, no rewind; STOP: exit 4 with the state
 // saved). The spike's step replays identically: the guard skips and rewinds as before, and no
 // nondeterministic_step alert is raised. Every anomaly leaves RUN/anomalies/step_N/ with the
-// batch and the per-layer statistics, bounded by spike.keep_anomalies.
+// batch and the per-layer statistics, bounded by spike.keep_anomalies. spike.replay_every samples
+// healthy steps; spike.check_replicas catches a flipped parameter on one DP replica.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -159,6 +160,60 @@ TEST_F(SpikeForensics, WithoutReplayAFlipIsAGradSpikeAndEvidenceIsBounded) {
   }
   std::sort(kept.begin(), kept.end());
   EXPECT_EQ(kept.size(), 2u);
+}
+
+// The figures of each metrics line that a run computes (not its timings).
+std::vector<std::string> computed(const std::string& metrics) {
+  std::vector<std::string> out;
+  for (const std::string& l : lines(metrics)) {
+    const size_t a = l.find("\"loss\""), b = l.find("\"lr\"");
+    out.push_back(l.substr(0, l.find(',')) + l.substr(a, b - a));
+  }
+  return out;
+}
+
+// spike.replay_every samples the hardware between anomalies: with the guard off, a flip on a
+// sampled step is still named; replaying every step of a healthy run changes no bit of it and
+// leaves no evidence.
+TEST_F(SpikeForensics, ReplayEverySamplesHealthySteps) {
+  const CommandResult r = train("sampled", 1,
+                                {"--set", "spike.enabled=false", "--set", "spike.replay_every=5",
+                                 "--set", "debug.inject_bitflip_at_step=30"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> hw = alerts_of(dir_.file("sampled"), "nondeterministic_step");
+  ASSERT_EQ(hw.size(), 1u) << read_file(dir_.file("sampled") + "/alerts.jsonl");
+  EXPECT_NE(hw[0].find("\"step\": 30"), std::string::npos) << hw[0];
+  const CommandResult every = train("every", 1, {"--set", "spike.replay_every=1"});
+  const CommandResult plain = train("plain", 1, {});
+  ASSERT_EQ(every.exit_code, 0) << every.out << every.err;
+  ASSERT_EQ(plain.exit_code, 0) << plain.out << plain.err;
+  EXPECT_EQ(computed(read_file(dir_.file("every") + "/metrics.jsonl")),
+            computed(read_file(dir_.file("plain") + "/metrics.jsonl")));
+  EXPECT_EQ(read_file(dir_.file("every") + "/alerts.jsonl"), "");
+  EXPECT_FALSE(fs::exists(dir_.file("every") + "/anomalies"));
+}
+
+// Note [replica check]: a flipped low bit of one parameter on DP replica rank 3 (TP2xDP2) is too
+// small to spike; the checksum compare before the next periodic save names rank 3, CONTINUE
+// copies DP rank 0's parameters over it and the run goes on (one alert: the replicas agree at the
+// saves after); STOP exits 4 without saving, leaving the previous checkpoint.
+TEST_F(SpikeForensics, TheReplicaCheckCatchesAFlippedParameter) {
+  const std::vector<std::string> flip = {"--set", "parallel.tp=2",
+                                         "--set", "debug.inject_param_bitflip_at_step=12",
+                                         "--set", "debug.inject_bitflip_rank=3"};
+  const CommandResult r = train("replica", 4, flip);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> bad = alerts_of(dir_.file("replica"), "replica_mismatch");
+  ASSERT_EQ(bad.size(), 1u) << read_file(dir_.file("replica") + "/alerts.jsonl");
+  EXPECT_NE(bad[0].find("\"step\": 20"), std::string::npos) << bad[0];
+  EXPECT_NE(bad[0].find("rank 3 (host "), std::string::npos) << bad[0];
+  EXPECT_NE(bad[0].find("\"action\": \"repair\""), std::string::npos) << bad[0];
+  std::vector<std::string> stop = flip;
+  stop.insert(stop.end(), {"--set", "spike.on_hardware_fault=STOP"});
+  const CommandResult s = train("replica_stop", 4, stop);
+  EXPECT_EQ(s.exit_code, 4) << s.out << s.err;
+  EXPECT_NE(s.err.find("suspected hardware fault"), std::string::npos) << s.err;
+  EXPECT_EQ(read_file(dir_.file("replica_stop") + "/checkpoints/LATEST"), "step_00000010\n");
 }
 
 }  // namespace
