@@ -7,6 +7,9 @@
 //                           the names of the Hugging Face architecture the model matches exactly
 //                           (GPT-2, OLMo 2, Qwen3) with OUT_DIR/config.json, under keel's names
 //                           otherwise (checkpoints/EXPORT.md)
+//   keel-ckpt anomaly DIR   one anomaly's evidence (RUN/anomalies/step_N, Note [anomaly evidence]
+//                           in launch/train/forensics.cc): its figures, the replay's verdict and
+//                           its batch decoded as text; DIR = RUN lists the run's anomalies
 // PATH is a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN, in
 // which case the current checkpoint is taken: the first on LATEST's lineage whose manifest reads
 // (Note [lineage], checkpoints/store.h), with a line on stdout for each one skipped. Exit codes:
@@ -18,9 +21,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,14 +33,17 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/export.h"
+#include "framework/config/config.h"
 #include "framework/data/data_dir.h"
 #include "framework/data/fingerprint.h"
+#include "framework/data/tokenizer_json.h"
 #include "framework/error.h"
 #include "framework/file_io.h"
 
@@ -48,7 +56,8 @@ using keel::ExportTensor;
 using keel::HfConfig;
 
 const char* kUsage =
-    "usage: keel-ckpt info PATH | keel-ckpt verify PATH | keel-ckpt export PATH OUT_DIR\n"
+    "usage: keel-ckpt info PATH | keel-ckpt verify PATH | keel-ckpt export PATH OUT_DIR |\n"
+    "       keel-ckpt anomaly DIR\n"
     "  PATH  a checkpoint directory (RUN/checkpoints/step_NNNNNNNN), or RUN/checkpoints or RUN\n"
     "        (then the current one: the first on LATEST's lineage that reads)\n"
     "  info    step, tokens, writer layout, data fingerprints, tensors and their slices\n"
@@ -58,6 +67,9 @@ const char* kUsage =
     "          architecture's names and OUT_DIR/config.json (load with\n"
     "          AutoModelForCausalLM.from_pretrained(OUT_DIR)), any other model keel's names\n"
     "          and a line per architecture saying which options prevent it\n"
+    "  anomaly  DIR = RUN/anomalies/step_N: the anomaly's figures, the replay's verdict and the\n"
+    "          batch decoded as text (through the run's tokenizer.json, or as bytes); DIR = RUN:\n"
+    "          one line per anomaly"
     "          (checkpoints/EXPORT.md); a run on a keel-data directory also gets its\n"
     "          tokenizer.json and a tokenizer_config.json (AutoTokenizer.from_pretrained)\n";
 
@@ -442,6 +454,120 @@ int export_checkpoint(const std::string& dir, const std::string& out_dir) {
   return 0;
 }
 
+// keel-ckpt anomaly: Note [anomaly evidence] (launch/train/forensics.cc).
+nlohmann::json read_summary(const fs::path& dir) {
+  const fs::path file = dir / "summary.json";
+  std::ifstream in(file);
+  KEEL_CHECK(in.good(), kUsage, dir.string(),
+             ": not an anomaly directory (no summary.json; expected RUN/anomalies/step_N or RUN)");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    KEEL_FAIL(kData, file.string(), ": not JSON: ", e.what());
+  }
+}
+
+std::string shown_text(const std::string& bytes) {
+  std::string out;
+  for (unsigned char c : bytes) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+int anomaly(const std::string& path) {
+  const fs::path dir(path);
+  std::error_code ec;
+  if (fs::is_directory(dir / "anomalies", ec)) {
+    std::vector<fs::path> steps;
+    for (const auto& e : fs::directory_iterator(dir / "anomalies")) steps.push_back(e.path());
+    std::sort(steps.begin(), steps.end());
+    std::printf("%zu anomal%s in %s\n", steps.size(), steps.size() == 1 ? "y" : "ies",
+                (dir / "anomalies").c_str());
+    for (const fs::path& p : steps) {
+      const nlohmann::json j = read_summary(p);
+      std::printf("  %s  step %lld  %s  replay %s%s\n", p.filename().c_str(), j.value("step", 0LL),
+                  j.value("kind", "").c_str(), j.value("replay", "").c_str(),
+                  j.value("ranks", "").empty() ? "" : (" (" + j.value("ranks", "") + ")").c_str());
+    }
+    return 0;
+  }
+  const nlohmann::json j = read_summary(dir);
+  auto num = [&](const char* key) {
+    return j.contains(key) && j[key].is_number() ? j[key].get<double>() : std::nan("");
+  };
+  std::printf("step %lld: %s; replay: %s%s\n", j.value("step", 0LL), j.value("kind", "").c_str(),
+              j.value("replay", "").c_str(),
+              j.value("ranks", "").empty() ? "" : (" (" + j.value("ranks", "") + ")").c_str());
+  std::printf(
+      "  loss %.6g (replay %.6g), gradient norm %.6g (replay %.6g), z-loss %.6g, log Z %.6g\n",
+      num("loss"), num("replay_loss"), num("grad_norm"), num("replay_grad_norm"), num("z_loss"),
+      num("log_z"));
+  auto top = [&](const char* key, const char* what) {
+    if (!j.contains(key) || !j[key].is_array() || j[key].empty()) return;
+    size_t best = 0;
+    for (size_t i = 0; i < j[key].size(); ++i) {
+      if (j[key][i].is_number() &&
+          (!j[key][best].is_number() || j[key][i].get<double>() > j[key][best].get<double>())) {
+        best = i;
+      }
+    }
+    std::string all;
+    for (const auto& v : j[key]) {
+      char b[32];
+      std::snprintf(b, sizeof(b), "%s%.4g", all.empty() ? "" : " ",
+                    v.is_number() ? v.get<double>() : std::nan(""));
+      all += b;
+    }
+    std::printf("  %s per block: %s (largest: block %zu)\n", what, all.c_str(), best);
+  };
+  top("max_attn_logit_layers", "max attention logit");
+  top("grad_norm_layers", "gradient norm (last: outside the blocks)");
+  // The batch: int32 ids [batch, seq_len], decoded through the run's tokenizer.json when its data
+  // has one, else as bytes.
+  const int64_t seq_len = j.value("seq_len", 0LL);
+  std::ifstream in(dir / "tokens.bin", std::ios::binary);
+  std::vector<int32_t> ids;
+  for (int32_t id; in.read(reinterpret_cast<char*>(&id), sizeof(id));) ids.push_back(id);
+  KEEL_CHECK(seq_len > 0 && !ids.empty() && ids.size() % static_cast<size_t>(seq_len) == 0, kData,
+             (dir / "tokens.bin").string(), ": ", ids.size(), " token ids, not a whole batch of ",
+             seq_len);
+  std::optional<keel::TokenizerJson> tok;
+  const fs::path run = dir.parent_path().parent_path();
+  if (fs::exists(run / "config.pbtxt", ec)) {
+    const auto cfg = keel::load_config((run / "config.pbtxt").string(), {});
+    const std::string data_dir = keel::data_dir_of(cfg.data().path());
+    const fs::path t = fs::path(data_dir) / keel::kDataDirTokenizer;
+    if (!data_dir.empty() && fs::exists(t, ec)) tok = keel::TokenizerJson::load(t.string());
+  }
+  const size_t n = ids.size() / static_cast<size_t>(seq_len);
+  std::printf("  batch: %zu samples of %lld tokens from sample %lld, decoded %s:\n", n,
+              static_cast<long long>(seq_len), j.value("first_sample", 0LL),
+              tok ? "through the run's tokenizer.json" : "as bytes");
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<int32_t> row(ids.begin() + static_cast<int64_t>(i) * seq_len,
+                             ids.begin() + static_cast<int64_t>(i + 1) * seq_len);
+    std::string bytes;
+    if (tok) {
+      bytes = tok->decode(row);
+    } else {
+      for (int32_t id : row) bytes += static_cast<char>(id & 0xff);
+    }
+    const auto offsets = j.value("sample_offsets", std::vector<long long>{});
+    std::printf("  [%zu] offset %lld: %s\n", i, i < offsets.size() ? offsets[i] : -1LL,
+                shown_text(bytes).c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -451,8 +577,14 @@ int main(int argc, char** argv) {
       std::printf("%s", kUsage);
       return 0;
     }
+    if (cmd == "anomaly") {
+      KEEL_CHECK(argc == 3, kUsage, "expected 'anomaly DIR' (see --help)");
+      return anomaly(argv[2]);
+    }
     KEEL_CHECK((argc == 3 && (cmd == "info" || cmd == "verify")) || (argc == 4 && cmd == "export"),
-               kUsage, "expected 'info PATH', 'verify PATH' or 'export PATH OUT_DIR' (see --help)");
+               kUsage,
+               "expected 'info PATH', 'verify PATH', 'export PATH OUT_DIR' or 'anomaly DIR' (see "
+               "--help)");
     const std::string dir = resolve(argv[2]);
     if (cmd == "export") return export_checkpoint(dir, argv[3]);
     return cmd == "info" ? info(dir) : verify(dir);

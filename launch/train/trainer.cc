@@ -223,7 +223,7 @@ Verdict Trainer::decide(StepResult& r) {
     if (cfg_.spike().replay() || sampled) {
       if (std::optional<Verdict> stop = replay(r, before)) return *stop;
     } else {
-      keep_evidence(r, nullptr);
+      if (keeps_evidence()) keep_evidence(r, nullptr, layer_grad_norms());
     }
   }
   // Bounded: a streak of skipped updates that no rewind ends (none possible, or every rewind

@@ -155,7 +155,11 @@ class Trainer {
   // the guard's state before it observed r.
   std::optional<Verdict> replay(StepResult& r, const GuardState& before);
   // Collective: RUN/anomalies/step_N/ for the anomalous step r (Note [anomaly evidence]).
-  void keep_evidence(const StepResult& r, const StepResult* replayed);
+  void keep_evidence(const StepResult& r, const StepResult* replayed,
+                     const std::vector<double>& grad_norm_layers);
+  bool keeps_evidence() const;  // a run directory and spike.keep_anomalies > 0
+  // Collective: each block's gradient norm, then one for everything outside the blocks.
+  std::vector<double> layer_grad_norms() const;
   // Collective, before a periodic save with DP > 1: the DP replicas' parameter checksums
   // compared (Note [replica check] in trainer_replay.cc). False: spike.on_hardware_fault=STOP
   // stopped the run, and the save must not happen.

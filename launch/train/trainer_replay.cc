@@ -26,6 +26,9 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
   int64_t n = 0;
   const Tensor& g = held_grads(&n);
   const StepPrint first{r.loss, r.grad_norm, local_print(r.local_stats, 3, g, 0, n)};
+  // The first computation's per-block gradient norms, for the evidence (the replay overwrites
+  // the gradients).
+  const std::vector<double> norms = keeps_evidence() ? layer_grad_norms() : std::vector<double>{};
   // The same inputs: the guard's state before it saw the step (the learning rate's cool-down
   // and the skipped ranges are read from it), the same first sample, the same injections.
   const GuardState observed = state_->guard;
@@ -41,7 +44,7 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
     state_->guard = observed;
     r.replay = "same";
     // A healthy step replayed by spike.replay_every leaves no evidence.
-    if (r.guard.anomaly != Anomaly::kNone) keep_evidence(r, &again);
+    if (r.guard.anomaly != Anomaly::kNone) keep_evidence(r, &again, norms);
     return std::nullopt;
   }
   const std::string policy = config::HardwareFault_Name(cfg_.spike().on_hardware_fault());
@@ -50,7 +53,7 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
                 r.loss, again.loss, r.grad_norm, again.grad_norm);
   const std::string who = describe_ranks(v);
   r.replay = "different: " + who;
-  keep_evidence(r, &again);
+  keep_evidence(r, &again, norms);
   const bool stop = cfg_.spike().on_hardware_fault() == config::STOP;
   const std::string message =
       "step " + std::to_string(state_->step + 1) + " computed differently on a replay of the " +
@@ -73,9 +76,7 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
   return std::nullopt;
 }
 
-void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed) {
-  const int keep = cfg_.spike().keep_anomalies();
-  if (opts_.run_dir.empty() || keep <= 0) return;
+std::vector<double> Trainer::layer_grad_norms() const {
   // Each block's gradient norm (and everything outside the blocks last), counted once over TP
   // as the global norm is: collective, alike on every rank.
   const int L = model_->dims().L;
@@ -98,6 +99,18 @@ void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed) {
   }
   Communicator* comm = part.sharded() ? topo_.world_comm : topo_.tp_comm;
   if (comm) comm->all_reduce(sq.data(), static_cast<int64_t>(sq.size()), ReduceOp::kSum);
+  for (double& v : sq) v = std::sqrt(v);
+  return sq;
+}
+
+bool Trainer::keeps_evidence() const {
+  return !opts_.run_dir.empty() && cfg_.spike().keep_anomalies() > 0;
+}
+
+void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed,
+                            const std::vector<double>& grad_norm_layers) {
+  if (!keeps_evidence()) return;
+  const int keep = cfg_.spike().keep_anomalies();
   if (topo_.world_rank != 0) return;
   AnomalyEvidence e;
   e.step = state_->step + 1;
@@ -111,7 +124,7 @@ void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed) {
   e.z_loss = r.z_loss;
   e.log_z = r.log_z;
   e.max_attn_logit_layers = r.max_attn_logit_layers;
-  for (double s : sq) e.grad_norm_layers.push_back(std::sqrt(s));
+  e.grad_norm_layers = grad_norm_layers;
   e.first_sample = r.first_sample;
   const int64_t batch = cfg_.train().global_batch();
   e.seq_len = sampler_.seq_len();

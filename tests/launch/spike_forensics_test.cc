@@ -1,12 +1,13 @@
 // Spike forensics through the real keel-train (Note [replay] in launch/train/forensics.h, Note
 // [replica check] in launch/train/trainer_replay.cc): an injected bit flip in one rank's gradients
-// is told apart from an injected loss spike, in one process and under mpiexec -n 4 at TP2xDP2. The flip's step replays differently: a
-// nondeterministic_step alert names the flipped rank and its host, and spike.on_hardware_fault
-// decides (CONTINUE: the replayed result is applied, no rewind; STOP: exit 4 with the state
-// saved). The spike's step replays identically: the guard skips and rewinds as before, and no
-// nondeterministic_step alert is raised. Every anomaly leaves RUN/anomalies/step_N/ with the
-// batch and the per-layer statistics, bounded by spike.keep_anomalies. spike.replay_every samples
-// healthy steps; spike.check_replicas catches a flipped parameter on one DP replica.
+// is told apart from an injected loss spike, in one process and under mpiexec -n 4 at TP2xDP2. The
+// flip's step replays differently: a nondeterministic_step alert names the flipped rank and its
+// host, and spike.on_hardware_fault decides (CONTINUE: the replayed result is applied, no rewind;
+// STOP: exit 4 with the state saved). The spike's step replays identically: the guard skips and
+// rewinds as before, and no nondeterministic_step alert is raised. Every anomaly leaves
+// RUN/anomalies/step_N/ with the batch and the per-layer statistics, bounded by
+// spike.keep_anomalies. spike.replay_every samples healthy steps; spike.check_replicas catches a
+// flipped parameter on one DP replica.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -86,6 +87,14 @@ class SpikeForensics : public ::testing::Test {
     const std::string summary = read_file(anomaly(run, 30) + "/summary.json");
     EXPECT_NE(summary.find("\"replay\": \"different\""), std::string::npos) << summary;
     EXPECT_NE(summary.find("\"kind\": \"grad_spike\""), std::string::npos) << summary;
+    // The first computation's figures: the flipped gradient's norm is astronomically large, the
+    // replay's is not.
+    const size_t g = summary.find("\"grad_norm\": ");
+    ASSERT_NE(g, std::string::npos);
+    EXPECT_GT(std::stod(summary.substr(g + 13)), 1e20) << summary;
+    const size_t rg = summary.find("\"replay_grad_norm\": ");
+    ASSERT_NE(rg, std::string::npos);
+    EXPECT_LT(std::stod(summary.substr(rg + 20)), 1e3) << summary;
     // The evidence: the batch (8 x 16 int32 token ids) and a gradient norm per block and one for
     // the rest.
     EXPECT_EQ(fs::file_size(anomaly(run, 30) + "/tokens.bin"), 8u * 16u * 4u);
@@ -99,7 +108,30 @@ class SpikeForensics : public ::testing::Test {
   TempDir dir_{"keel_spike_forensics"};
 };
 
-TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareInOneProcess) { expect_bitflip_named(1, 0, {}); }
+TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareInOneProcess) {
+  expect_bitflip_named(1, 0, {});
+  // keel-ckpt anomaly prints the evidence: the verdict, the figures of both computations, the
+  // block holding the corrupted gradient, the batch decoded (here as bytes: a byte vocabulary).
+  const CommandResult a =
+      run_command(testing::command_line(KEEL_CKPT_BIN, {"anomaly", anomaly("flip1", 30)}), dir_);
+  ASSERT_EQ(a.exit_code, 0) << a.out << a.err;
+  EXPECT_NE(a.out.find("step 30: grad_spike; replay: different (rank 0 (host "), std::string::npos)
+      << a.out;
+  EXPECT_NE(a.out.find("batch: 8 samples of 16 tokens"), std::string::npos) << a.out;
+  EXPECT_NE(a.out.find("decoded as bytes"), std::string::npos) << a.out;
+  EXPECT_NE(a.out.find("\n  [7] offset "), std::string::npos) << a.out;
+  const CommandResult list =
+      run_command(testing::command_line(KEEL_CKPT_BIN, {"anomaly", dir_.file("flip1")}), dir_);
+  ASSERT_EQ(list.exit_code, 0) << list.out << list.err;
+  EXPECT_NE(list.out.find("1 anomaly in "), std::string::npos) << list.out;
+  EXPECT_NE(list.out.find("step_00000030  step 30  grad_spike  replay different"),
+            std::string::npos)
+      << list.out;
+  const CommandResult bad = run_command(
+      testing::command_line(KEEL_CKPT_BIN, {"anomaly", dir_.file("flip1/checkpoints")}), dir_);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("not an anomaly directory"), std::string::npos) << bad.err;
+}
 
 TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareAtTp2Dp2) {
   expect_bitflip_named(4, 2, {"--set", "parallel.tp=2"});
