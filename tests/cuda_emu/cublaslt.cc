@@ -21,6 +21,7 @@
 #include <string>
 
 #include "framework/kernels/cuda/bf16.h"
+#include "tests/cuda_emu/counters.h"
 #include "tests/cuda_emu/emu.h"
 
 namespace {
@@ -342,6 +343,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
   // Host scalars are read at the call, as cuBLASLt's are; the product is a task of the stream
   // (Note [cuda-emu-deferred]), with copies of the descriptor and layouts.
   const float al_ = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  keel_emu::counters::record_launch("cublasLtMatmul", 0, 0, m * n * k);
   keel_emu::submit(stream, [=] {
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {

@@ -44,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/cuda_emu/counters.h"
 #include "tests/cuda_emu/emu.h"
 
 namespace keel_emu {
@@ -945,6 +946,7 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), std::shared_pt
   std::ostringstream why;
   const dim3 &g = cfg.grid, &bd = cfg.block;
   const uint64_t threads = uint64_t{bd.x} * bd.y * bd.z;
+  counters::record_launch(cfg.name, uint64_t{g.x} * g.y * g.z, threads, -1);
   size_t allowed = kDefaultSharedBytes;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -1009,6 +1011,15 @@ typename Map::iterator containing(Map& m, const void* p, Size size_of) {
   return static_cast<const char*>(p) < start + size_of(it->second) ? it : m.end();
 }
 
+// Whether p is host memory a GPU could not copy to or from directly: neither a device allocation
+// nor cudaMallocHost's page-locked memory (counters.h: a pageable copy waits for the device).
+bool is_pageable(const void* p) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return containing(device_allocations(), p, [](const Mapping& m) { return m.length; }) ==
+             device_allocations().end() &&
+         containing(host_allocations(), p, [](size_t n) { return n; }) == host_allocations().end();
+}
+
 }  // namespace
 
 cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_in,
@@ -1023,6 +1034,7 @@ cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_i
     std::lock_guard<std::mutex> lock(g_mu);
     return fail(cudaErrorInvalidValue, "cub::DeviceRadixSort::SortPairs: bad arguments");
   }
+  counters::record_launch("cub::DeviceRadixSort::SortPairs", 0, 0, n);
   const uint32_t keymask =
       (end_bit == 32 ? 0xffffffffu : ((1u << end_bit) - 1u)) & ~((1u << begin_bit) - 1u);
   submit(stream, [=] {
@@ -1143,6 +1155,7 @@ cudaError_t cudaPeekAtLastError() {
 cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   *ptr = nullptr;
   if (bytes == 0) return cudaSuccess;
+  keel_emu::counters::record_allocation(bytes, /*pinned=*/false);
   const size_t page = static_cast<size_t>(getpagesize());
   const size_t body = (bytes + 255) / 256 * 256;  // the start stays 256-byte aligned
   const size_t length = (body + page - 1) / page * page + page;
@@ -1181,6 +1194,7 @@ void keel_cuda_emu_block_reused(void* block, size_t bytes, cudaStream_t stream) 
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  keel_emu::counters::record_sync("cudaFree");
   keel_emu::wait_all_streams();  // cudaFree synchronises the device
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = keel_emu::device_allocations().find(ptr);
@@ -1193,6 +1207,7 @@ cudaError_t cudaFree(void* ptr) {
 }
 
 cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
+  keel_emu::counters::record_allocation(bytes, /*pinned=*/true);
   const size_t rounded = (bytes + 255) / 256 * 256;
   *ptr = bytes == 0 ? nullptr : std::aligned_alloc(256, rounded);
   std::lock_guard<std::mutex> lock(g_mu);
@@ -1235,10 +1250,14 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* pt
 // too ("might be synchronous"), so keel must not rely on either.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/,
                             cudaStream_t stream) {
+  if (bytes > 0 && (keel_emu::is_pageable(dst) || keel_emu::is_pageable(src))) {
+    keel_emu::counters::record_sync("pageable cudaMemcpyAsync");
+  }
   if (bytes > 0) keel_emu::submit(stream, [=] { std::memmove(dst, src, bytes); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
+  keel_emu::counters::record_sync("cudaMemcpy");
   keel_emu::wait_stream(nullptr);  // the legacy default stream
   if (bytes > 0) std::memmove(dst, src, bytes);
   return keel_emu::take_async_error();
@@ -1275,6 +1294,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  keel_emu::counters::record_sync("cudaStreamSynchronize");
   keel_emu::wait_stream(stream);
   return keel_emu::take_async_error();
 }
@@ -1283,6 +1303,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   return keel_emu::take_async_error();
 }
 cudaError_t cudaDeviceSynchronize() {
+  keel_emu::counters::record_sync("cudaDeviceSynchronize");
   keel_emu::wait_all_streams();
   return keel_emu::take_async_error();
 }
@@ -1312,6 +1333,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  keel_emu::counters::record_sync("cudaEventSynchronize");
   std::shared_ptr<keel_emu::Op> marker;
   {
     std::lock_guard<std::mutex> lock(g_mu);
