@@ -210,7 +210,7 @@ TEST(CheckpointStore, WithoutAUsableLatestEveryCheckpointIsOnTheLineageNewestFir
   const std::string latest = td.path() + "/LATEST";
   const Steps all{20, 15, 10};
   EXPECT_EQ(store.lineage(), all);  // missing
-  for (const std::string& text : {"garbage\n", "step_00000012\n", ""}) {
+  for (const char* text : {"garbage\n", "step_00000012\n", ""}) {
     write_file(latest, text);  // garbage, a step that does not exist, empty
     EXPECT_EQ(store.lineage(), all) << text;
     EXPECT_EQ(store.off_lineage(), Steps{}) << text;

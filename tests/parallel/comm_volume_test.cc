@@ -46,7 +46,9 @@
 //
 // World group (world > 1), per step: 24 bytes (cross-entropy, z-loss and log Z sums, three
 //   doubles) + 4L (each layer's max attention logit) + 8 when zero_stage = 1 (the squared gradient
-//   norm over TP and DP shards together).
+//   norm over TP and DP shards together) + 16 when dp > 1 without ZeRO-1 (the largest replica's
+//   squared norm and a non-finite flag, so a corrupted replica cannot decide differently: Note
+//   [replay] in launch/train/forensics.h).
 //
 // The modern blocks add no TP term: RoPE rotates whole heads on their rank; the gated MLP's gate
 // and up projections are both column-parallel from the same input, so their input gradients add
@@ -381,9 +383,11 @@ Volume expected_volume(const Case& c, Terms* t) {
     t->buckets = v.dp_calls;
   }
   if (c.tp * c.dp > 1) {
-    // loss, z-loss and log Z sums; each layer's max attention logit
-    v.world_bytes = 24 + 4 * kLayers + (zero ? 8 : 0);
-    v.world_calls = 2 + (zero ? 1 : 0);
+    // loss, z-loss and log Z sums; each layer's max attention logit; ZeRO-1: the gradient's sum
+    // of squares; plain DP: the largest replica norm and whether one is non-finite (Note [replay])
+    const bool replicated_norm = c.dp > 1 && !zero;
+    v.world_bytes = 24 + 4 * kLayers + (zero ? 8 : 0) + (replicated_norm ? 16 : 0);
+    v.world_calls = 2 + (zero ? 1 : 0) + (replicated_norm ? 1 : 0);
   }
   return v;
 }
