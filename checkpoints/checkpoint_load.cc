@@ -73,6 +73,20 @@ void gather_block(ShardReader& reader, const std::string& dir, const ckpt::Tenso
                   int dim, const Block& tb, int64_t need_begin, int64_t need_n, float* target) {
   const std::string what = describe(rec);
   const Shape shape(rec.shape().begin(), rec.shape().end());
+  // A replicated target (dim < 0, the whole tensor) may come from slices sharded on a dimension
+  // (grouped-query k/v heads are sharded under some TP sizes and replicated under others: Note
+  // [gqa layouts] in layers/attention.h): walk the slices along theirs, the target spanning it.
+  if (dim < 0) {
+    for (const ckpt::Slice& s : rec.slices()) {
+      if (s.shard_dim() >= 0) {
+        KEEL_CHECK(s.shard_dim() < static_cast<int>(shape.size()), kData, dir,
+                   "/manifest.pb: ", what, ": a slice is sharded on dimension ", s.shard_dim(),
+                   " of a tensor of ", shape.size());
+        dim = s.shard_dim();
+        break;
+      }
+    }
+  }
   const Geometry g = geometry(shape, dim);
   const int64_t t_begin = tb.dim < 0 ? 0 : tb.begin;
   const int64_t t_len = tb.dim < 0 ? g.extent : tb.len;

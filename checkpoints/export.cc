@@ -55,6 +55,11 @@ const std::map<std::string, std::array<FieldRule, kArchCount>>& field_rules() {
       {"d_model", {any, any, any}},
       {"n_layers", {any, any, any}},
       {"n_heads", {any, any, any}},
+      // k/v heads: the config.json files keel writes have multi-head attention (0: n_heads).
+      {"n_kv_heads",
+       {{{"0", "GPT-2 has multi-head attention"},
+         {"0", "keel-ckpt export writes OLMo 2 with multi-head attention only so far"},
+         {"0", "keel-ckpt export writes Qwen3 with multi-head attention only so far"}}}},
       {"d_ff", {any, any, any}},
       {"max_positions", {any, any, any}},
       // Initialisation only.

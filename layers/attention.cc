@@ -29,27 +29,58 @@ Attention::Attention(const std::string& prefix, ParamStore& ps, const LayerConte
     : ps_(ps), ctx_(ctx) {
   const ModelDims& d = ctx.dims;
   const float resid_std = d.init_std / std::sqrt(2.0f * static_cast<float>(d.L));
-  qkv_w_ =
-      ps.add({prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal, d.init_std, true});
-  if (d.bias) {
-    qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
+  if (!d.gqa()) {
+    qkv_w_ = ps.add(
+        {prefix + ".qkv.weight", {3, d.H, d.D, d.C}, 1, ParamInit::kNormal, d.init_std, true});
+    if (d.bias) {
+      qkv_b_ = ps.add({prefix + ".qkv.bias", {3, d.H, d.D}, 1, ParamInit::kConstant, 0.0f, false});
+    }
+  } else {
+    // Note [gqa layouts]: replicated k/v heads get TP partial gradients, like a shared gain.
+    const int kv_shard = d.kv_replicated ? -1 : 1;
+    const bool kv_partial = d.kv_replicated;
+    qkv_w_ =
+        ps.add({prefix + ".q.weight", {d.H, d.D, d.C}, 0, ParamInit::kNormal, d.init_std, true});
+    kv_w_ = ps.add({prefix + ".kv.weight",
+                    {2, d.Hkv, d.D, d.C},
+                    kv_shard,
+                    ParamInit::kNormal,
+                    d.init_std,
+                    true,
+                    kv_partial});
+    if (d.bias) {
+      qkv_b_ = ps.add({prefix + ".q.bias", {d.H, d.D}, 0, ParamInit::kConstant, 0.0f, false});
+      kv_b_ = ps.add({prefix + ".kv.bias",
+                      {2, d.Hkv, d.D},
+                      kv_shard,
+                      ParamInit::kConstant,
+                      0.0f,
+                      false,
+                      kv_partial});
+    }
   }
   if (d.qk_norm == config::RMS || d.qk_norm == config::LAYER) {
     // HEAD_SHARED: one [D] gain for all heads (replicated under TP); HEAD and PROJECTION: [H, D]
-    // sharded with the heads.
+    // for q and [Hkv, D] for k, sharded with the heads (k's replicated with its heads: Note [gqa
+    // layouts]).
     const bool shared = d.qk_scope == config::HEAD_SHARED;
-    const Shape shape = shared ? Shape{d.D} : Shape{d.H, d.D};
-    const int shard = shared ? -1 : 0;
     // A shared gain sees only this rank's heads in backward: its gradient is a TP partial sum.
-    auto spec = [&](const char* name, float value) {
-      return ParamSpec{prefix + name, shape, shard, ParamInit::kConstant, value, false, shared};
+    auto spec = [&](const char* name, float value, int64_t heads, bool replicated) {
+      const bool one = shared || replicated;
+      return ParamSpec{prefix + name,
+                       shared ? Shape{d.D} : Shape{heads, d.D},
+                       one ? -1 : 0,
+                       ParamInit::kConstant,
+                       value,
+                       false,
+                       one};
     };
-    q_norm_w_ = ps.add(spec(".q_norm.weight", 1.0f));
-    k_norm_w_ = ps.add(spec(".k_norm.weight", 1.0f));
+    q_norm_w_ = ps.add(spec(".q_norm.weight", 1.0f, d.H, false));
+    k_norm_w_ = ps.add(spec(".k_norm.weight", 1.0f, d.Hkv, d.kv_replicated));
     // LAYER's bias follows model.bias like every other bias (without it, LAYER still centres).
     if (d.qk_norm == config::LAYER && d.bias) {
-      q_norm_b_ = ps.add(spec(".q_norm.bias", 0.0f));
-      k_norm_b_ = ps.add(spec(".k_norm.bias", 0.0f));
+      q_norm_b_ = ps.add(spec(".q_norm.bias", 0.0f, d.H, false));
+      k_norm_b_ = ps.add(spec(".k_norm.bias", 0.0f, d.Hkv, d.kv_replicated));
     }
   } else if (d.qk_norm == config::L2) {
     // Henry et al. 2020: g0 = log2(L^2 - L) for training length L.
@@ -80,15 +111,16 @@ void Attention::allocate(const LayerContext& ctx, const Attention* share) {
   }
   const ModelDims& d = ctx.dims;
   const int64_t HD = d.Hl * d.D;
-  qkv_ = ctx.zeros({d.BT(), 3 * HD});
-  const int64_t groups = d.qk_scope == config::PROJECTION ? 1 : d.Hl;
+  qkv_ = ctx.zeros({d.BT(), d.qkv_width()});
+  const bool projection = d.qk_scope == config::PROJECTION;
+  const int64_t q_groups = projection ? 1 : d.Hl, k_groups = projection ? 1 : d.Hkvl;
   if (d.qk_norm != config::NONE) {
     // Note [act-dtype]: only attention (forward and backward) reads the normalised q, k.
-    qk_ = ctx.zeros({2, d.BT(), HD}, ctx.exec->act_dtype());
-    q_mean_ = ctx.zeros({d.BT() * groups});
-    q_rstd_ = ctx.zeros({d.BT() * groups});
-    k_mean_ = ctx.zeros({d.BT() * groups});
-    k_rstd_ = ctx.zeros({d.BT() * groups});
+    qk_ = ctx.zeros({d.BT(), (d.Hl + d.Hkvl) * d.D}, ctx.exec->act_dtype());
+    q_mean_ = ctx.zeros({d.BT() * q_groups});
+    q_rstd_ = ctx.zeros({d.BT() * q_groups});
+    k_mean_ = ctx.zeros({d.BT() * k_groups});
+    k_rstd_ = ctx.zeros({d.BT() * k_groups});
   }
   if (d.qk_scope == config::PROJECTION && d.qk_norm != config::NONE) {
     q_stats_ = ctx.zeros({d.BT(), 2});
@@ -96,26 +128,35 @@ void Attention::allocate(const LayerContext& ctx, const Attention* share) {
   }
   // What the forward keeps for the backward: the probabilities on the CPU, the log-sum-exp of a
   // fused GPU kernel (the execution context says how much).
-  const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0};
+  const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0,
+                                   0,   0,   0,    0,   d.gqa() ? d.kv_attn_heads : 0};
   saved_ = ctx.zeros({ctx.exec->attention_saved_elems(as)});
   // Note [act-dtype]: only the output projection and attention's backward read it.
   att_ = ctx.zeros({d.BT(), HD}, ctx.exec->act_dtype());
   scales_ = ctx.zeros({d.Hl});
 }
 
-kernels::NormShape Attention::qk_norm_shape(int64_t B) const {
+Attention::QkvView Attention::qkv_view(float* base, int64_t B) const {
   const ModelDims& d = ctx_.dims;
-  const int64_t HD = d.Hl * d.D;
+  const int64_t HD = d.Hl * d.D, KD = d.Hkvl * d.D;
+  if (!d.gqa()) return {base, base + HD, base + 2 * HD, 3 * HD, 3 * HD};
+  float* kv = base + B * d.T * HD;
+  return {base, kv, kv + KD, HD, 2 * KD};
+}
+
+kernels::NormShape Attention::qk_norm_shape(int64_t B, int64_t heads, int64_t ld_in) const {
+  const ModelDims& d = ctx_.dims;
+  const int64_t HD = heads * d.D;
   kernels::NormShape s;
   s.N = B * d.T;
   if (d.qk_scope == config::PROJECTION) {
     s.G = 1;
     s.Cg = HD;
   } else {
-    s.G = d.Hl;
+    s.G = heads;
     s.Cg = d.D;
   }
-  s.ld_in = 3 * HD;
+  s.ld_in = ld_in;
   s.ld_out = HD;
   s.w_group_stride = d.qk_scope == config::HEAD_SHARED ? 0 : s.Cg;
   return s;
@@ -133,21 +174,30 @@ void Attention::qk_scales(float* out) const {
 
 void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, float* max_logit) {
   const ModelDims& d = ctx_.dims;
-  const int64_t HD = d.Hl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
+  const int64_t HD = d.Hl * d.D, KD = d.Hkvl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
   Profiler* prof = ctx_.profiler;
   // Note [tp regions]: the column-parallel QKV projection enters the region, the row-parallel
   // output projection leaves it.
   const TpRegion region = ctx_.region();
   const kernels::ActIn x = region.enter(x_rows, ctx_.scratch->sp_x.f32(), n);
+  const QkvView raw = qkv_view(qkv_.f32(), B);
   {
     ProfileScope p(prof, "matmul.qkv");
-    ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
-                              3 * HD);
+    if (!d.gqa()) {
+      ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT,
+                                d.C, 3 * HD);
+    } else {
+      ctx_.exec->linear_forward(raw.q, x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
+                                HD);
+      ctx_.exec->linear_forward(raw.k, x, ps_.param(kv_w_), ps_.param_or_null(kv_b_), BT, d.C,
+                                2 * KD);
+    }
   }
-  // q and k as attention reads them: inside qkv_ (row stride 3 HD), or QK-normalised in qk_: q's
-  // rows [0, BT), then k's (row stride HD), bf16 under BF16 (Note [act-dtype]).
-  kernels::ActIn q = qkv_.f32(), k = qkv_.f32() + HD;
-  int64_t ldqk = 3 * HD;
+  // q and k as attention reads them: inside qkv_ (row strides raw.ldq, raw.ldkv), or
+  // QK-normalised in qk_: q's rows [0, BT) (row stride HD), then k's (row stride KD), bf16 under
+  // BF16 (Note [act-dtype]).
+  kernels::ActIn q = raw.q, k = raw.k;
+  int64_t ldq = raw.ldq, ldk = raw.ldkv;
   const bool rope = d.position == config::ROPE;
   if (d.qk_norm != config::NONE) {
     // With RoPE and bf16 q, k the norm writes fp32 into the backward scratch dqk (free until this
@@ -158,56 +208,70 @@ void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, flo
         rope && qk.dtype != DType::kF32 ? kernels::ActOut(ctx_.scratch->dqk.f32()) : qk;
     {
       ProfileScope p(prof, "qk_norm");
-      const kernels::NormShape s = qk_norm_shape(B);
+      const kernels::NormShape sq = qk_norm_shape(B, d.Hl, raw.ldq);
+      const kernels::NormShape sk = qk_norm_shape(B, d.Hkvl, raw.ldkv);
       const kernels::NormOp op = qk_op(d.qk_norm);
       const float eps = d.qk_norm == config::L2 ? kL2Eps : kNormEps;
       auto w = [&](int id) { return ps_.param_or_null(id); };
       if (d.qk_scope == config::PROJECTION) {
         // The norm spans every head, so its statistics span every TP rank: all-reduce [BT, 2]
-        // partial sums, never the activations.
+        // partial sums, never the activations (a rank holding every k head has k's whole).
         Communicator& tp = ctx_.topo->tp_tensors();
-        const int64_t Cg_total = d.H * d.D;
-        ctx_.exec->norm_partial_stats(s, qkv_.f32(), q_stats_.f32());
-        ctx_.exec->norm_partial_stats(s, qkv_.f32() + HD, k_stats_.f32());
+        ctx_.exec->norm_partial_stats(sq, raw.q, q_stats_.f32());
+        ctx_.exec->norm_partial_stats(sk, raw.k, k_stats_.f32());
         tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
-        tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
-        ctx_.exec->norm_forward_from_stats(op, s, Cg_total, q_stats_.f32(), normed, qkv_.f32(),
+        if (!d.kv_replicated) tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
+        ctx_.exec->norm_forward_from_stats(op, sq, d.H * d.D, q_stats_.f32(), normed, raw.q,
                                            w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
                                            eps);
-        ctx_.exec->norm_forward_from_stats(op, s, Cg_total, k_stats_.f32(), normed.at(BT * HD),
-                                           qkv_.f32() + HD, w(k_norm_w_), w(k_norm_b_),
-                                           k_mean_.f32(), k_rstd_.f32(), eps);
+        ctx_.exec->norm_forward_from_stats(op, sk, d.Hkv * d.D, k_stats_.f32(), normed.at(BT * HD),
+                                           raw.k, w(k_norm_w_), w(k_norm_b_), k_mean_.f32(),
+                                           k_rstd_.f32(), eps);
       } else {
-        ctx_.exec->norm_forward(op, s, normed, qkv_.f32(), w(q_norm_w_), w(q_norm_b_),
-                                q_mean_.f32(), q_rstd_.f32(), eps);
-        ctx_.exec->norm_forward(op, s, normed.at(BT * HD), qkv_.f32() + HD, w(k_norm_w_),
-                                w(k_norm_b_), k_mean_.f32(), k_rstd_.f32(), eps);
+        ctx_.exec->norm_forward(op, sq, normed, raw.q, w(q_norm_w_), w(q_norm_b_), q_mean_.f32(),
+                                q_rstd_.f32(), eps);
+        ctx_.exec->norm_forward(op, sk, normed.at(BT * HD), raw.k, w(k_norm_w_), w(k_norm_b_),
+                                k_mean_.f32(), k_rstd_.f32(), eps);
       }
     }
     if (rope) {
       // q and k are rotated after QK-norm (OLMo 2, Qwen3). The norm's backward reads only qkv_'s
       // raw q, k and the saved statistics, and the QKV projection's backward reads x, so nothing
-      // needs the unrotated values. k's rows follow q's, so one call rotates both as 2 B
-      // sequences (row r is position r mod T either way).
+      // needs the unrotated values. Multi-head: k's rows follow q's, so one call rotates both as
+      // 2 B sequences (row r is position r mod T either way); grouped-query: k's rows are
+      // narrower, so a second call.
       ProfileScope p(prof, "rope");
-      ctx_.exec->rope_forward(*ctx_.rope, qk, static_cast<const float*>(normed.data), 2 * B, d.T,
-                              d.Hl, d.D, HD);
+      const float* nf = static_cast<const float*>(normed.data);
+      if (!d.gqa()) {
+        ctx_.exec->rope_forward(*ctx_.rope, qk, nf, 2 * B, d.T, d.Hl, d.D, HD);
+      } else {
+        ctx_.exec->rope_forward(*ctx_.rope, qk, nf, B, d.T, d.Hl, d.D, HD);
+        ctx_.exec->rope_forward(*ctx_.rope, qk.at(BT * HD), nf + BT * HD, B, d.T, d.Hkvl, d.D, KD);
+      }
     }
     q = qk;
     k = qk.at(BT * HD);
-    ldqk = HD;
+    ldq = HD;
+    ldk = KD;
   } else if (rope) {
-    // Without QK-norm q and k are rotated in place inside qkv_: a row's q heads and k heads are
-    // adjacent, so one call rotates both as 2 Hl heads.
+    // Without QK-norm q and k are rotated in place inside qkv_: multi-head, a row's q heads and k
+    // heads are adjacent, so one call rotates both as 2 Hl heads.
     ProfileScope p(prof, "rope");
-    float* qk = qkv_.f32();
-    ctx_.exec->rope_forward(*ctx_.rope, qk, qk, B, d.T, 2 * d.Hl, d.D, ldqk);
+    if (!d.gqa()) {
+      ctx_.exec->rope_forward(*ctx_.rope, raw.q, raw.q, B, d.T, 2 * d.Hl, d.D, raw.ldq);
+    } else {
+      ctx_.exec->rope_forward(*ctx_.rope, raw.q, raw.q, B, d.T, d.Hl, d.D, raw.ldq);
+      ctx_.exec->rope_forward(*ctx_.rope, raw.k, raw.k, B, d.T, d.Hkvl, d.D, raw.ldkv);
+    }
   }
   qk_scales(scales_.f32());
   {
     ProfileScope p(prof, "attention");
-    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD};
-    ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
+    // Note [gqa layouts]: a rank holding every k/v head reads the one its query heads use.
+    const int64_t kv0 = d.kv_attn_head0 * d.D;
+    const kernels::AttentionShape s{B,   d.T,      d.Hl, d.D, ldq,
+                                    ldk, raw.ldkv, HD,   0,   d.gqa() ? d.kv_attn_heads : 0};
+    ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v + kv0,
                                  scales_.f32(), max_logit);
   }
   const kernels::ActOut part = region.partial(y, ctx_.scratch->sp_part.f32());
@@ -222,7 +286,7 @@ void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, flo
 
 void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx, int64_t B) {
   const ModelDims& d = ctx_.dims;
-  const int64_t HD = d.Hl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
+  const int64_t HD = d.Hl * d.D, KD = d.Hkvl * d.D, BT = B * d.T, n = d.rows(B) * d.C;
   Scratch& sc = *ctx_.scratch;
   Profiler* prof = ctx_.profiler;
   // Note [tp regions]: the output gradient and (under SP, gathered again rather than kept) the
@@ -237,26 +301,34 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
                                ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE;
-  float* dqkv = sc.dqkv.f32();
+  const QkvView raw = qkv_view(qkv_.f32(), B);
+  const QkvView draw = qkv_view(sc.dqkv.f32(), B);
   // dq, dk in the layout of the q, k attention read: inside dqkv, or dq's rows then dk's in dqk.
-  const int64_t ldqk = normed ? HD : 3 * HD;
-  float* dq = normed ? sc.dqk.f32() : dqkv;
-  float* dk = normed ? sc.dqk.f32() + BT * HD : dqkv + HD;
+  const int64_t ldq = normed ? HD : draw.ldq, ldk = normed ? KD : draw.ldkv;
+  float* dq = normed ? sc.dqk.f32() : draw.q;
+  float* dk = normed ? sc.dqk.f32() + BT * HD : draw.k;
+  if (d.kv_replicated) {
+    // Note [gqa layouts]: attention writes the gradient of the one k/v head this rank reads; the
+    // others get none from this rank.
+    sc.dqkv.zero_();
+    if (normed) sc.dqk.zero_();
+  }
   {
     ProfileScope p(prof, "attention");
     // q, k as the forward's attention read them (rotated with ROPE).
-    const kernels::ActIn q = normed ? kernels::ActIn(kernels::act(qk_)) : qkv_.f32();
-    const kernels::ActIn k =
-        normed ? kernels::ActIn(kernels::act(qk_).at(BT * HD)) : qkv_.f32() + HD;
-    kernels::AttentionShape s{B, d.T, d.Hl, d.D, ldqk, ldqk, 3 * HD, HD, sc.attn_threads};
-    // dq/dk use ldq/ldk, dv uses ldv (3 HD, inside dqkv).
+    const kernels::ActIn q = normed ? kernels::ActIn(kernels::act(qk_)) : raw.q;
+    const kernels::ActIn k = normed ? kernels::ActIn(kernels::act(qk_).at(BT * HD)) : raw.k;
+    const int64_t kv0 = d.kv_attn_head0 * d.D;
+    kernels::AttentionShape s{
+        B, d.T, d.Hl, d.D, ldq, ldk, raw.ldkv, HD, sc.attn_threads, d.gqa() ? d.kv_attn_heads : 0};
+    // dq/dk use ldq/ldk, dv uses ldv (raw.ldkv, inside dqkv).
     float* dscale = nullptr;
     if (d.qk_norm == config::L2) {
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    ctx_.exec->attention_backward(s, dq, dk, dqkv + 2 * HD, dscale, kernels::act(sc.datt),
-                                  kernels::act(att_), saved_.f32(), q, k, qkv_.f32() + 2 * HD,
+    ctx_.exec->attention_backward(s, dq, dk + kv0, draw.v + kv0, dscale, kernels::act(sc.datt),
+                                  kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v + kv0,
                                   scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
       ctx_.exec->scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl,
@@ -265,45 +337,50 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
   }
   if (d.position == config::ROPE) {
     // dq, dk are gradients w.r.t. the rotated q, k; the transposed rotation gives them w.r.t. the
-    // (normalised) q, k before RoPE, in place, in one call as in forward: dk's rows follow dq's
-    // (2 B sequences) with QK-norm, else dk's heads follow dq's in the same rows (2 Hl heads).
+    // (normalised) q, k before RoPE, in place, in one call as in forward (multi-head): dk's rows
+    // follow dq's (2 B sequences) with QK-norm, else dk's heads follow dq's in the same rows (2 Hl
+    // heads); grouped-query: a call each.
     ProfileScope p(prof, "rope");
-    if (normed) {
-      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, 2 * B, d.T, d.Hl, d.D, ldqk);
+    if (d.gqa()) {
+      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, d.Hl, d.D, ldq);
+      ctx_.exec->rope_backward(*ctx_.rope, dk, dk, B, d.T, d.Hkvl, d.D, ldk);
+    } else if (normed) {
+      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, 2 * B, d.T, d.Hl, d.D, ldq);
     } else {
-      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldqk);
+      ctx_.exec->rope_backward(*ctx_.rope, dq, dq, B, d.T, 2 * d.Hl, d.D, ldq);
     }
   }
   if (normed) {
     ProfileScope p(prof, "qk_norm");
     // Gradients flow from the normalised q, k (dk's rows after dq's) to the raw ones inside dqkv.
-    kernels::NormShape s = qk_norm_shape(B);
+    const kernels::NormShape sq = qk_norm_shape(B, d.Hl, raw.ldq);
+    const kernels::NormShape sk = qk_norm_shape(B, d.Hkvl, raw.ldkv);
     const kernels::NormOp op = qk_op(d.qk_norm);
     auto w = [&](int id) { return ps_.param_or_null(id); };
     auto g = [&](int id) { return ps_.grad_or_null(id); };
-    // norm_backward writes dinp with ld_in (3 HD) and reads dout with ld_out (HD).
+    // norm_backward writes dinp with ld_in and reads dout with ld_out.
     if (d.qk_scope == config::PROJECTION) {
       Communicator& tp = ctx_.topo->tp_tensors();
-      const int64_t Cg_total = d.H * d.D;
       float* qp = q_stats_.f32();  // reused: forward statistics are no longer needed
       float* kp = k_stats_.f32();
-      ctx_.exec->norm_backward_partials(s, sc.dqk.f32(), qkv_.f32(), w(q_norm_w_), q_mean_.f32(),
-                                        q_rstd_.f32(), qp);
-      ctx_.exec->norm_backward_partials(s, dk, qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(),
-                                        k_rstd_.f32(), kp);
+      ctx_.exec->norm_backward_partials(sq, dq, raw.q, w(q_norm_w_), q_mean_.f32(), q_rstd_.f32(),
+                                        qp);
+      ctx_.exec->norm_backward_partials(sk, dk, raw.k, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32(),
+                                        kp);
       tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
-      tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
-      ctx_.exec->norm_backward_from_partials(op, s, Cg_total, qp, dqkv, false, g(q_norm_w_),
-                                             g(q_norm_b_), sc.dqk.f32(), qkv_.f32(), w(q_norm_w_),
-                                             q_mean_.f32(), q_rstd_.f32());
-      ctx_.exec->norm_backward_from_partials(op, s, Cg_total, kp, dqkv + HD, false, g(k_norm_w_),
-                                             g(k_norm_b_), dk, qkv_.f32() + HD, w(k_norm_w_),
-                                             k_mean_.f32(), k_rstd_.f32());
+      // Replicated k heads: this rank's dk is a partial sum over TP already (linear in dk).
+      if (!d.kv_replicated) tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
+      ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, draw.q, false, g(q_norm_w_),
+                                             g(q_norm_b_), dq, raw.q, w(q_norm_w_), q_mean_.f32(),
+                                             q_rstd_.f32());
+      ctx_.exec->norm_backward_from_partials(op, sk, d.Hkv * d.D, kp, draw.k, false, g(k_norm_w_),
+                                             g(k_norm_b_), dk, raw.k, w(k_norm_w_), k_mean_.f32(),
+                                             k_rstd_.f32());
     } else {
-      ctx_.exec->norm_backward(op, s, dqkv, false, g(q_norm_w_), g(q_norm_b_), sc.dqk.f32(),
-                               qkv_.f32(), w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      ctx_.exec->norm_backward(op, s, dqkv + HD, false, g(k_norm_w_), g(k_norm_b_), dk,
-                               qkv_.f32() + HD, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
+      ctx_.exec->norm_backward(op, sq, draw.q, false, g(q_norm_w_), g(q_norm_b_), dq, raw.q,
+                               w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
+      ctx_.exec->norm_backward(op, sk, draw.k, false, g(k_norm_w_), g(k_norm_b_), dk, raw.k,
+                               w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
   // Column-parallel input: each rank's dx covers its heads only, a partial sum. On the bf16 TP
@@ -313,8 +390,18 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
       d.tp_bf16_act ? kernels::act(sc.tp_bf16) : kernels::ActOut(dx), sc.sp_part.f32());
   {
     ProfileScope p(prof, "matmul.qkv");
-    ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
-                               ps_.param(qkv_w_), BT, d.C, 3 * HD);
+    if (!d.gqa()) {
+      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_),
+                                 sc.dqkv.f32(), x, ps_.param(qkv_w_), BT, d.C, 3 * HD);
+    } else {
+      // The kv projection adds its input gradient to q's (fp32 only: a bf16 dinp cannot
+      // accumulate, and grouped-query attention runs on the CPU).
+      KEEL_CHECK(dxo.dtype == DType::kF32, kInternal, "grouped-query attention with a bf16 dx");
+      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), draw.q, x,
+                                 ps_.param(qkv_w_), BT, d.C, HD);
+      ctx_.exec->linear_backward(dxo, true, ps_.grad(kv_w_), ps_.grad_or_null(kv_b_), draw.k, x,
+                                 ps_.param(kv_w_), BT, d.C, 2 * KD);
+    }
   }
   region.enter_backward(dxo, dx, n);
 }

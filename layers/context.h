@@ -25,6 +25,13 @@ struct ModelDims {
   int64_t v_begin;              // first vocab row held here
   int64_t v_valid;              // rows of this rank's shard below V (the rest are padding)
   int tp_rank, tp;
+  // Note [gqa layouts] (layers/attention.h). Hkv: k/v heads (H for multi-head attention); Hkvl:
+  // those this rank holds and projects (Hkv / tp sharded, all Hkv when replicated); kv_replicated:
+  // tp > Hkv, so every rank holds every k/v head and its query heads read one of them,
+  // kv_attn_head0 (a local k/v head index), through attention's kv_attn_heads (Hkvl sharded, 1
+  // replicated).
+  int64_t Hkv, Hkvl, kv_attn_head0, kv_attn_heads;
+  bool kv_replicated;
   config::QkNorm qk_norm;
   config::QkNormScope qk_scope;
   config::NormKind norm;
@@ -51,15 +58,19 @@ struct ModelDims {
   // Token rows of a micro-batch of B sequences this rank holds in the residual stream.
   int64_t rows(int64_t B_) const { return sp ? B_ * T / tp : B_ * T; }
   bool gated_mlp() const { return mlp == config::SWIGLU || mlp == config::GEGLU; }
+  // Grouped-query (or multi-query) attention: separate q and kv projections (Note [gqa layouts]).
+  bool gqa() const { return Hkv != H; }
+  // Columns of the projection output row(s): q, k, v of this rank's heads.
+  int64_t qkv_width() const { return (Hl + 2 * Hkvl) * D; }
 };
 
 // Backward temporaries shared by all blocks (one block runs backward at a time).
 struct Scratch {
   Tensor dn;    // [BT, C]     gradient w.r.t. a norm output
   Tensor datt;  // [BT, Hl D]  gradient w.r.t. the attention output (Note [act-dtype])
-  Tensor dqkv;  // [BT, 3 Hl D]
-  // [2, BT, Hl D] gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s layout); in a
-  // forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation
+  Tensor dqkv;  // [BT, ModelDims::qkv_width()] (Attention::qkv_'s layout)
+  // [BT, Hl D] then [BT, Hkvl D]: gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s
+  // layout); in a forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation
   Tensor dqk;
   Tensor dh;  // [BT, Fl]    gradient w.r.t. the MLP's activated hidden (the down input)
   // [BT, Fl] gated MLPs: gradient w.r.t. the gate projection's output (Note [act-dtype])

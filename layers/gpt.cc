@@ -41,6 +41,19 @@ ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Top
   d.v_valid = std::clamp<int64_t>(d.V - d.v_begin, 0, d.Vl);
   d.tp_rank = topo.tp_rank;
   d.tp = tp;
+  // Note [gqa layouts] (layers/attention.h).
+  d.Hkv = m.n_kv_heads() > 0 ? m.n_kv_heads() : d.H;
+  KEEL_CHECK(d.Hkv <= d.H && d.H % d.Hkv == 0, kConfig, "model.n_kv_heads=", d.Hkv,
+             " does not divide model.n_heads=", d.H);
+  KEEL_CHECK(d.Hkv % tp == 0 || tp % d.Hkv == 0, kLayout, "model.n_kv_heads=", d.Hkv,
+             " and parallel.tp=", tp,
+             ": k/v heads must be a multiple of tp (sharded) or divide it (replicated)");
+  d.kv_replicated = d.Hkv % tp != 0;
+  d.Hkvl = d.kv_replicated ? d.Hkv : d.Hkv / tp;
+  // Replicated: this rank's query heads [tp_rank Hl, (tp_rank + 1) Hl) all lie in one group of
+  // H / Hkv (tp % Hkv == 0), whose k/v head they read.
+  d.kv_attn_head0 = d.kv_replicated ? topo.tp_rank * d.Hl / (d.H / d.Hkv) : 0;
+  d.kv_attn_heads = d.kv_replicated ? 1 : d.Hkvl;
   d.qk_norm = m.qk_norm();
   d.qk_scope = m.qk_norm_scope();
   d.norm = m.norm();
@@ -217,8 +230,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   dres_ = ctx_.zeros({rows, C});
   scratch_.dn = ctx_.zeros({rows, C});
   scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());  // Note [act-dtype]
-  scratch_.dqkv = ctx_.zeros({BT, 3 * HD});
-  if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({2, BT, HD});
+  scratch_.dqkv = ctx_.zeros({BT, d.qkv_width()});
+  if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, (d.Hl + d.Hkvl) * d.D});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
   if (d.post_norm) scratch_.dsub = ctx_.zeros({rows, C});

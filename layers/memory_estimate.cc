@@ -38,6 +38,11 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // Layout of ModelDims::from: under TP the vocabulary is padded to a multiple of 64 x tp.
   const double Vp = tp_size <= 1 ? V : std::ceil(V / (64.0 * tp)) * (64.0 * tp);
   const double Hl = H / tp, Fl = F / tp, Vl = Vp / tp, HD = Hl * D;
+  // Note [gqa layouts] (layers/attention.h): k/v heads shard with the query heads, or every rank
+  // holds them all when tp exceeds them.
+  const double Hkv = m.n_kv_heads() > 0 ? m.n_kv_heads() : H;
+  const bool gqa = Hkv != H;
+  const double Hkvl = std::fmod(Hkv, tp) != 0 ? Hkv : Hkv / tp, KD = Hkvl * D;
   const bool layer_norm = m.norm() == config::LAYERNORM;
   const bool qk_on = m.qk_norm() != config::NONE;
   const bool bias = m.bias();
@@ -50,13 +55,17 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double norm_params = padded(C) + (layer_norm ? bias_of(C) : 0);
   double qk_params = 0;
   if (m.qk_norm() == config::RMS || m.qk_norm() == config::LAYER) {
-    const double gain = padded(m.qk_norm_scope() == config::HEAD_SHARED ? D : Hl * D);
-    qk_params = (m.qk_norm() == config::LAYER && bias ? 4 : 2) * gain;
+    const bool shared = m.qk_norm_scope() == config::HEAD_SHARED;
+    const double gains = shared ? 2 * padded(D) : padded(HD) + padded(KD);  // q's and k's
+    qk_params = (m.qk_norm() == config::LAYER && bias ? 2 : 1) * gains;
   } else if (m.qk_norm() == config::L2) {
     qk_params = padded(m.qk_norm_scope() == config::HEAD ? Hl : 1);
   }
-  const double attn_params =
-      padded(3 * HD * C) + bias_of(3 * HD) + qk_params + padded(C * HD) + bias_of(C);
+  // qkv [3, Hl, D, C]; grouped-query: q [Hl, D, C] and kv [2, Hkvl, D, C].
+  const double qkv_params =
+      gqa ? padded(HD * C) + bias_of(HD) + padded(2 * KD * C) + bias_of(2 * KD)
+          : padded(3 * HD * C) + bias_of(3 * HD);
+  const double attn_params = qkv_params + qk_params + padded(C * HD) + bias_of(C);
   // up (fc) and, gated, gate: [Fl, C] each; down (proj): [C, Fl].
   const double mlp_params =
       (gated ? 2 : 1) * (padded(Fl * C) + bias_of(Fl)) + padded(C * Fl) + bias_of(C);
@@ -74,7 +83,8 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
 
   // ---- activations of one micro-batch (the allocate() methods and GPT's constructor)
   const double B = static_cast<double>(micro_batch), BT = B * T;
-  const double groups = m.qk_norm_scope() == config::PROJECTION ? 1 : Hl;
+  const bool projection = m.qk_norm_scope() == config::PROJECTION;
+  const double groups = projection ? 2 : Hl + Hkvl;  // q's and k's norm groups per row
   const bool gpu = device != Device::kCpu;
   // Note [act-dtype]: under BF16 on a GPU the activations only matrix products read are bf16,
   // half a float each: the logits, the final and (pre-sublayer) block norms' outputs, the
@@ -83,8 +93,9 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
                                kernels::Precision::kBf16;
   const double act = bf16 ? 0.5 : 1.0;
   // qkv, what attention saves (CPU: probabilities; GPU: log-sum-exp), att, scales
-  double attn = 3 * BT * HD + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
-  if (qk_on) attn += act * 2 * BT * HD + 4 * BT * groups;  // qk, q/k mean and rstd
+  const double qkv = BT * (HD + 2 * KD);
+  double attn = qkv + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
+  if (qk_on) attn += act * BT * (HD + KD) + 2 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
   // Note [sequence parallel] (layers/gpt.h): the residual stream and the norms hold rows = BT / tp
   // token rows (fp32) on each rank; each sublayer's input is all-gathered into shared scratch.
@@ -103,7 +114,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   if (rope) model += T * D;             // the cos/sin table: [T, D / 2] each
   // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated; bf16
   // too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
-  model += rows * C + act * BT * HD + 3 * BT * HD + (qk_on ? 2 * BT * HD : 0) + BT * Fl;
+  model += rows * C + act * BT * HD + qkv + (qk_on ? BT * (HD + KD) : 0) + BT * Fl;
   if (gated) model += act * BT * Fl;
   if (post_norm) model += rows * C;
   // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.

@@ -16,6 +16,7 @@ model {
   d_model: 128
   n_layers: 4
   n_heads: 4
+  n_kv_heads: 0  # n_heads (multi-head attention)
   d_ff: 0  # 4 x d_model (GELU); 8/3 x d_model rounded up to 64 (SWIGLU, GEGLU)
   qk_norm: RMS
   qk_norm_scope: HEAD_SHARED

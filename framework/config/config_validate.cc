@@ -82,6 +82,13 @@ void validate_model(config::Model& m) {
   KEEL_CHECK(m.n_heads() > 0, kConfig, "model.n_heads=", m.n_heads(), " must be > 0");
   KEEL_CHECK(m.d_model() % m.n_heads() == 0, kConfig, "model.n_heads=", m.n_heads(),
              " does not divide model.d_model=", m.d_model());
+  // 0 or n_heads: multi-head attention; otherwise each n_heads / n_kv_heads query heads share a
+  // k/v head, so n_kv_heads must divide n_heads.
+  KEEL_CHECK(m.n_kv_heads() >= 0 && m.n_kv_heads() <= m.n_heads() &&
+                 (m.n_kv_heads() == 0 || m.n_heads() % m.n_kv_heads() == 0),
+             kConfig, "model.n_kv_heads=", m.n_kv_heads(),
+             " does not divide model.n_heads=", m.n_heads(),
+             " (0 or n_heads: multi-head; 1: multi-query; a divisor: grouped-query)");
   KEEL_CHECK(m.d_ff() >= 0, kConfig, "model.d_ff=", m.d_ff(), " must be >= 0 (0: 4 x d_model)");
   KEEL_CHECK(m.qk_norm() != config::L2 || m.seq_len() >= 2, kConfig, "model.seq_len=", m.seq_len(),
              " must be >= 2 with model.qk_norm=L2 (its scale starts at log2(seq_len^2 - seq_len))");
@@ -271,6 +278,17 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(heads % tp == 0, kLayout, "parallel.tp=", tp,
              " does not divide model.n_heads=", heads);
   KEEL_CHECK(d_ff % tp == 0, kLayout, "parallel.tp=", tp, " does not divide model.d_ff=", d_ff);
+  // Note [gqa layouts] (layers/attention.h): k/v heads shard with the query heads, or under more
+  // ranks than k/v heads each rank keeps a copy of the one its query heads use.
+  const int64_t kv = cfg.model().n_kv_heads() > 0 ? cfg.model().n_kv_heads() : heads;
+  KEEL_CHECK(kv % tp == 0 || tp % kv == 0, kLayout, "model.n_kv_heads=", kv,
+             " and parallel.tp=", tp,
+             ": k/v heads must be a multiple of tp (sharded) or divide it (replicated)");
+  KEEL_CHECK(kv == heads || upper_ascii(cfg.train().device()) != "CUDA", kConfig,
+             "model.n_kv_heads=", kv,
+             " (grouped-query attention) runs on the CPU only so far; "
+             "train.device=CUDA needs model.n_kv_heads=0 or n_heads=",
+             heads);
   if (par.sequence_parallel() && tp > 1) {
     // Note [sequence parallel] (layers/gpt.h): each rank holds B x seq_len / tp token rows.
     const int64_t seq = cfg.model().seq_len();

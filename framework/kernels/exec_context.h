@@ -85,6 +85,11 @@ struct ActIn {
   ActIn(const float* p) : data(p) {}  // NOLINT(google-explicit-constructor)
   ActIn(const void* p, DType t) : data(p), dtype(t) {}
   ActIn(ActOut a) : data(a.data), dtype(a.dtype) {}  // NOLINT(google-explicit-constructor)
+  // The memory `elems` elements further on.
+  ActIn at(int64_t elems) const {
+    return ActIn(static_cast<const char*>(data) + elems * static_cast<int64_t>(dtype_size(dtype)),
+                 dtype);
+  }
 };
 inline ActOut act(const Tensor& t) { return ActOut(t.raw(), t.dtype()); }
 // a.data as fp32; throws keel::Error (kInternal) "<method>: <arg> is bf16 ..." for another dtype.

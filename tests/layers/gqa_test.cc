@@ -1,15 +1,41 @@
-// Grouped-query and multi-query attention (issue 29 section 1): the CPU attention kernel with Hkv
-// k/v heads computes, in double, what multi-head attention computes on k/v heads repeated over
-// each group (forward; dq; dk and dv summed over the group; dscale) to 1e-12, on strided rows and
-// more than one row block.
+// Grouped-query and multi-query attention (model.n_kv_heads; Note [gqa layouts] in
+// layers/attention.h):
+//   - the CPU attention kernel with Hkv k/v heads computes, in double, what multi-head attention
+//     computes on k/v heads repeated over each group (forward; dq; dk and dv summed over the
+//     group) to 1e-12;
+//   - a whole GPT with 4 query heads on 2 and 1 k/v heads, QK-norm NONE, RMS (HEAD_SHARED, HEAD,
+//     PROJECTION), LAYER PROJECTION and L2 HEAD, learned positions and RoPE: every parameter's
+//     gradient against finite differences of the float32 loss, with the method and tolerance of
+//     tests/layers/model_grad_test.cc (|fd - g| <= 2e-2 max(|g|, |fd|) + 2e-4);
+//   - n_kv_heads = n_heads builds the model n_kv_heads = 0 builds: the same parameters and bit for
+//     bit the same loss and gradients;
+//   - the memory estimate counts the smaller k/v: its parameter term equals the arena a
+//   grouped-query
+//     model allocates exactly (one process, and TP rank 0 of the sharded and replicated layouts),
+//     and the heap that model allocates is within 5% of the estimate, as in
+//     tests/layers/memory_estimate_test.cc;
+//   - the parameter shapes, and the config errors (a non-divisor, a TP layout that neither shards
+//     nor replicates the k/v heads, grouped-query attention on CUDA) name both numbers.
 #include <gtest/gtest.h>
+#include <malloc.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "framework/config/config.h"
+#include "framework/config/keel.pb.h"
+#include "framework/error.h"
 #include "framework/kernels/attention.h"
+#include "layers/gpt.h"
+#include "layers/memory_estimate.h"
 
 namespace keel {
 namespace {
@@ -92,6 +118,349 @@ TEST(GqaKernel, MatchesMultiHeadOnRepeatedKvHeads) {
     EXPECT_LE(wk, 1e-12) << "dk, Hkv " << Hkv;
     EXPECT_LE(wv, 1e-12) << "dv, Hkv " << Hkv;
     for (int64_t h = 0; h < H; ++h) EXPECT_NEAR(ds_g[h], ds_m[h], 1e-12) << "dscale " << h;
+  }
+}
+
+// ---- whole-model gradients against finite differences ----
+
+constexpr int64_t kB = 2;
+constexpr float kStep = 1e-2f;
+constexpr double kRelTol = 2e-2;
+constexpr double kAbsTol = 2e-4;
+constexpr int kSamplesPerParam = 6;
+
+struct GqaCase {
+  const char* name;
+  int kv_heads;
+  config::QkNorm qk = config::NONE;
+  config::QkNormScope scope = config::HEAD_SHARED;
+  config::Position position = config::LEARNED;
+  bool bias = true;
+};
+
+void PrintTo(const GqaCase& c, std::ostream* os) { *os << c.name; }
+
+config::KeelConfig tiny_config(const GqaCase& c) {
+  config::KeelConfig cfg;
+  config::Model* m = cfg.mutable_model();
+  m->set_vocab_size(32);
+  m->set_seq_len(8);
+  m->set_d_model(32);
+  m->set_n_layers(2);
+  m->set_n_heads(4);
+  m->set_n_kv_heads(c.kv_heads);
+  m->set_d_ff(32);
+  m->set_qk_norm(c.qk);
+  m->set_qk_norm_scope(c.scope);
+  m->set_tie_embeddings(true);
+  m->set_norm(config::RMSNORM);
+  m->set_init_std(0.3f);
+  m->set_position(c.position);
+  m->set_rope_theta(100.0);
+  m->set_mlp(config::GELU);
+  m->set_bias(c.bias);
+  cfg.mutable_loss()->set_z_loss(1e-2);
+  return cfg;
+}
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+
+Batch random_batch(const ModelDims& d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(d.V - 1));
+  Batch b;
+  b.tokens.resize(kB * d.T);
+  b.targets.resize(kB * d.T);
+  for (auto& t : b.tokens) t = tok(rng);
+  for (auto& t : b.targets) t = tok(rng);
+  return b;
+}
+
+// Gains, biases and the L2 scale off their constant init values, so their gradients are generic.
+void randomise_constants(ParamStore& ps) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-0.3f, 0.3f);
+  for (int id = 0; id < ps.size(); ++id) {
+    const ParamSpec& s = ps.info(id).spec;
+    if (s.init != ParamInit::kConstant) continue;
+    float* p = ps.param(id);
+    for (int64_t i = 0; i < ps.info(id).numel(); ++i) {
+      p[i] = s.value == 0.0f ? u(rng) : s.value * (1.0f + u(rng));
+    }
+  }
+}
+
+class OneThread {
+ public:
+  OneThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved_); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+double total_loss(GPT& model, const Batch& b) {
+  const LossStats s = model.forward(b.tokens.data(), b.targets.data(), kB);
+  return s.ce + s.z_loss;
+}
+
+class GqaGrad : public ::testing::TestWithParam<GqaCase> {};
+
+TEST_P(GqaGrad, EveryParameterMatchesFiniteDifferences) {
+  const GqaCase c = GetParam();
+  std::unique_ptr<Communicator> tp_holder, dp_holder;
+  const Topology topo = Topology::single(tp_holder, dp_holder);
+  GPT model(tiny_config(c), topo, kB);
+  model.init(42);
+  ParamStore& ps = model.params();
+  randomise_constants(ps);
+  ASSERT_TRUE(model.dims().gqa());
+  ASSERT_GE(ps.find("blocks.0.attn.kv.weight"), 0);
+  const Batch batch = random_batch(model.dims(), 5);
+  ps.zero_grads();
+  const LossStats stats = model.forward(batch.tokens.data(), batch.targets.data(), kB);
+  model.backward(1.0f);
+  const std::vector<float> grads(ps.grads().f32(), ps.grads().f32() + ps.total_elems());
+
+  std::optional<OneThread> one_thread(std::in_place);
+  std::mt19937 rng(17);
+  int checked = 0, above_floor = 0, failures = 0;
+  double worst_rel = 0.0;
+  std::string worst_name;
+  for (int id = 0; id < ps.size(); ++id) {
+    const ParamInfo& info = ps.info(id);
+    const int64_t n = info.numel();
+    const float* g = grads.data() + info.offset;
+    // Evenly spaced strata (so k and v rows of kv.weight are both visited), a random element in
+    // each; small tensors completely.
+    std::vector<int64_t> idx;
+    if (n <= kSamplesPerParam) {
+      for (int64_t j = 0; j < n; ++j) idx.push_back(j);
+    } else {
+      for (int k = 0; k < kSamplesPerParam; ++k) {
+        const int64_t lo = n * k / kSamplesPerParam, hi = n * (k + 1) / kSamplesPerParam;
+        idx.push_back(std::uniform_int_distribution<int64_t>(lo, hi - 1)(rng));
+      }
+    }
+    double tensor_worst = 0.0;
+    for (int64_t j : idx) {
+      float* p = ps.param(id) + j;
+      const float p0 = *p;
+      auto central = [&](float h) {
+        *p = p0 + h;
+        const double lp = total_loss(model, batch);
+        *p = p0 - h;
+        const double lm = total_loss(model, batch);
+        *p = p0;
+        return (lp - lm) / (static_cast<double>(p0 + h) - static_cast<double>(p0 - h));
+      };
+      const double fd = (4.0 * central(kStep) - central(2.0f * kStep)) / 3.0;
+      const double a = g[j];
+      const double err = std::abs(fd - a);
+      const double scale = std::max(std::abs(a), std::abs(fd));
+      ++checked;
+      if (scale > 10 * kAbsTol) {
+        ++above_floor;
+        tensor_worst = std::max(tensor_worst, err / scale);
+      }
+      if (err > kRelTol * scale + kAbsTol && failures++ < 10) {
+        ADD_FAILURE() << info.spec.name << "[" << j << "]: analytic " << a << " vs fd " << fd;
+      }
+    }
+    if (tensor_worst > worst_rel) {
+      worst_rel = tensor_worst;
+      worst_name = info.spec.name;
+    }
+  }
+  one_thread.reset();
+  std::printf(
+      "[grad] %-28s %d elements of %d tensors, %d above 10x the floor, worst rel %.2e (%s)\n",
+      c.name, checked, ps.size(), above_floor, worst_rel, worst_name.c_str());
+  // Key biases without QK-norm have ~zero gradient (softmax is shift-invariant), so a few
+  // elements sit below the floor; most must not.
+  EXPECT_GE(above_floor, checked * 3 / 4);
+  const LossStats again = model.forward(batch.tokens.data(), batch.targets.data(), kB);
+  EXPECT_EQ(again.ce, stats.ce);
+}
+
+std::string case_name(const ::testing::TestParamInfo<GqaCase>& info) { return info.param.name; }
+
+constexpr config::Position kRope = config::ROPE;
+INSTANTIATE_TEST_SUITE_P(
+    KvHeads, GqaGrad,
+    ::testing::Values(
+        GqaCase{.name = "mqa_none", .kv_heads = 1},
+        GqaCase{.name = "gqa2_none_rope", .kv_heads = 2, .position = kRope},
+        GqaCase{.name = "mqa_rms_head_shared", .kv_heads = 1, .qk = config::RMS},
+        GqaCase{.name = "gqa2_rms_head", .kv_heads = 2, .qk = config::RMS, .scope = config::HEAD},
+        GqaCase{.name = "mqa_rms_projection",
+                .kv_heads = 1,
+                .qk = config::RMS,
+                .scope = config::PROJECTION},
+        GqaCase{.name = "gqa2_rms_projection_rope_nobias",
+                .kv_heads = 2,
+                .qk = config::RMS,
+                .scope = config::PROJECTION,
+                .position = kRope,
+                .bias = false},
+        GqaCase{.name = "gqa2_layer_projection",
+                .kv_heads = 2,
+                .qk = config::LAYER,
+                .scope = config::PROJECTION},
+        GqaCase{.name = "mqa_l2_head_rope",
+                .kv_heads = 1,
+                .qk = config::L2,
+                .scope = config::HEAD,
+                .position = kRope}),
+    case_name);
+
+// ---- n_kv_heads = n_heads is multi-head attention, bit for bit ----
+
+TEST(Gqa, KvHeadsEqualToHeadsIsMultiHeadBitForBit) {
+  for (const GqaCase& c :
+       {GqaCase{"none", 0},
+        GqaCase{"rms_projection_rope", 0, config::RMS, config::PROJECTION, kRope},
+        GqaCase{"l2_head", 0, config::L2, config::HEAD}}) {
+    std::unique_ptr<Communicator> tp_holder, dp_holder;
+    const Topology topo = Topology::single(tp_holder, dp_holder);
+    GqaCase same = c;
+    same.kv_heads = 4;
+    GPT a(tiny_config(c), topo, kB), b(tiny_config(same), topo, kB);
+    EXPECT_FALSE(b.dims().gqa());
+    ASSERT_EQ(a.params().size(), b.params().size());
+    for (int id = 0; id < a.params().size(); ++id) {
+      EXPECT_EQ(a.params().info(id).spec.name, b.params().info(id).spec.name);
+      EXPECT_EQ(a.params().info(id).spec.logical, b.params().info(id).spec.logical);
+    }
+    ASSERT_EQ(a.params().total_elems(), b.params().total_elems());
+    a.init(42);
+    b.init(42);
+    const Batch batch = random_batch(a.dims(), 5);
+    a.params().zero_grads();
+    b.params().zero_grads();
+    const LossStats la = a.forward(batch.tokens.data(), batch.targets.data(), kB);
+    const LossStats lb = b.forward(batch.tokens.data(), batch.targets.data(), kB);
+    a.backward(1.0f);
+    b.backward(1.0f);
+    EXPECT_EQ(std::memcmp(&la.ce, &lb.ce, sizeof(double)), 0) << c.name;
+    EXPECT_EQ(std::memcmp(&la.z_loss, &lb.z_loss, sizeof(double)), 0) << c.name;
+    EXPECT_EQ(std::memcmp(a.params().grads().f32(), b.params().grads().f32(),
+                          a.params().total_elems() * sizeof(float)),
+              0)
+        << c.name;
+  }
+}
+
+TEST(Gqa, ParameterShapes) {
+  std::unique_ptr<Communicator> tp_holder, dp_holder;
+  const Topology topo = Topology::single(tp_holder, dp_holder);
+  GPT model(tiny_config({"mqa", 1, config::RMS, config::HEAD}), topo, kB);
+  const ParamStore& ps = model.params();
+  auto shape = [&](const std::string& name) {
+    const int id = ps.find("blocks.0.attn." + name);
+    EXPECT_GE(id, 0) << name;
+    return id >= 0 ? ps.info(id).spec.logical : Shape{};
+  };
+  EXPECT_EQ(shape("q.weight"), (Shape{4, 8, 32}));
+  EXPECT_EQ(shape("kv.weight"), (Shape{2, 1, 8, 32}));
+  EXPECT_EQ(shape("q.bias"), (Shape{4, 8}));
+  EXPECT_EQ(shape("kv.bias"), (Shape{2, 1, 8}));
+  EXPECT_EQ(shape("q_norm.weight"), (Shape{4, 8}));
+  EXPECT_EQ(shape("k_norm.weight"), (Shape{1, 8}));
+  EXPECT_LT(ps.find("blocks.0.attn.qkv.weight"), 0);
+}
+
+// ---- the memory estimate ----
+
+double heap_bytes() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<double>(mi.uordblks) + static_cast<double>(mi.hblkhd);
+}
+
+TEST(Gqa, MemoryEstimateCountsTheSmallerKv) {
+  struct Case {
+    int kv_heads, tp;
+    const char* qk;
+    const char* scope;
+  };
+  // Sharded (kv % tp == 0) and replicated (tp % kv == 0) layouts; TP rank 0 of each, laid out
+  // in this process (the model's constructor allocates but does not communicate).
+  const Case cases[] = {{1, 1, "RMS", "HEAD"},       {2, 1, "LAYER", "PROJECTION"},
+                        {2, 2, "RMS", "HEAD"},       {1, 2, "LAYER", "HEAD"},
+                        {2, 4, "RMS", "PROJECTION"}, {1, 4, "L2", "HEAD"}};
+  const int64_t micro = 8;
+  for (const Case& c : cases) {
+    const config::KeelConfig cfg = load_config(
+        "",
+        {"model.seq_len=32", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+         "train.global_batch=8", "model.vocab_size=300",
+         "model.n_kv_heads=" + std::to_string(c.kv_heads), "parallel.tp=" + std::to_string(c.tp),
+         std::string("model.qk_norm=") + c.qk, std::string("model.qk_norm_scope=") + c.scope});
+    const std::string name = "kv " + std::to_string(c.kv_heads) + " tp " + std::to_string(c.tp);
+    std::unique_ptr<Communicator> tp_holder, dp_holder;
+    Topology topo = Topology::single(tp_holder, dp_holder);
+    topo.tp = c.tp;
+    topo.world_size = c.tp;
+    const int threads = omp_get_max_threads();
+    const MemoryEstimate e = estimate_memory(cfg, c.tp, 1, micro, threads);
+    const double before = heap_bytes();
+    auto model = std::make_unique<GPT>(cfg, topo, micro);
+    const double allocated = heap_bytes() - before;
+    EXPECT_EQ(e.parameters, static_cast<double>(model->params().total_elems()) * 4.0) << name;
+    const double trainer_batch = 2.0 * micro * cfg.model().seq_len() * 4.0;
+    const double expected = e.parameters + e.gradients + e.activations - trainer_batch;
+    EXPECT_NEAR(allocated, expected, 0.05 * expected + 64 * 1024) << name;
+    // Fewer k/v heads than query heads on a rank: less than multi-head attention's estimate.
+    config::KeelConfig mha = cfg;
+    mha.mutable_model()->set_n_kv_heads(0);
+    const MemoryEstimate m = estimate_memory(mha, c.tp, 1, micro, threads);
+    if (model->dims().Hkvl < model->dims().Hl) {
+      EXPECT_LT(e.parameters, m.parameters) << name;
+      EXPECT_LT(e.activations, m.activations) << name;
+    }
+  }
+}
+
+// ---- config errors ----
+
+std::string config_error(const std::vector<std::string>& sets, ErrorKind want) {
+  try {
+    load_config("", sets);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), want) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
+TEST(Gqa, ConfigErrorsNameBothNumbers) {
+  std::string m = config_error({"model.n_heads=4", "model.n_kv_heads=3"}, ErrorKind::kConfig);
+  EXPECT_NE(m.find("model.n_kv_heads=3"), std::string::npos) << m;
+  EXPECT_NE(m.find("model.n_heads=4"), std::string::npos) << m;
+  m = config_error({"model.n_heads=4", "model.n_kv_heads=8"}, ErrorKind::kConfig);
+  EXPECT_NE(m.find("model.n_kv_heads=8"), std::string::npos) << m;
+  // 12 heads on 6 k/v heads under TP4: 6 is neither a multiple nor a divisor of 4.
+  m = config_error({"model.d_model=96", "model.n_heads=12", "model.n_kv_heads=6", "parallel.tp=4",
+                    "model.d_ff=128"},
+                   ErrorKind::kLayout);
+  EXPECT_NE(m.find("model.n_kv_heads=6"), std::string::npos) << m;
+  EXPECT_NE(m.find("parallel.tp=4"), std::string::npos) << m;
+  m = config_error({"model.n_kv_heads=2", "train.device=CUDA"}, ErrorKind::kConfig);
+  EXPECT_NE(m.find("model.n_kv_heads=2"), std::string::npos) << m;
+  EXPECT_NE(m.find("train.device=CUDA"), std::string::npos) << m;
+  // Accepted: 0, n_heads, 1 and a divisor; the sharded and the replicated layouts.
+  for (const auto& sets :
+       std::vector<std::vector<std::string>>{{"model.n_kv_heads=0"},
+                                             {"model.n_kv_heads=4"},
+                                             {"model.n_kv_heads=1", "parallel.tp=4"},
+                                             {"model.n_kv_heads=2", "parallel.tp=2"},
+                                             {"model.n_kv_heads=2", "parallel.tp=4"}}) {
+    EXPECT_NO_THROW(load_config("", sets)) << sets[0];
   }
 }
 
