@@ -1,10 +1,10 @@
 // Fuzzes the llm.c token-shard reader: an input is a whole shard file, uint16 (magic 20240520) or
-// uint32 (magic 20240801). The header check on the bytes (read_shard_header) and the reader on the file (TokenStream::open_shards, through a
-// temporary file) must agree; a shard that opens must read back exactly its bytes, as a shard and
-// as a text file, and peek_size must count what open_shards counts. Then the file is cut short
-// (by an amount the input's last byte picks) while the stream is open: reading it all must either
-// succeed (nothing read was cut) or throw kData "truncated while in use" naming the file
-// (Note [token files are read, not mapped]).
+// uint32 (magic 20240801). The header check on the bytes (read_shard_header) and the reader on the
+// file (TokenStream::open_shards, through a temporary file) must agree; a shard that opens must
+// read back exactly its bytes, as a shard and as a text file, and peek_size must count what
+// open_shards counts. Then the file is cut short (by an amount the input's last byte picks) while
+// the stream is open: reading it all must either succeed (nothing read was cut) or throw kData
+// "truncated while in use" naming the file (Note [token files are read, not mapped]).
 #include <stdlib.h>
 #include <unistd.h>
 
