@@ -531,6 +531,7 @@ int anomaly(const std::string& path) {
   };
   top("max_attn_logit_layers", "max attention logit");
   top("grad_norm_layers", "gradient norm (last: outside the blocks)");
+  top("act_norm_layers", "output norm");
   // The batch: int32 ids [batch, seq_len], decoded through the run's tokenizer.json when its data
   // has one, else as bytes.
   const int64_t seq_len = j.value("seq_len", 0LL);

@@ -247,6 +247,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.attn_ws = ctx_.zeros({std::max<int64_t>(1, exec.attention_workspace_elems(as))});
   scratch_.dscale = ctx_.zeros({d.Hl});
   max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
+  act_sq_ = ctx_.zeros({std::max<int64_t>(1, d.L)}, DType::kF64);
 }
 
 std::vector<float> GPT::logits_row(int64_t row) const {
@@ -303,6 +304,11 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
   for (size_t l = 0; l < blocks_.size(); ++l) {
     blocks_[l]->forward(x, B, max_logits_.f32() + l);
     x = blocks_[l]->out();
+    if (record_act_) ctx_.exec->sum_squares(x, n, act_sq_.f64() + l, /*accumulate=*/false);
+  }
+  if (record_act_ && !blocks_.empty()) {
+    stats.act_sq_layers.resize(blocks_.size());
+    act_sq_.copy_to_host(0, static_cast<int64_t>(blocks_.size()), stats.act_sq_layers.data());
   }
   // One small read per forward (which waits for the device): the layers' maxima.
   if (!blocks_.empty()) {

@@ -54,6 +54,9 @@ struct LossStats {
   float max_attn_logit = 0.0f;  // largest |scaled q.k| of the forward, over layers and heads
   // [n_layers]: each block's largest |scaled q.k| (over this TP rank's heads)
   std::vector<float> max_attn_logit_layers;
+  // [n_layers], with GPT::set_record_activation_norms only: the sum of squares of each block's
+  // output over this rank's rows of the residual stream (empty otherwise)
+  std::vector<double> act_sq_layers;
 };
 
 // Note [recompute]
@@ -144,6 +147,10 @@ class GPT {
   // backward (DP gradient sync starts its buckets from here). Empty: no calls.
   void set_grad_ready_hook(std::function<void(int)> hook) { ready_hook_ = std::move(hook); }
 
+  // While on, forward also sums the squares of each block's output (LossStats::act_sq_layers):
+  // one reduction per block and one small read, for the spike forensics' evidence.
+  void set_record_activation_norms(bool on) { record_act_ = on; }
+
  private:
   float* head_weight();
   float* head_grad();
@@ -161,6 +168,8 @@ class GPT {
   Tensor x0_, xf_, logits_;  // [rows(B), C], [BT, C], [BT, Vl]
   Tensor dres_;              // [rows(B), C] residual-stream gradient
   Tensor max_logits_;        // [L] each block's max |attention logit| of the last forward
+  Tensor act_sq_;            // [L] f64: each block's output sum of squares (record_act_)
+  bool record_act_ = false;
   std::unique_ptr<VocabParallelLoss> loss_;  // its row statistics; logits_ may hold its gradient
   int64_t last_B_ = 0;
   std::vector<std::pair<int, int>> block_params_;  // [first, last) parameter ids of each block

@@ -134,8 +134,9 @@ void append_array(std::string& out, const std::vector<T>& v) {
 //                 optimisation; "different": suspected hardware, with the ranks and hosts), the
 //                 loss, z-loss, log Z and gradient norm of the step and of its replay, each
 //                 block's largest attention logit and gradient norm (the last entry: every
-//                 parameter outside the blocks), the first sample, and each sample's offset in
-//                 the training token stream;
+//                 parameter outside the blocks) and output norm over the batch (from the
+//                 replay; empty without one), the first sample, and each sample's offset in the
+//                 training token stream;
 //   tokens.bin    the global batch's input token ids, int32 little-endian, [batch, seq_len];
 //   alerts.jsonl  the alert lines of that step (alerts.jsonl's format).
 // It lives beside checkpoints/, never inside it, and holds at most spike.keep_anomalies step
@@ -176,6 +177,8 @@ void write_anomaly(const std::string& anomalies_dir, const AnomalyEvidence& e, i
     append_array(j, e.max_attn_logit_layers);
     key("grad_norm_layers");
     append_array(j, e.grad_norm_layers);
+    key("act_norm_layers");
+    append_array(j, e.act_norm_layers);
     key("first_sample");
     j += std::to_string(e.first_sample);
     key("seq_len");

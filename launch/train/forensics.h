@@ -80,6 +80,7 @@ struct AnomalyEvidence {
   double z_loss = 0.0, log_z = 0.0;
   std::vector<float> max_attn_logit_layers;  // [n_layers]
   std::vector<double> grad_norm_layers;      // [n_layers + 1]: blocks, then everything else
+  std::vector<double> act_norm_layers;       // [n_layers] each block's output norm (replay's)
   uint64_t first_sample = 0;
   std::vector<uint64_t> sample_offsets;  // each sample's window offset in the training stream
   int32_t seq_len = 0;

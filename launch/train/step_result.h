@@ -32,6 +32,9 @@ struct StepResult {
   // This rank's loss partials (cross-entropy, z-loss, log Z summed over its micro-batches)
   // before the all-reduce: what a replay compares besides the gradients (Note [replay]).
   double local_stats[3] = {0.0, 0.0, 0.0};
+  // With activation-norm recording on (a replay): this rank's sum of squares of each block's
+  // output, over its micro-batches and its rows of the stream; empty otherwise.
+  std::vector<double> act_sq_layers;
   // The step was computed twice (Note [replay]): "same", or "different" with the ranks named.
   std::string replay;
 };

@@ -393,6 +393,11 @@ StepResult Trainer::compute_gradients(const FaultInjector::Injection* replay_of)
     stats[0] += st.ce;
     stats[1] += st.z_loss;
     stats[2] += st.log_z;
+    if (!st.act_sq_layers.empty()) {
+      r.act_sq_layers.resize(st.act_sq_layers.size(), 0.0);
+      for (size_t l = 0; l < st.act_sq_layers.size(); ++l)
+        r.act_sq_layers[l] += st.act_sq_layers[l];
+    }
     for (size_t l = 0; l < st.max_attn_logit_layers.size(); ++l) {
       r.max_attn_logit_layers[l] =
           std::max(r.max_attn_logit_layers[l], st.max_attn_logit_layers[l]);

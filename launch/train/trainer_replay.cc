@@ -36,7 +36,10 @@ std::optional<Verdict> Trainer::replay(StepResult& r, const GuardState& before) 
   state_->guard = before;
   state_->sampler.next_sample = r.first_sample;
   const FaultInjector::Injection first_injection = injection_;
+  // The replay also records each block's activation norm, for the evidence.
+  model_->set_record_activation_norms(keeps_evidence());
   StepResult again = compute_gradients(&first_injection);
+  model_->set_record_activation_norms(false);
   const StepPrint second{again.loss, again.grad_norm, local_print(again.local_stats, 3, g, 0, n)};
   state_->sampler.next_sample = next_sample;
   const ReplayVerdict v = compare_replay(topo_.world_comm, first, second, host_);
@@ -111,6 +114,18 @@ void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed,
                             const std::vector<double>& grad_norm_layers) {
   if (!keeps_evidence()) return;
   const int keep = cfg_.spike().keep_anomalies();
+  // Each block's output norm over the global batch, from the replay: the ranks' sums of squares
+  // summed over the world, where the TP ranks of a replica hold the same rows unless the stream
+  // is split over them (sequence parallelism). Collective, alike on every rank.
+  std::vector<double> act;
+  if (replayed && !replayed->act_sq_layers.empty()) {
+    act = replayed->act_sq_layers;
+    if (topo_.world_comm) {
+      topo_.world_comm->all_reduce(act.data(), static_cast<int64_t>(act.size()), ReduceOp::kSum);
+    }
+    const double copies = model_->dims().sp ? 1.0 : static_cast<double>(topo_.tp);
+    for (double& v : act) v = std::sqrt(v / copies);
+  }
   if (topo_.world_rank != 0) return;
   AnomalyEvidence e;
   e.step = state_->step + 1;
@@ -125,6 +140,7 @@ void Trainer::keep_evidence(const StepResult& r, const StepResult* replayed,
   e.log_z = r.log_z;
   e.max_attn_logit_layers = r.max_attn_logit_layers;
   e.grad_norm_layers = grad_norm_layers;
+  e.act_norm_layers = act;
   e.first_sample = r.first_sample;
   const int64_t batch = cfg_.train().global_batch();
   e.seq_len = sampler_.seq_len();

@@ -133,8 +133,31 @@ TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareInOneProcess) {
   EXPECT_NE(bad.err.find("not an anomaly directory"), std::string::npos) << bad.err;
 }
 
+// A JSON array field of summary.json as numbers.
+std::vector<double> numbers(const std::string& json, const std::string& key) {
+  std::vector<double> out;
+  const size_t at = json.find("\"" + key + "\": [");
+  if (at == std::string::npos) return out;
+  std::istringstream in(json.substr(at + key.size() + 5, json.find(']', at) - at - key.size() - 5));
+  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stod(item));
+  return out;
+}
+
 TEST_F(SpikeForensics, ABitFlipIsNamedAsHardwareAtTp2Dp2) {
   expect_bitflip_named(4, 2, {"--set", "parallel.tp=2"});
+  // The evidence's per-block output norms (from the replay) are the whole batch's in any layout:
+  // TP2xDP2 gives one process's to float rounding.
+  expect_bitflip_named(1, 0, {});
+  const std::vector<double> four =
+      numbers(read_file(anomaly("flip4", 30) + "/summary.json"), "act_norm_layers");
+  const std::vector<double> one =
+      numbers(read_file(anomaly("flip1", 30) + "/summary.json"), "act_norm_layers");
+  ASSERT_EQ(one.size(), 2u);
+  ASSERT_EQ(four.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    EXPECT_GT(one[l], 1.0) << l;
+    EXPECT_NEAR(four[l], one[l], 1e-3 * one[l]) << "block " << l;
+  }
 }
 
 // An injected loss spike (the learning rate of step 30 x 1000) replays identically: the guard's
