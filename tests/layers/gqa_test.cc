@@ -3,16 +3,13 @@
 //   - the CPU attention kernel with Hkv k/v heads computes, in double, what multi-head attention
 //     computes on k/v heads repeated over each group (forward; dq; dk and dv summed over the
 //     group) to 1e-12;
-//   - a whole GPT with 4 query heads on 2 and 1 k/v heads, QK-norm NONE, RMS (HEAD_SHARED, HEAD,
-//     PROJECTION), LAYER PROJECTION and L2 HEAD, learned positions and RoPE: every parameter's
-//     gradient against finite differences of the float32 loss, with the method and tolerance of
-//     tests/layers/model_grad_test.cc (|fd - g| <= 2e-2 max(|g|, |fd|) + 2e-4);
+//   - (a whole GPT with 4 query heads on 2 and 1 k/v heads against finite differences: the
+//     KvHeads cases of tests/layers/model_grad_test.cc);
 //   - n_kv_heads = n_heads builds the model n_kv_heads = 0 builds: the same parameters and bit for
 //     bit the same loss and gradients;
 //   - the memory estimate counts the smaller k/v: its parameter term equals the arena a
-//   grouped-query
-//     model allocates exactly (one process, and TP rank 0 of the sharded and replicated layouts),
-//     and the heap that model allocates is within 5% of the estimate, as in
+//     grouped-query model allocates exactly (one process, and TP rank 0 of the sharded and
+//     replicated layouts), and the heap that model allocates is within 5% of the estimate, as in
 //     tests/layers/memory_estimate_test.cc;
 //   - the parameter shapes, and the config errors (a non-divisor, a TP layout that neither shards
 //     nor replicates the k/v heads, grouped-query attention on CUDA) name both numbers.
@@ -24,8 +21,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <optional>
-#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -121,13 +116,10 @@ TEST(GqaKernel, MatchesMultiHeadOnRepeatedKvHeads) {
   }
 }
 
-// ---- whole-model gradients against finite differences ----
+// ---- a whole model (its finite-difference gradients: the KvHeads cases of
+// tests/layers/model_grad_test.cc) ----
 
 constexpr int64_t kB = 2;
-constexpr float kStep = 1e-2f;
-constexpr double kRelTol = 2e-2;
-constexpr double kAbsTol = 2e-4;
-constexpr int kSamplesPerParam = 6;
 
 struct GqaCase {
   const char* name;
@@ -137,8 +129,6 @@ struct GqaCase {
   config::Position position = config::LEARNED;
   bool bias = true;
 };
-
-void PrintTo(const GqaCase& c, std::ostream* os) { *os << c.name; }
 
 config::KeelConfig tiny_config(const GqaCase& c) {
   config::KeelConfig cfg;
@@ -178,146 +168,7 @@ Batch random_batch(const ModelDims& d, uint32_t seed) {
   return b;
 }
 
-// Gains, biases and the L2 scale off their constant init values, so their gradients are generic.
-void randomise_constants(ParamStore& ps) {
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> u(-0.3f, 0.3f);
-  for (int id = 0; id < ps.size(); ++id) {
-    const ParamSpec& s = ps.info(id).spec;
-    if (s.init != ParamInit::kConstant) continue;
-    float* p = ps.param(id);
-    for (int64_t i = 0; i < ps.info(id).numel(); ++i) {
-      p[i] = s.value == 0.0f ? u(rng) : s.value * (1.0f + u(rng));
-    }
-  }
-}
-
-class OneThread {
- public:
-  OneThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~OneThread() { omp_set_num_threads(saved_); }
-  OneThread(const OneThread&) = delete;
-  OneThread& operator=(const OneThread&) = delete;
-
- private:
-  int saved_;
-};
-
-double total_loss(GPT& model, const Batch& b) {
-  const LossStats s = model.forward(b.tokens.data(), b.targets.data(), kB);
-  return s.ce + s.z_loss;
-}
-
-class GqaGrad : public ::testing::TestWithParam<GqaCase> {};
-
-TEST_P(GqaGrad, EveryParameterMatchesFiniteDifferences) {
-  const GqaCase c = GetParam();
-  std::unique_ptr<Communicator> tp_holder, dp_holder;
-  const Topology topo = Topology::single(tp_holder, dp_holder);
-  GPT model(tiny_config(c), topo, kB);
-  model.init(42);
-  ParamStore& ps = model.params();
-  randomise_constants(ps);
-  ASSERT_TRUE(model.dims().gqa());
-  ASSERT_GE(ps.find("blocks.0.attn.kv.weight"), 0);
-  const Batch batch = random_batch(model.dims(), 5);
-  ps.zero_grads();
-  const LossStats stats = model.forward(batch.tokens.data(), batch.targets.data(), kB);
-  model.backward(1.0f);
-  const std::vector<float> grads(ps.grads().f32(), ps.grads().f32() + ps.total_elems());
-
-  std::optional<OneThread> one_thread(std::in_place);
-  std::mt19937 rng(17);
-  int checked = 0, above_floor = 0, failures = 0;
-  double worst_rel = 0.0;
-  std::string worst_name;
-  for (int id = 0; id < ps.size(); ++id) {
-    const ParamInfo& info = ps.info(id);
-    const int64_t n = info.numel();
-    const float* g = grads.data() + info.offset;
-    // Evenly spaced strata (so k and v rows of kv.weight are both visited), a random element in
-    // each; small tensors completely.
-    std::vector<int64_t> idx;
-    if (n <= kSamplesPerParam) {
-      for (int64_t j = 0; j < n; ++j) idx.push_back(j);
-    } else {
-      for (int k = 0; k < kSamplesPerParam; ++k) {
-        const int64_t lo = n * k / kSamplesPerParam, hi = n * (k + 1) / kSamplesPerParam;
-        idx.push_back(std::uniform_int_distribution<int64_t>(lo, hi - 1)(rng));
-      }
-    }
-    double tensor_worst = 0.0;
-    for (int64_t j : idx) {
-      float* p = ps.param(id) + j;
-      const float p0 = *p;
-      auto central = [&](float h) {
-        *p = p0 + h;
-        const double lp = total_loss(model, batch);
-        *p = p0 - h;
-        const double lm = total_loss(model, batch);
-        *p = p0;
-        return (lp - lm) / (static_cast<double>(p0 + h) - static_cast<double>(p0 - h));
-      };
-      const double fd = (4.0 * central(kStep) - central(2.0f * kStep)) / 3.0;
-      const double a = g[j];
-      const double err = std::abs(fd - a);
-      const double scale = std::max(std::abs(a), std::abs(fd));
-      ++checked;
-      if (scale > 10 * kAbsTol) {
-        ++above_floor;
-        tensor_worst = std::max(tensor_worst, err / scale);
-      }
-      if (err > kRelTol * scale + kAbsTol && failures++ < 10) {
-        ADD_FAILURE() << info.spec.name << "[" << j << "]: analytic " << a << " vs fd " << fd;
-      }
-    }
-    if (tensor_worst > worst_rel) {
-      worst_rel = tensor_worst;
-      worst_name = info.spec.name;
-    }
-  }
-  one_thread.reset();
-  std::printf(
-      "[grad] %-28s %d elements of %d tensors, %d above 10x the floor, worst rel %.2e (%s)\n",
-      c.name, checked, ps.size(), above_floor, worst_rel, worst_name.c_str());
-  // Key biases without QK-norm have ~zero gradient (softmax is shift-invariant), so a few
-  // elements sit below the floor; most must not.
-  EXPECT_GE(above_floor, checked * 3 / 4);
-  const LossStats again = model.forward(batch.tokens.data(), batch.targets.data(), kB);
-  EXPECT_EQ(again.ce, stats.ce);
-}
-
-std::string case_name(const ::testing::TestParamInfo<GqaCase>& info) { return info.param.name; }
-
 constexpr config::Position kRope = config::ROPE;
-INSTANTIATE_TEST_SUITE_P(
-    KvHeads, GqaGrad,
-    ::testing::Values(
-        GqaCase{.name = "mqa_none", .kv_heads = 1},
-        GqaCase{.name = "gqa2_none_rope", .kv_heads = 2, .position = kRope},
-        GqaCase{.name = "mqa_rms_head_shared", .kv_heads = 1, .qk = config::RMS},
-        GqaCase{.name = "gqa2_rms_head", .kv_heads = 2, .qk = config::RMS, .scope = config::HEAD},
-        GqaCase{.name = "mqa_rms_projection",
-                .kv_heads = 1,
-                .qk = config::RMS,
-                .scope = config::PROJECTION},
-        GqaCase{.name = "gqa2_rms_projection_rope_nobias",
-                .kv_heads = 2,
-                .qk = config::RMS,
-                .scope = config::PROJECTION,
-                .position = kRope,
-                .bias = false},
-        GqaCase{.name = "gqa2_layer_projection",
-                .kv_heads = 2,
-                .qk = config::LAYER,
-                .scope = config::PROJECTION},
-        GqaCase{.name = "mqa_l2_head_rope",
-                .kv_heads = 1,
-                .qk = config::L2,
-                .scope = config::HEAD,
-                .position = kRope}),
-    case_name);
-
 // ---- n_kv_heads = n_heads is multi-head attention, bit for bit ----
 
 TEST(Gqa, KvHeadsEqualToHeadsIsMultiHeadBitForBit) {

@@ -53,6 +53,9 @@ struct ModelCase {
   config::MlpKind mlp = config::GELU;
   bool bias = true;
   config::NormPlacement placement = config::PRE;
+  // Grouped-query attention (tests/layers/gqa_test.cc): 0 is multi-head; the cases that set it
+  // use 4 heads at d_model 32, so 1 and 2 k/v heads are MQA and GQA.
+  int kv_heads = 0;
 };
 
 // gtest prints a parameter by name rather than as bytes.
@@ -63,9 +66,10 @@ config::KeelConfig tiny_config(const ModelCase& c) {
   config::Model* m = cfg.mutable_model();
   m->set_vocab_size(32);
   m->set_seq_len(8);
-  m->set_d_model(16);
+  m->set_d_model(c.kv_heads > 0 ? 32 : 16);
   m->set_n_layers(2);
-  m->set_n_heads(2);
+  m->set_n_heads(c.kv_heads > 0 ? 4 : 2);
+  m->set_n_kv_heads(c.kv_heads);
   m->set_d_ff(32);
   m->set_qk_norm(c.qk);
   m->set_qk_norm_scope(c.scope);
@@ -153,6 +157,10 @@ TEST_P(ModelGrad, EveryParameterMatchesFiniteDifferences) {
   ps.zero_grads();
   const LossStats stats = model.forward(batch_.tokens.data(), batch_.targets.data(), kB);
   ASSERT_GT(stats.z_loss, 0.0);
+  if (GetParam().kv_heads > 0) {
+    ASSERT_TRUE(model.dims().gqa());
+    ASSERT_GE(ps.find("blocks.0.attn.kv.weight"), 0);
+  }
   model.backward(1.0f);
   // Copy: the FD forwards below do not touch grads, but keep the analytic values apart anyway.
   const std::vector<float> grads(ps.grads().f32(), ps.grads().f32() + ps.total_elems());
@@ -168,8 +176,8 @@ TEST_P(ModelGrad, EveryParameterMatchesFiniteDifferences) {
     const ParamInfo& info = ps.info(id);
     const int64_t n = info.numel();
     const float* g = grads.data() + info.offset;
-    // Evenly spaced strata (so q, k and v rows of a QKV weight are all visited), a random element
-    // within each; small tensors are checked completely.
+    // Evenly spaced strata (so q, k and v rows of a QKV or KV weight are all visited), a random
+    // element within each; small tensors are checked completely.
     std::vector<int64_t> idx;
     if (n <= kSamplesPerParam) {
       for (int64_t j = 0; j < n; ++j) idx.push_back(j);
@@ -356,6 +364,49 @@ INSTANTIATE_TEST_SUITE_P(
                   .position = kRope,
                   .mlp = config::SWIGLU,
                   .bias = false}),
+    case_name);
+
+// Grouped-query and multi-query attention (Note [gqa layouts] in layers/attention.h): 1 and 2
+// k/v heads of 4, in every QK-norm mode, with learned positions and RoPE.
+INSTANTIATE_TEST_SUITE_P(
+    KvHeads, ModelGrad,
+    ::testing::Values(ModelCase{.name = "mqa_none", .norm = config::RMSNORM, .kv_heads = 1},
+                      ModelCase{.name = "gqa2_none_rope",
+                                .norm = config::RMSNORM,
+                                .position = kRope,
+                                .kv_heads = 2},
+                      ModelCase{.name = "mqa_rms_head_shared",
+                                .qk = config::RMS,
+                                .norm = config::RMSNORM,
+                                .kv_heads = 1},
+                      ModelCase{.name = "gqa2_rms_head",
+                                .qk = config::RMS,
+                                .scope = config::HEAD,
+                                .norm = config::RMSNORM,
+                                .kv_heads = 2},
+                      ModelCase{.name = "mqa_rms_projection",
+                                .qk = config::RMS,
+                                .scope = config::PROJECTION,
+                                .norm = config::RMSNORM,
+                                .kv_heads = 1},
+                      ModelCase{.name = "gqa2_rms_projection_rope_nobias",
+                                .qk = config::RMS,
+                                .scope = config::PROJECTION,
+                                .norm = config::RMSNORM,
+                                .position = kRope,
+                                .bias = false,
+                                .kv_heads = 2},
+                      ModelCase{.name = "gqa2_layer_projection",
+                                .qk = config::LAYER,
+                                .scope = config::PROJECTION,
+                                .norm = config::RMSNORM,
+                                .kv_heads = 2},
+                      ModelCase{.name = "mqa_l2_head_rope",
+                                .qk = config::L2,
+                                .scope = config::HEAD,
+                                .norm = config::RMSNORM,
+                                .position = kRope,
+                                .kv_heads = 1}),
     case_name);
 
 }  // namespace
