@@ -64,6 +64,29 @@ std::string host_name() {
   return buf;
 }
 
+ReplayVerdict name_ranks(Communicator* world, bool mine, const std::string& host) {
+  constexpr size_t kHost = 64;  // host names are cut to 63 bytes in the message
+  char my_host[kHost] = {};
+  std::strncpy(my_host, host.c_str(), kHost - 1);
+  const int64_t flag = mine ? 1 : 0;
+  const int world_size = world ? world->size() : 1;
+  std::vector<int64_t> flags(static_cast<size_t>(world_size), flag);
+  std::vector<char> hosts(kHost * static_cast<size_t>(world_size));
+  std::memcpy(hosts.data(), my_host, kHost);
+  if (world && world_size > 1) {
+    world->all_gather_bytes(&flag, flags.data(), sizeof(int64_t));
+    world->all_gather_bytes(my_host, hosts.data(), kHost);
+  }
+  ReplayVerdict v;
+  for (int r = 0; r < world_size; ++r) {
+    if (flags[static_cast<size_t>(r)] == 0) continue;
+    v.ranks.push_back(r);
+    v.hosts.emplace_back(&hosts[kHost * static_cast<size_t>(r)]);
+  }
+  v.same = v.ranks.empty();
+  return v;
+}
+
 ReplayVerdict compare_replay(Communicator* world, const StepPrint& first, const StepPrint& replay,
                              const std::string& host) {
   // Bits, not values: NaN != NaN, and a flipped bit of the same magnitude still counts.
@@ -74,24 +97,7 @@ ReplayVerdict compare_replay(Communicator* world, const StepPrint& first, const 
   };
   const bool global_changed =
       bits(first.loss) != bits(replay.loss) || bits(first.grad_norm) != bits(replay.grad_norm);
-  const int64_t mine = first.local != replay.local ? 1 : 0;
-  constexpr size_t kHost = 64;  // host names are cut to 63 bytes in the message
-  char my_host[kHost] = {};
-  std::strncpy(my_host, host.c_str(), kHost - 1);
-  const int world_size = world ? world->size() : 1;
-  std::vector<int64_t> changed(static_cast<size_t>(world_size), mine);
-  std::vector<char> hosts(kHost * static_cast<size_t>(world_size));
-  std::memcpy(hosts.data(), my_host, kHost);
-  if (world && world_size > 1) {
-    world->all_gather_bytes(&mine, changed.data(), sizeof(int64_t));
-    world->all_gather_bytes(my_host, hosts.data(), kHost);
-  }
-  ReplayVerdict v;
-  for (int r = 0; r < world_size; ++r) {
-    if (changed[static_cast<size_t>(r)] == 0) continue;
-    v.ranks.push_back(r);
-    v.hosts.emplace_back(&hosts[kHost * static_cast<size_t>(r)]);
-  }
+  ReplayVerdict v = name_ranks(world, first.local != replay.local, host);
   v.same = !global_changed && v.ranks.empty();
   return v;
 }

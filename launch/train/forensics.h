@@ -54,8 +54,12 @@ struct ReplayVerdict {
   std::vector<std::string> hosts;  // their hosts, in the same order
 };
 
-// Collective over `world` (null: one process): every rank's [changed] and host name gathered, so
-// every rank returns the same verdict.
+// Collective over `world` (null: one process): every rank's flag `mine` and host name gathered;
+// the ranks that raised it, with their hosts, alike on every rank (same: none did).
+ReplayVerdict name_ranks(Communicator* world, bool mine, const std::string& host);
+
+// Collective over `world` (null: one process): name_ranks() of the ranks whose own fingerprint
+// changed; `same` also needs the all-reduced loss and gradient norm unchanged.
 ReplayVerdict compare_replay(Communicator* world, const StepPrint& first, const StepPrint& replay,
                              const std::string& host);
 

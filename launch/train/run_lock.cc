@@ -14,16 +14,11 @@
 #include <string>
 
 #include "framework/error.h"
+#include "launch/train/forensics.h"
 
 namespace keel {
 
 namespace {
-
-std::string hostname() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "an unknown host";
-  return buf;
-}
 
 // The holder's "host pid seconds" line, at most 4 KiB of it (the file is ours, but a run
 // directory is user input: it may have been replaced by anything).
@@ -88,7 +83,7 @@ RunDirLock::RunDirLock(const std::string& run_dir) : path_(run_dir + "/.lock") {
     unsupported_ = std::string("flock: ") + std::strerror(err);
     return;
   }
-  const std::string line = hostname() + " " + std::to_string(::getpid()) + " " +
+  const std::string line = host_name() + " " + std::to_string(::getpid()) + " " +
                            std::to_string(static_cast<long long>(std::time(nullptr))) + "\n";
   // Best effort: the lock itself is what protects the directory; the line only names us.
   if (::ftruncate(fd_, 0) == 0) {

@@ -179,17 +179,14 @@ bool Trainer::check_replicas() {
   for (int r = 0; r < world; ++r) {
     if (table[3 * r + 1] == 0) reference[static_cast<size_t>(table[3 * r + 2])] = table[3 * r];
   }
-  ReplayVerdict v;
-  std::vector<char> names(64 * static_cast<size_t>(world));
-  char my_host[64] = {};
-  std::snprintf(my_host, sizeof(my_host), "%s", host_.c_str());
-  topo_.world_comm->all_gather_bytes(my_host, names.data(), 64);
+  const int me = topo_.world_rank;
+  bool any = false;
   for (int r = 0; r < world; ++r) {
-    if (table[3 * r] == reference[static_cast<size_t>(table[3 * r + 2])]) continue;
-    v.ranks.push_back(r);
-    v.hosts.emplace_back(&names[64 * static_cast<size_t>(r)]);
+    any = any || table[3 * r] != reference[static_cast<size_t>(table[3 * r + 2])];
   }
-  if (v.ranks.empty()) return true;
+  if (!any) return true;
+  const ReplayVerdict v = name_ranks(
+      topo_.world_comm, table[3 * me] != reference[static_cast<size_t>(topo_.tp_rank)], host_);
   const bool stop = cfg_.spike().on_hardware_fault() == config::STOP;
   const std::string message =
       "DP replicas differ at step " + std::to_string(state_->step) + ": " + describe_ranks(v) +
