@@ -60,6 +60,11 @@ const std::map<std::string, std::array<FieldRule, kArchCount>>& field_rules() {
        {{{"0", "GPT-2 has multi-head attention"},
          {"0", "keel-ckpt export writes OLMo 2 with multi-head attention only so far"},
          {"0", "keel-ckpt export writes Qwen3 with multi-head attention only so far"}}}},
+      // Head width: the config.json files keel writes have d_model / n_heads so far.
+      {"head_dim",
+       {{{"0", "GPT-2's head width is d_model / n_heads"},
+         {"0", "OLMo 2's head width is d_model / n_heads"},
+         {"0", "keel-ckpt export writes Qwen3 with head_dim = d_model / n_heads only so far"}}}},
       {"d_ff", {any, any, any}},
       {"max_positions", {any, any, any}},
       // Initialisation only.

@@ -17,9 +17,9 @@ ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Top
   d.V = m.vocab_size();
   d.C = m.d_model();
   d.H = m.n_heads();
-  KEEL_CHECK(d.H > 0 && d.C % d.H == 0, kConfig, "model.n_heads=", d.H,
+  KEEL_CHECK(d.H > 0 && (m.head_dim() > 0 || d.C % d.H == 0), kConfig, "model.n_heads=", d.H,
              " does not divide model.d_model=", d.C);
-  d.D = d.C / d.H;
+  d.D = m.head_dim() > 0 ? m.head_dim() : d.C / d.H;
   d.F = m.d_ff() > 0 ? m.d_ff() : 4 * d.C;
   d.L = m.n_layers();
   d.T = m.seq_len();

@@ -34,7 +34,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double V = m.vocab_size(), C = m.d_model(), H = m.n_heads(), L = m.n_layers();
   const double F = m.d_ff() > 0 ? m.d_ff() : 4.0 * C;
   const double T = m.seq_len(), P = m.max_positions() > 0 ? m.max_positions() : T;
-  const double D = H > 0 ? C / H : 0;
+  const double D = m.head_dim() > 0 ? m.head_dim() : H > 0 ? C / H : 0;
   // Layout of ModelDims::from: under TP the vocabulary is padded to a multiple of 64 x tp.
   const double Vp = tp_size <= 1 ? V : std::ceil(V / (64.0 * tp)) * (64.0 * tp);
   const double Hl = H / tp, Fl = F / tp, Vl = Vp / tp, HD = Hl * D;

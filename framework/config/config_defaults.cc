@@ -17,6 +17,7 @@ model {
   n_layers: 4
   n_heads: 4
   n_kv_heads: 0  # n_heads (multi-head attention)
+  head_dim: 0  # d_model / n_heads
   d_ff: 0  # 4 x d_model (GELU); 8/3 x d_model rounded up to 64 (SWIGLU, GEGLU)
   qk_norm: RMS
   qk_norm_scope: HEAD_SHARED

@@ -80,8 +80,11 @@ void validate_model(config::Model& m) {
   KEEL_CHECK(m.d_model() > 0, kConfig, "model.d_model=", m.d_model(), " must be > 0");
   KEEL_CHECK(m.n_layers() > 0, kConfig, "model.n_layers=", m.n_layers(), " must be > 0");
   KEEL_CHECK(m.n_heads() > 0, kConfig, "model.n_heads=", m.n_heads(), " must be > 0");
-  KEEL_CHECK(m.d_model() % m.n_heads() == 0, kConfig, "model.n_heads=", m.n_heads(),
-             " does not divide model.d_model=", m.d_model());
+  KEEL_CHECK(m.head_dim() >= 0, kConfig, "model.head_dim=", m.head_dim(),
+             " must be >= 0 (0: d_model / n_heads)");
+  KEEL_CHECK(m.head_dim() > 0 || m.d_model() % m.n_heads() == 0, kConfig,
+             "model.n_heads=", m.n_heads(), " does not divide model.d_model=", m.d_model(),
+             " (or set model.head_dim)");
   // 0 or n_heads: multi-head attention; otherwise each n_heads / n_kv_heads query heads share a
   // k/v head, so n_kv_heads must divide n_heads.
   KEEL_CHECK(m.n_kv_heads() >= 0 && m.n_kv_heads() <= m.n_heads() &&
@@ -104,9 +107,15 @@ void validate_model(config::Model& m) {
   if (m.position() == config::ROPE) {
     KEEL_CHECK(m.rope_theta() > 1, kConfig, "model.rope_theta=", m.rope_theta(),
                " must be > 1 with model.position=ROPE");
-    KEEL_CHECK((m.d_model() / m.n_heads()) % 2 == 0, kConfig,
-               "model.position=ROPE needs an even head_dim; model.d_model=", m.d_model(),
-               " / model.n_heads=", m.n_heads(), " is odd");
+    if (m.head_dim() > 0) {
+      KEEL_CHECK(m.head_dim() % 2 == 0, kConfig,
+                 "model.position=ROPE needs an even head_dim; model.head_dim=", m.head_dim(),
+                 " is odd");
+    } else {
+      KEEL_CHECK((m.d_model() / m.n_heads()) % 2 == 0, kConfig,
+                 "model.position=ROPE needs an even head_dim; model.d_model=", m.d_model(),
+                 " / model.n_heads=", m.n_heads(), " is odd");
+    }
   }
   KEEL_CHECK(m.max_positions() >= 0, kConfig, "model.max_positions=", m.max_positions(),
              " must be >= 0 (0: seq_len)");

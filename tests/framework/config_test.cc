@@ -341,6 +341,13 @@ TEST(Config, SetErrors) {
                   {"--set model.n_heads", "path=value"});
 }
 
+// With model.head_dim set, n_heads need not divide d_model: the heads' width is their own.
+TEST(Config, HeadDimFreesTheHeadsFromDModel) {
+  const config::KeelConfig cfg = load_config("", {"model.n_heads=5", "model.head_dim=8"});
+  EXPECT_EQ(cfg.model().n_heads(), 5);
+  EXPECT_EQ(cfg.model().head_dim(), 8);
+}
+
 TEST(Config, ValidationErrorsNameTheField) {
   struct Case {
     std::vector<std::string> sets;
@@ -348,6 +355,9 @@ TEST(Config, ValidationErrorsNameTheField) {
   };
   const std::vector<Case> cases = {
       {{"model.n_heads=5"}, "model.n_heads=5 does not divide model.d_model=128"},
+      {{"model.head_dim=-2"}, "model.head_dim=-2 must be >= 0 (0: d_model / n_heads)"},
+      {{"model.n_heads=5", "model.head_dim=7", "model.position=ROPE", "model.rope_theta=10000"},
+       "model.position=ROPE needs an even head_dim; model.head_dim=7 is odd"},
       {{"model.seq_len=300", "model.max_positions=256"},
        "model.seq_len=300 exceeds model.max_positions=256 (the position table)"},
       {{"model.vocab_size=0"}, "model.vocab_size"},

@@ -105,6 +105,14 @@ INSTANTIATE_TEST_SUITE_P(
              4,
              3,
              3},
+        // model.head_dim apart from d_model / n_heads (Qwen3-, Gemma 3-style), with GQA and MQA.
+        Case{{"model.head_dim=32", "model.n_kv_heads=2", "model.norm=RMSNORM", "model.qk_norm=RMS",
+              "model.position=ROPE", "model.mlp=SWIGLU", "model.bias=false"},
+             2,
+             1,
+             4},
+        Case{{"model.head_dim=8", "model.n_kv_heads=1", "model.qk_norm=LAYER",
+              "model.qk_norm_scope=PROJECTION"}},
         // Activation recomputation (Note [recompute]): all blocks, some, and with
         // post-sublayer norms and PROJECTION statistics under TP.
         Case{{"model.n_layers=4", "train.recompute_layers=4"}},

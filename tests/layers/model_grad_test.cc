@@ -56,6 +56,9 @@ struct ModelCase {
   // Grouped-query attention (tests/layers/gqa_test.cc): 0 is multi-head; the cases that set it
   // use 4 heads at d_model 32, so 1 and 2 k/v heads are MQA and GQA.
   int kv_heads = 0;
+  // model.head_dim: 0 is d_model / n_heads; the cases that set it make q, k and v narrower or
+  // wider than d_model (n_heads x head_dim != d_model), as Qwen3 and Gemma 3 do.
+  int head_dim = 0;
 };
 
 // gtest prints a parameter by name rather than as bytes.
@@ -70,6 +73,7 @@ config::KeelConfig tiny_config(const ModelCase& c) {
   m->set_n_layers(2);
   m->set_n_heads(c.kv_heads > 0 ? 4 : 2);
   m->set_n_kv_heads(c.kv_heads);
+  m->set_head_dim(c.head_dim);
   m->set_d_ff(32);
   m->set_qk_norm(c.qk);
   m->set_qk_norm_scope(c.scope);
@@ -408,6 +412,39 @@ INSTANTIATE_TEST_SUITE_P(
                                 .position = kRope,
                                 .kv_heads = 1}),
     case_name);
+
+// model.head_dim apart from d_model / n_heads: wider heads (4 x 12 = 48 against d_model 32, as
+// Qwen3-0.6B's 16 x 128 against 1024; multi-head: 2 x 12 = 24 against 16) and narrower (4 x 6 =
+// 24 against 32), with GQA and MQA, per-head and whole-projection QK-norm, and RoPE (which needs
+// an even head_dim).
+INSTANTIATE_TEST_SUITE_P(HeadDim, ModelGrad,
+                         ::testing::Values(ModelCase{.name = "wide_gqa2_rms_head_shared_rope",
+                                                     .qk = config::RMS,
+                                                     .norm = config::RMSNORM,
+                                                     .position = kRope,
+                                                     .mlp = config::SWIGLU,
+                                                     .bias = false,
+                                                     .kv_heads = 2,
+                                                     .head_dim = 12},
+                                           ModelCase{.name = "wide_mha_layer_projection",
+                                                     .qk = config::LAYER,
+                                                     .scope = config::PROJECTION,
+                                                     .head_dim = 12},
+                                           ModelCase{.name = "narrow_mqa_l2_head",
+                                                     .qk = config::L2,
+                                                     .scope = config::HEAD,
+                                                     .norm = config::RMSNORM,
+                                                     .kv_heads = 1,
+                                                     .head_dim = 6},
+                                           ModelCase{.name = "narrow_gqa2_rms_projection_post",
+                                                     .qk = config::RMS,
+                                                     .scope = config::PROJECTION,
+                                                     .norm = config::RMSNORM,
+                                                     .position = kRope,
+                                                     .placement = config::POST_SUBLAYER,
+                                                     .kv_heads = 2,
+                                                     .head_dim = 6}),
+                         case_name);
 
 }  // namespace
 }  // namespace keel

@@ -62,11 +62,13 @@ struct Case {
   int kv_heads, tp, dp;
   QkMode qk;
   BlockKind block{};
+  int head_dim = 0;  // model.head_dim; 0: d_model / n_heads (8)
 
   std::string name() const {
     std::string s = "KV" + std::to_string(kv_heads) + "_TP" + std::to_string(tp) + "xDP" +
                     std::to_string(dp) + "_" + qk.name();
     if (!block.tag.empty()) s += "_" + block.tag;
+    if (head_dim > 0) s += "_D" + std::to_string(head_dim);
     return s;
   }
   bool replicated() const { return kv_heads % tp != 0; }
@@ -92,6 +94,12 @@ std::vector<Case> cases() {
     for (const auto& [tp, dp] : layouts) {
       for (const Mode& m : modes) out.push_back({kv, tp, dp, m.qk, m.block});
     }
+  }
+  // model.head_dim apart from d_model / n_heads (4 heads of 12 against d_model 32, as Qwen3's
+  // 16 x 128 against 1024): sharded and replicated k/v, per-head and whole-projection QK-norm.
+  for (const auto& [tp, dp] : layouts) {
+    out.push_back({2, tp, dp, modes[0].qk, testing::qwen3_block(), 12});
+    out.push_back({1, tp, dp, modes[1].qk, modes[1].block, 12});
   }
   return out;
 }
@@ -163,6 +171,7 @@ TEST_P(GqaEquivalence, MatchesSingleProcess) {
   auto config = [&](const TinyJob& j) {
     config::KeelConfig cfg = tiny_config(j);
     cfg.mutable_model()->set_n_kv_heads(c.kv_heads);
+    cfg.mutable_model()->set_head_dim(c.head_dim);
     return cfg;
   };
 
@@ -180,6 +189,7 @@ TEST_P(GqaEquivalence, MatchesSingleProcess) {
   const ModelDims& d = par.model().dims();
   EXPECT_EQ(d.kv_replicated, c.replicated());
   EXPECT_EQ(d.gqa(), c.kv_heads != testing::kHeads);
+  EXPECT_EQ(d.D, c.head_dim > 0 ? c.head_dim : testing::kDModel / testing::kHeads);
   if (d.gqa()) {
     const int kv = ps.find("blocks.0.attn.kv.weight");
     ASSERT_GE(kv, 0);
