@@ -6,7 +6,9 @@
 // tensors, with ||ref|| ~ 1e-17, are compared with an absolute bound of 1e-7 instead).
 // The fixtures cover the GPT-2 block under every QK-norm mode and scope, and the modern blocks:
 // RoPE under every QK-norm mode and scope, SwiGLU and GEGLU, bias-free layers, norms after each
-// sublayer (POST_SUBLAYER), and OLMo 2- and Qwen3-shaped models.
+// sublayer (POST_SUBLAYER), OLMo 2- and Qwen3-shaped models, and grouped-query and multi-query
+// attention (model.n_kv_heads, Note [gqa layouts] in layers/attention.h) with model.head_dim apart
+// from d_model / n_heads.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,7 +41,13 @@ const std::vector<std::string> kFixtures = {
     "mlp_swiglu", "mlp_swiglu_nobias", "mlp_geglu", "mlp_geglu_nobias", "gelu_nobias",
     "post_sublayer", "post_sublayer_swiglu",
     // Whole modern models.
-    "olmo2", "qwen3"};
+    "olmo2", "qwen3",
+    // 4 query heads on 2 k/v heads (gqa_) or 1 (mqa_) in the Qwen3 and OLMo 2 blocks (RMS
+    // QK-norm HEAD_SHARED and PROJECTION, RoPE); head_dim 8 at d_model 24 (GQA, per-head gains);
+    // head_dim 4 at d_model 26 with every bias and LAYER QK-norm (MQA); L2 with a scale per
+    // query head (GQA).
+    "gqa_qwen3", "mqa_qwen3", "gqa_olmo2", "mqa_olmo2", "gqa_head_dim", "mqa_head_dim_bias",
+    "gqa_l2_head"};
 
 // Entries of a fixture that are not parameters; every other entry X must come with grad/X.
 const std::set<std::string> kNonParams = {"config",  "rope_theta", "z_loss",       "tokens",
@@ -59,11 +67,11 @@ double rel_err(const float* a, const std::vector<double>& ref, double* ref_norm)
 // field is set: a KeelConfig built here does not pass through load_config's defaults (proto3
 // would leave `bias` false and the enums UNSPECIFIED).
 config::KeelConfig fixture_config(const testing::Fixture& fx) {
-  // V C H F L T P B qk_norm scope norm tie position mlp bias norm_placement
+  // V C H F L T P B qk_norm scope norm tie position mlp bias norm_placement n_kv_heads head_dim
   const auto& c = fx.at("config").i32;
   config::KeelConfig cfg;
-  if (c.size() != 16u) {
-    ADD_FAILURE() << "config record has " << c.size() << " entries, want 16";
+  if (c.size() != 18u) {
+    ADD_FAILURE() << "config record has " << c.size() << " entries, want 18";
     return cfg;
   }
   auto* m = cfg.mutable_model();
@@ -82,6 +90,8 @@ config::KeelConfig fixture_config(const testing::Fixture& fx) {
   m->set_mlp(static_cast<config::MlpKind>(c[13]));
   m->set_bias(c[14] != 0);
   m->set_norm_placement(static_cast<config::NormPlacement>(c[15]));
+  m->set_n_kv_heads(c[16]);  // 0: n_heads
+  m->set_head_dim(c[17]);    // 0: d_model / n_heads
   m->set_rope_theta(fx.at("rope_theta").values.at(0));
   m->set_init_std(0.02f);
   cfg.mutable_loss()->set_z_loss(fx.at("z_loss").values.at(0));

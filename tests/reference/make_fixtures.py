@@ -1,4 +1,4 @@
-"""Regenerate the whole-model parity fixtures: /usr/bin/python3 tests/reference/make_fixtures.py (writes *.bin into its own directory)."""
+"""Regenerate the whole-model parity fixtures: build/venv/bin/python tests/reference/make_fixtures.py (writes *.bin into its own directory; /usr/bin/python3 gives the same bytes without the transformers checks)."""
 
 # PyTorch (float64) reference of keel's GPT model, written with plain functional
 # ops so every formula is explicit. For each case it writes one KEELFIX1 file
@@ -12,7 +12,12 @@
 #   POST_SUBLAYER:  x = x + ln1(attn(x));  x = x + ln2(mlp(x))     (OLMo 2)
 # attn: qkv projection, QK-norm of q and k, then RoPE of q and k (position=ROPE,
 # rotate-half convention, per head, positions 0..T-1 in every sequence), causal
-# softmax attention, output projection. mlp: GELU proj(gelu(fc(x))), or gated
+# softmax attention, output projection. With kv_heads = Hkv below H
+# (grouped-query; 1: multi-query) q and k/v are two projections, q.weight
+# [H, D, C] and kv.weight [2, Hkv, D, C] (k heads, then v heads), and query
+# head h attends to k/v head h // (H / Hkv), as keel (Note [gqa layouts] in
+# layers/attention.h) and Hugging Face's repeat_kv do. head_dim = D may differ
+# from C / H: q is H x D wide, k and v Hkv x D, and proj.weight is [C, H D]. mlp: GELU proj(gelu(fc(x))), or gated
 # proj(act(gate(x)) * fc(x)) with act = SiLU (SWIGLU) or tanh-GELU (GEGLU).
 # bias=False drops every bias: qkv, attention and MLP projections, the
 # LayerNorm biases (ln1, ln2, ln_f) and the LAYER QK-norm biases.
@@ -37,6 +42,9 @@ BASE_DIMS = dict(V=V, C=C, H=H, F=F, L=N_LAYERS, T=T, P=P, B=B)
 # (every parameter is stored as f32 plus an f64 gradient): head_dim stays 8,
 # so RoPE has four frequencies, and there are still two heads and two layers.
 SMALL_DIMS = dict(V=41, C=16, H=2, F=24, L=2, T=8, P=12, B=2)
+# The grouped-query cases need four query heads (2 or 1 k/v heads); C=24 keeps
+# the files near 100 KB and gives head_dim 6 (three RoPE frequencies).
+GQA_DIMS = dict(V=41, C=24, H=4, F=24, L=2, T=8, P=12, B=2)
 Z_COEF = 1e-2
 EPS_NORM = 1e-5
 EPS_L2 = 1e-6
@@ -59,7 +67,7 @@ DT_F32, DT_I32, DT_F64 = 0, 1, 2
 def gpt2_block(**kw):
     """A case with the GPT-2 block (the defaults of the new options), updated by kw."""
     case = dict(dims=BASE_DIMS, position="LEARNED", rope_theta=DEFAULT_ROPE_THETA, mlp="GELU",
-                bias=True, placement="PRE")
+                bias=True, placement="PRE", kv_heads=0, head_dim=0)
     case.update(kw)
     return case
 
@@ -142,12 +150,52 @@ def make_cases():
     ]
     for j, kw in enumerate(singles):
         cases.append(modern(seed=3000 + 17 * j, **kw))
+    # Grouped-query (4 query heads on 2 k/v heads) and multi-query (on 1) attention
+    # in the Qwen3 and OLMo 2 blocks above, and model.head_dim apart from C / H.
+    qwen3 = dict(qk_norm="RMS", scope="HEAD_SHARED", norm="RMSNORM", tie=True, position="ROPE",
+                 rope_theta=1000000.0, mlp="SWIGLU", bias=False, placement="PRE")
+    olmo2 = dict(qk_norm="RMS", scope="PROJECTION", norm="RMSNORM", tie=False, position="ROPE",
+                 rope_theta=500000.0, mlp="SWIGLU", bias=False, placement="POST_SUBLAYER")
+    grouped = [
+        dict(name="gqa_qwen3", kv_heads=2, **qwen3),
+        dict(name="mqa_qwen3", kv_heads=1, **qwen3),
+        # PROJECTION: q normalised over its 4 x 6 values, k over its 2 x 6 (1 x 6 for MQA).
+        dict(name="gqa_olmo2", kv_heads=2, **olmo2),
+        dict(name="mqa_olmo2", kv_heads=1, **olmo2),
+        # Qwen3's shape of head (16 heads of 128 at d_model 1024): 4 heads of 8 at C=24, so q
+        # is 32 wide and proj.weight [24, 32]; per-head gains ([4, 8] for q, [2, 8] for k).
+        dict(name="gqa_head_dim", kv_heads=2, head_dim=8,
+             **{**qwen3, "scope": "HEAD", "tie": False}),
+        # Narrower heads on a width the heads do not divide (4 heads of 4 at C=26), with
+        # every bias: q.bias [4, 4], kv.bias [2, 1, 4] and LAYER QK-norm's k_norm.bias
+        # [1, 4]; learned positions, GELU, LayerNorm.
+        dict(name="mqa_head_dim_bias", kv_heads=1, head_dim=4, dims={**GQA_DIMS, "C": 26},
+             qk_norm="LAYER", scope="PROJECTION", norm="LAYERNORM", tie=False),
+        # L2 QK-norm with a scale per query head ([4]) on 2 k/v heads; biases, GEGLU and
+        # POST_SUBLAYER norms.
+        dict(name="gqa_l2_head", kv_heads=2, qk_norm="L2", scope="HEAD", norm="LAYERNORM",
+             tie=True, position="ROPE", mlp="GEGLU", placement="POST_SUBLAYER"),
+    ]
+    for j, kw in enumerate(grouped):
+        kw.setdefault("dims", GQA_DIMS)
+        cases.append(gpt2_block(seed=4000 + 17 * j, **kw))
     return cases
 
 
 def dims(case):
+    """V C H D F L T P B, with D = head_dim (C // H when the case leaves it 0)."""
     d = case["dims"]
-    return d["V"], d["C"], d["H"], d["C"] // d["H"], d["F"], d["L"], d["T"], d["P"], d["B"]
+    Dc = case["head_dim"] or d["C"] // d["H"]
+    return d["V"], d["C"], d["H"], Dc, d["F"], d["L"], d["T"], d["P"], d["B"]
+
+
+def kv_heads(case):
+    """Hkv: k/v heads (H for multi-head attention, the case's 0)."""
+    return case["kv_heads"] or case["dims"]["H"]
+
+
+def grouped_query(case):
+    return kv_heads(case) != case["dims"]["H"]
 
 
 def gated(case):
@@ -167,25 +215,36 @@ def param_specs(case):
     specs = [("wte", (Vc, Cc), "mat")]
     if case["position"] == "LEARNED":
         specs.append(("wpe", (Pc, Cc), "mat"))
-    qk_shape = (Dc,) if scope == "HEAD_SHARED" else (Hc, Dc)
+    Hkv = kv_heads(case)
+    # HEAD_SHARED: one [D] gain for every head; HEAD and PROJECTION: [heads, D], with k's
+    # heads the k/v heads.
+    q_shape = (Dc,) if scope == "HEAD_SHARED" else (Hc, Dc)
+    k_shape = (Dc,) if scope == "HEAD_SHARED" else (Hkv, Dc)
     for l in range(Lc):
         p = f"blocks.{l}."
         specs.append((p + "ln1.weight", (Cc,), "normw"))
         if ln_bias:
             specs.append((p + "ln1.bias", (Cc,), "bias"))
-        specs.append((p + "attn.qkv.weight", (3, Hc, Dc, Cc), "mat"))
-        if bias:
-            specs.append((p + "attn.qkv.bias", (3, Hc, Dc), "bias"))
+        if grouped_query(case):
+            specs.append((p + "attn.q.weight", (Hc, Dc, Cc), "mat"))
+            specs.append((p + "attn.kv.weight", (2, Hkv, Dc, Cc), "mat"))
+            if bias:
+                specs.append((p + "attn.q.bias", (Hc, Dc), "bias"))
+                specs.append((p + "attn.kv.bias", (2, Hkv, Dc), "bias"))
+        else:
+            specs.append((p + "attn.qkv.weight", (3, Hc, Dc, Cc), "mat"))
+            if bias:
+                specs.append((p + "attn.qkv.bias", (3, Hc, Dc), "bias"))
         if qk in ("RMS", "LAYER"):
-            specs.append((p + "attn.q_norm.weight", qk_shape, "normw"))
+            specs.append((p + "attn.q_norm.weight", q_shape, "normw"))
             if qk == "LAYER" and bias:
-                specs.append((p + "attn.q_norm.bias", qk_shape, "bias"))
-            specs.append((p + "attn.k_norm.weight", qk_shape, "normw"))
+                specs.append((p + "attn.q_norm.bias", q_shape, "bias"))
+            specs.append((p + "attn.k_norm.weight", k_shape, "normw"))
             if qk == "LAYER" and bias:
-                specs.append((p + "attn.k_norm.bias", qk_shape, "bias"))
+                specs.append((p + "attn.k_norm.bias", k_shape, "bias"))
         if qk == "L2":
             specs.append((p + "attn.qk_scale", (Hc,) if scope == "HEAD" else (1,), "qkscale"))
-        specs.append((p + "attn.proj.weight", (Cc, Cc), "mat"))
+        specs.append((p + "attn.proj.weight", (Cc, Hc * Dc), "mat"))
         if bias:
             specs.append((p + "attn.proj.bias", (Cc,), "bias"))
         specs.append((p + "ln2.weight", (Cc,), "normw"))
@@ -269,12 +328,12 @@ def linear(x, prm, prefix):
 
 
 def qk_normalize(case, prm, prefix, which, x):
-    """x: [B, T, H, D]; which in {'q', 'k'}. Returns normalised [B, T, H, D]."""
-    _, _, Hc, Dc, _, _, _, _, _ = dims(case)
+    """x: [B, T, Hx, D] with Hx = H (q) or Hkv (k); which in {'q', 'k'}. Returns normalised
+    [B, T, Hx, D]; PROJECTION normalises q and k each over its own Hx * D values."""
     qk, scope = case["qk_norm"], case["scope"]
     if qk == "NONE":
         return x
-    Bx, Tx = x.shape[0], x.shape[1]
+    Bx, Tx, Hc, Dc = x.shape
     if scope == "PROJECTION":
         y = x.reshape(Bx, Tx, Hc * Dc)  # normalise over the whole H*D vector
     else:
@@ -316,20 +375,39 @@ def rope(x, theta):
     return x * cos + rotate_half(x) * sin
 
 
+def project_qkv(case, prm, p, x):
+    """q [B, T, H, D], k and v [B, T, Hkv, D] (Hkv = H for multi-head attention)."""
+    if not grouped_query(case):
+        qkv = torch.einsum("btc,jhdc->btjhd", x, prm[p + ".qkv.weight"])  # [B, T, 3, H, D]
+        if p + ".qkv.bias" in prm:
+            qkv = qkv + prm[p + ".qkv.bias"]  # [3, H, D]
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q = torch.einsum("btc,hdc->bthd", x, prm[p + ".q.weight"])  # [B, T, H, D]
+    kv = torch.einsum("btc,jhdc->btjhd", x, prm[p + ".kv.weight"])  # [B, T, 2, Hkv, D]
+    if p + ".q.bias" in prm:
+        q = q + prm[p + ".q.bias"]  # [H, D]
+        kv = kv + prm[p + ".kv.bias"]  # [2, Hkv, D]
+    return q, kv[:, :, 0], kv[:, :, 1]
+
+
+def kv_head_of(case):
+    """[H]: the k/v head each query head reads, h // (H / Hkv) (contiguous groups)."""
+    Hc = case["dims"]["H"]
+    return torch.arange(Hc) // (Hc // kv_heads(case))
+
+
 def attention(case, prm, l, x):
     _, _, Hc, Dc, _, _, _, _, _ = dims(case)
     p = f"blocks.{l}.attn"
-    W = prm[p + ".qkv.weight"]  # [3, H, D, C]
-    qkv = torch.einsum("btc,jhdc->btjhd", x, W)  # [B, T, 3, H, D]
-    if p + ".qkv.bias" in prm:
-        qkv = qkv + prm[p + ".qkv.bias"]  # [3, H, D]
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, D]
+    q, k, v = project_qkv(case, prm, p, x)
     q = qk_normalize(case, prm, p, "q", q)
     k = qk_normalize(case, prm, p, "k", k)
     if case["position"] == "ROPE":
         # After QK-norm, as OLMo 2 and Qwen3 do.
         q = rope(q, case["rope_theta"])
         k = rope(k, case["rope_theta"])
+    # Each query head's k/v head; autograd sums a k/v head's gradient over its group.
+    k, v = k[:, :, kv_head_of(case)], v[:, :, kv_head_of(case)]  # [B, T, H, D]
     if case["qk_norm"] == "L2":
         s = prm[p + ".qk_scale"]
         scale = s.reshape(1, Hc, 1, 1) if s.numel() == Hc and case["scope"] == "HEAD" else s.reshape(1, 1, 1, 1)
@@ -425,6 +503,19 @@ def check_rope_hf(theta, x):
     return max(table_err, (q_hf.transpose(1, 2) - rope(x, theta)).abs().max().item())
 
 
+def check_repeat_kv_hf(case):
+    """The query-to-k/v-head map against Hugging Face's repeat_kv (Llama, Qwen3 and OLMo 2
+    attention use it) when transformers is installed. Returns the error or None."""
+    try:
+        from transformers.models.llama.modeling_llama import repeat_kv
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    Hc, Hkv = case["dims"]["H"], kv_heads(case)
+    kv = torch.randn(2, 3, Hkv, 5, dtype=torch.float64)  # [B, T, Hkv, D]
+    hf = repeat_kv(kv.transpose(1, 2), Hc // Hkv).transpose(1, 2)  # HF layout [B, H, T, D]
+    return (hf - kv[:, :, kv_head_of(case)]).abs().max().item()
+
+
 def check_against_builtins(case, prm64, tokens, targets, logits, ce, zl):
     """Cross-check loss pieces, norms, activations and RoPE against torch
     built-ins or independent formulas. Returns (max error, HF RoPE error or None)."""
@@ -449,6 +540,9 @@ def check_against_builtins(case, prm64, tokens, targets, logits, ce, zl):
         xr = torch.randn(2, Tc, Hc, Dc, dtype=torch.float64)
         errs.append((rope_complex(xr, case["rope_theta"]) - rope(xr, case["rope_theta"])).abs().max().item())
         hf_err = check_rope_hf(case["rope_theta"], xr)
+    if grouped_query(case):
+        kv_err = check_repeat_kv_hf(case)
+        assert kv_err is None or kv_err == 0.0, ("HF repeat_kv", kv_err)
     assert max(errs) < 1e-12, errs
     return max(errs), hf_err
 
@@ -460,10 +554,11 @@ def finite_difference_check(case, prm64, grads, tokens, targets, gen, n=3, h=1e-
     details = []
     picked = set()
     # The n random entries, plus one drawn from the QK-norm / qk_scale
-    # parameters and one from the MLP gate when the case has them (so those
-    # paths are always probed).
+    # parameters, one from the MLP gate and one from the grouped k/v projection
+    # when the case has them (so those paths are always probed).
     pools = [[k for k in names if "_norm." in k or k.endswith("qk_scale")],
-             [k for k in names if ".mlp.gate." in k]]
+             [k for k in names if ".mlp.gate." in k],
+             [k for k in names if ".attn.kv." in k]]
     pools = [pl for pl in pools if pl]
     want = n + len(pools)
     while len(details) < want:
@@ -528,6 +623,8 @@ def config_record(case):
         MLP_CODES[case["mlp"]],
         1 if case["bias"] else 0,
         PLACEMENT_CODES[case["placement"]],
+        case["kv_heads"],  # model.n_kv_heads (0: n_heads)
+        case["head_dim"],  # model.head_dim (0: d_model / n_heads)
     ], dtype=torch.int32)
 
 
@@ -576,8 +673,10 @@ def run_case(case):
     path = os.path.join(OUT_DIR, case["name"] + ".bin")
     size = write_fixture(path, entries)
     extra = ""
+    if case["kv_heads"] or case["head_dim"]:
+        extra += f" kv_heads={kv_heads(case)} head_dim={dims(case)[3]}"
     if case["position"] == "ROPE":
-        extra = f" theta={case['rope_theta']:g} hf_rope_err=" + ("skipped" if hf_err is None else f"{hf_err:.1e}")
+        extra += f" theta={case['rope_theta']:g} hf_rope_err=" + ("skipped" if hf_err is None else f"{hf_err:.1e}")
     print(f"{case['name']:<26} norm={case['norm']:<9} tie={int(case['tie'])} pos={case['position']:<7} "
           f"mlp={case['mlp']:<6} bias={int(case['bias'])} {case['placement']:<13} "
           f"ce={ce.item():.6f} zl={zl.item():.6f} bytes={size} "
