@@ -42,6 +42,7 @@ struct ModelDims {
   config::MlpKind mlp;  // GELU, SWIGLU, GEGLU
   bool bias;            // biases in linear layers and LayerNorms
   bool post_norm;       // norm_placement == POST_SUBLAYER: x + norm(f(x))
+  bool sandwich;        // norm_placement == SANDWICH: x + norm(f(norm(x))) (Note [sandwich norms])
   // The TP activation all-reduces move bf16 (parallel.tp_comm_dtype; Note [bf16 wire] in
   // parallel/communicator.h). Set by GPT from the config and the execution precision.
   bool tp_bf16_wire = false;
@@ -75,7 +76,7 @@ struct Scratch {
   Tensor dh;  // [BT, Fl]    gradient w.r.t. the MLP's activated hidden (the down input)
   // [BT, Fl] gated MLPs: gradient w.r.t. the gate projection's output (Note [act-dtype])
   Tensor dgate;
-  Tensor dsub;  // [BT, C]     post-sublayer norms: a sublayer's input gradient before the add
+  Tensor dsub;  // [BT, C]     post-sublayer and sandwich norms: a sublayer's input gradient
   // [BT, C] bf16 when ModelDims::tp_bf16_act: a row-parallel output in forward (read by the
   // residual add right after its all-reduce) and a column-parallel input gradient in backward
   // (widened into fp32 right after its all-reduce), on the bf16 TP wire (Note [bf16 wire])

@@ -64,6 +64,7 @@ ModelDims ModelDims::from(const config::Model& m, int64_t micro_batch, const Top
   d.mlp = m.mlp();
   d.bias = m.bias();
   d.post_norm = m.norm_placement() == config::POST_SUBLAYER;
+  d.sandwich = m.norm_placement() == config::SANDWICH;
   return d;
 }
 
@@ -74,7 +75,12 @@ Block::Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx)
       ln1_(prefix + ".ln1", ps, ctx),
       ln2_(prefix + ".ln2", ps, ctx),
       attn_(prefix + ".attn", ps, ctx),
-      mlp_(prefix + ".mlp", ps, ctx) {}
+      mlp_(prefix + ".mlp", ps, ctx) {
+  if (ctx.dims.sandwich) {
+    ln1_post_ = std::make_unique<Norm>(prefix + ".ln1_post", ps, ctx);
+    ln2_post_ = std::make_unique<Norm>(prefix + ".ln2_post", ps, ctx);
+  }
+}
 
 void Block::allocate(const LayerContext& ctx, const Block* share) {
   const Shape s{ctx.dims.rows(ctx.dims.B), ctx.dims.C};
@@ -87,12 +93,24 @@ void Block::allocate(const LayerContext& ctx, const Block* share) {
     n1_ = share->n1_;
     r1_ = share->r1_;
     n2_ = share->n2_;
+    if (ctx.dims.sandwich) {
+      ln1_post_->allocate(ctx, share->ln1_post_.get());
+      ln2_post_->allocate(ctx, share->ln2_post_.get());
+      s1_ = share->s1_;
+      s2_ = share->s2_;
+    }
     return;
   }
   ln1_.allocate(ctx);
   ln2_.allocate(ctx);
   attn_.allocate(ctx);
   mlp_.allocate(ctx);
+  if (ctx.dims.sandwich) {
+    ln1_post_->allocate(ctx);
+    ln2_post_->allocate(ctx);
+    s1_ = ctx.zeros(s);
+    s2_ = ctx.zeros(s);
+  }
   // Note [act-dtype]: with pre-sublayer norms n1_ and n2_ hold the norm outputs, which only the
   // sublayers' input projections read; post-sublayer, the norms' fp32 inputs. Under SP (Note
   // [sequence parallel]) fp32 rows, which the fp32 all-gathers read.
@@ -116,6 +134,20 @@ void Block::forward(const float* x, int64_t B, float* max_logit) {
     ex.add(r1_.f32(), x, out_.f32(), n);
     mlp_.forward(r1_.f32(), n2_.f32(), B);
     ln2_.forward(n2_.f32(), out_.f32(), B);
+    ex.add_inplace(out_.f32(), r1_.f32(), n);
+    return;
+  }
+  if (ctx_.dims.sandwich) {
+    // Note [sandwich norms]: r1 = x + ln1_post(attn(ln1(x))); out = r1 + ln2_post(mlp(ln2(r1))).
+    // n1_, n2_ keep the pre-norm outputs (the sublayer inputs), s1_, s2_ the sublayer outputs
+    // (the post-norms' inputs); the post-norm outputs pass through out_.
+    ln1_.forward(x, kernels::act(n1_), B);
+    attn_.forward(kernels::act(n1_), s1_.f32(), B, max_logit);
+    ln1_post_->forward(s1_.f32(), out_.f32(), B);
+    ex.add(r1_.f32(), x, out_.f32(), n);
+    ln2_.forward(r1_.f32(), kernels::act(n2_), B);
+    mlp_.forward(kernels::act(n2_), s2_.f32(), B);
+    ln2_post_->forward(s2_.f32(), out_.f32(), B);
     ex.add_inplace(out_.f32(), r1_.f32(), n);
     return;
   }
@@ -150,6 +182,19 @@ void Block::backward(const float* x, float* dres, int64_t B) {
     ln1_.backward(n1_.f32(), dres, dn, /*accumulate=*/false, B);
     attn_.backward(x, dn, dsub, B);
     ctx_.exec->add_inplace(dres, dsub, n);
+    return;
+  }
+  if (ctx_.dims.sandwich) {
+    // dres = d(out) = d(r1) through the residual; each post-norm's gradient is written to dn,
+    // the sublayer's input gradient (summed over TP by the sublayer) to dsub, and the pre-norm
+    // adds its input gradient into dres.
+    float* dsub = ctx_.scratch->dsub.f32();
+    ln2_post_->backward(s2_.f32(), dres, dn, /*accumulate=*/false, B);
+    mlp_.backward(kernels::act(n2_), dn, dsub, B);
+    ln2_.backward(r1_.f32(), dsub, dres, /*accumulate=*/true, B);
+    ln1_post_->backward(s1_.f32(), dres, dn, /*accumulate=*/false, B);
+    attn_.backward(kernels::act(n1_), dn, dsub, B);
+    ln1_.backward(x, dsub, dres, /*accumulate=*/true, B);
     return;
   }
   mlp_.backward(kernels::act(n2_), dres, dn, B);
@@ -234,7 +279,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, (d.Hl + d.Hkvl) * d.D});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
-  if (d.post_norm) scratch_.dsub = ctx_.zeros({rows, C});
+  if (d.post_norm || d.sandwich) scratch_.dsub = ctx_.zeros({rows, C});
   if (d.sp) {
     scratch_.sp_x = ctx_.zeros({BT, C});
     scratch_.sp_dy = ctx_.zeros({BT, C});

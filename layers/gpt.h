@@ -21,6 +21,15 @@
 
 namespace keel {
 
+// Note [sandwich norms]
+// ~~~~~~~~~~~~~~~~~~~~~
+// model.norm_placement = SANDWICH (Gemma 2 and 3) norms each sublayer's input and its output, each
+// with its own gain: r1 = x + ln1_post(attn(ln1(x))), out = r1 + ln2_post(mlp(ln2(r1))). The
+// post-norms (parameters blocks.N.ln1_post.*, ln2_post.*) act on the sublayer outputs after the
+// sublayers leave the TP region, so they hold this rank's rows of the stream and are replicated
+// under TP like ln1 and ln2. A block saves its pre-norm outputs as PRE does (n1_, n2_) and the
+// sublayer outputs (s1_, s2_, fp32) that the post-norms' backward reads.
+
 class Block {
  public:
   Block(const std::string& prefix, ParamStore& ps, const LayerContext& ctx);
@@ -42,9 +51,12 @@ class Block {
   Norm ln1_, ln2_;
   Attention attn_;
   Mlp mlp_;
+  // SANDWICH only (Note [sandwich norms]): the norms of the attention and MLP outputs.
+  std::unique_ptr<Norm> ln1_post_, ln2_post_;
   // [BT, C] each. Pre-norm: n1 = ln1(x), n2 = ln2(r1); post-norm: n1 = attn(x), n2 = mlp(r1);
   // r1 = the residual stream between the sublayers. Under SP: [rows(B), C] each, all fp32.
   Tensor n1_, r1_, n2_, out_;
+  Tensor s1_, s2_;  // SANDWICH: the attention and MLP outputs, the post-norms' inputs
 };
 
 struct LossStats {

@@ -49,6 +49,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const bool gated = m.mlp() == config::SWIGLU || m.mlp() == config::GEGLU;
   const bool rope = m.position() == config::ROPE;
   const bool post_norm = m.norm_placement() == config::POST_SUBLAYER;
+  const bool sandwich = m.norm_placement() == config::SANDWICH;  // two more norms per block
   auto bias_of = [&](double elems) { return bias ? padded(elems) : 0.0; };
 
   // ---- parameters: this rank's slice of each tensor (layers/*.cc constructors)
@@ -69,7 +70,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // up (fc) and, gated, gate: [Fl, C] each; down (proj): [C, Fl].
   const double mlp_params =
       (gated ? 2 : 1) * (padded(Fl * C) + bias_of(Fl)) + padded(C * Fl) + bias_of(C);
-  const double block_params = 2 * norm_params + attn_params + mlp_params;
+  const double block_params = (sandwich ? 4 : 2) * norm_params + attn_params + mlp_params;
   double arena = padded(Vl * C) + (rope ? 0 : padded(P * C)) + L * block_params + norm_params;
   if (!m.tie_embeddings()) arena += padded(Vl * C);
   arena = std::ceil(arena / (16.0 * dp)) * (16.0 * dp);  // padded so ZeRO-1 splits it evenly
@@ -101,12 +102,13 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // token rows (fp32) on each rank; each sublayer's input is all-gathered into shared scratch.
   const bool sp = cfg.parallel().sequence_parallel() && tp_size > 1;
   const double rows = sp ? BT / tp : BT;
-  const double norms = 2 * 2 * rows;  // ln1, ln2: mean and rstd
+  const double norms = (sandwich ? 4 : 2) * 2 * rows;  // ln1, ln2 (and the post-norms): mean, rstd
   // GELU: pre-activation and output; gated: up, gate and their product.
   const double mlp = (gated ? 2 : 1) * BT * Fl + act * BT * Fl;
   // n1, n2 (norm outputs before the sublayers, or post-sublayer the norms' fp32 inputs), r1, out
-  const double block =
-      (post_norm || sp ? 2 : 2 * act) * rows * C + 2 * rows * C + norms + attn + mlp;
+  // Sandwich norms: s1, s2 (the sublayer outputs, fp32) too.
+  const double block = (post_norm || sp ? 2 : 2 * act) * rows * C + 2 * rows * C +
+                       (sandwich ? 2 * rows * C : 0) + norms + attn + mlp;
   // tokens, targets; x0, dres; xf (all-gathered fp32 under SP); logits; max, lse, target logit
   double model = 2 * BT + 2 * rows * C + (sp ? 1 : act) * BT * C + act * BT * Vl + 3 * BT;
   model += 2 * rows;                    // ln_f mean and rstd
@@ -116,7 +118,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   // too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
   model += rows * C + act * BT * HD + qkv + (qk_on ? BT * (HD + KD) : 0) + BT * Fl;
   if (gated) model += act * BT * Fl;
-  if (post_norm) model += rows * C;
+  if (post_norm || sandwich) model += rows * C;
   // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.
   if (bf16 && tp_size > 1 && tp_comm_bf16(cfg.parallel(), kernels::Precision::kBf16)) {
     model += 0.5 * BT * C;

@@ -379,6 +379,14 @@ INSTANTIATE_TEST_SUITE_P(
                 .norm = config::RMSNORM,
                 .tied = false,
                 .bias = false},
+        // Gemma 3: RMSNorm before and after each sublayer (Note [sandwich norms]), RoPE, GeGLU.
+        Variant{.name = "gemma3_sandwich",
+                .qk = config::RMS,
+                .position = kRope,
+                .mlp = config::GEGLU,
+                .placement = config::SANDWICH,
+                .norm = config::RMSNORM,
+                .bias = false},
         // Qwen3: pre-norm RMSNorm, per-head RMS QK-norm with one shared gain, RoPE, SwiGLU.
         Variant{.name = "qwen3",
                 .qk = config::RMS,

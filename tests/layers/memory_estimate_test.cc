@@ -113,6 +113,19 @@ INSTANTIATE_TEST_SUITE_P(
              4},
         Case{{"model.head_dim=8", "model.n_kv_heads=1", "model.qk_norm=LAYER",
               "model.qk_norm_scope=PROJECTION"}},
+        // Sandwich norms (Note [sandwich norms]): alone, Gemma 3-style, with recomputation and SP.
+        Case{{"model.norm_placement=SANDWICH"}},
+        Case{{"model.norm_placement=SANDWICH", "model.norm=RMSNORM", "model.qk_norm=RMS",
+              "model.position=ROPE", "model.mlp=GEGLU", "model.bias=false", "model.n_kv_heads=1",
+              "model.head_dim=32"},
+             2,
+             1,
+             4},
+        Case{{"model.norm_placement=SANDWICH", "model.n_layers=3", "train.recompute_layers=3",
+              "parallel.sequence_parallel=true"},
+             2,
+             2,
+             4},
         // Activation recomputation (Note [recompute]): all blocks, some, and with
         // post-sublayer norms and PROJECTION statistics under TP.
         Case{{"model.n_layers=4", "train.recompute_layers=4"}},

@@ -446,5 +446,25 @@ INSTANTIATE_TEST_SUITE_P(HeadDim, ModelGrad,
                                                      .head_dim = 6}),
                          case_name);
 
+// Note [sandwich norms] (layers/gpt.h): a norm before and after each sublayer. A Gemma 3-style
+// block (RMSNorm, per-head RMS QK-norm with a shared gain, RoPE, GeGLU, no biases, multi-query
+// attention on wider heads) and a LayerNorm one with biases and L2 QK-norm.
+INSTANTIATE_TEST_SUITE_P(Sandwich, ModelGrad,
+                         ::testing::Values(ModelCase{.name = "gemma3",
+                                                     .qk = config::RMS,
+                                                     .norm = config::RMSNORM,
+                                                     .position = kRope,
+                                                     .mlp = config::GEGLU,
+                                                     .bias = false,
+                                                     .placement = config::SANDWICH,
+                                                     .kv_heads = 1,
+                                                     .head_dim = 12},
+                                           ModelCase{.name = "layernorm_l2_bias",
+                                                     .qk = config::L2,
+                                                     .scope = config::HEAD,
+                                                     .tied = false,
+                                                     .placement = config::SANDWICH}),
+                         case_name);
+
 }  // namespace
 }  // namespace keel

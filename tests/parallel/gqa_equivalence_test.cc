@@ -100,6 +100,8 @@ std::vector<Case> cases() {
   for (const auto& [tp, dp] : layouts) {
     out.push_back({2, tp, dp, modes[0].qk, testing::qwen3_block(), 12});
     out.push_back({1, tp, dp, modes[1].qk, modes[1].block, 12});
+    // Gemma 3-1B's attention: one k/v head on wider heads, sandwich norms (Note [sandwich norms]).
+    out.push_back({1, tp, dp, modes[0].qk, testing::gemma3_block(), 12});
   }
   return out;
 }

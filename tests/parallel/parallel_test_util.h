@@ -67,6 +67,18 @@ inline BlockKind olmo2_block() {
           .placement = config::POST_SUBLAYER};
 }
 
+// Gemma 3's block: RMSNorm before and after each sublayer (Note [sandwich norms]), RoPE (base
+// 1000000), GeGLU, no biases.
+inline BlockKind gemma3_block() {
+  return {.tag = "gemma3",
+          .norm = config::RMSNORM,
+          .position = config::ROPE,
+          .rope_theta = 1000000,
+          .mlp = config::GEGLU,
+          .bias = false,
+          .placement = config::SANDWICH};
+}
+
 // Qwen3's block: pre-norm RMSNorm, RoPE (base 1000000), SwiGLU, no biases.
 inline BlockKind qwen3_block() {
   return {.tag = "qwen3",

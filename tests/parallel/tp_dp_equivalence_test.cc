@@ -159,6 +159,15 @@ std::vector<Case> cases() {
   Case geglu_dp4{1, 4, {config::NONE, config::HEAD_SHARED}, 1, 0, true};
   geglu_dp4.block = testing::rope_geglu_bias_block();
   out.push_back(geglu_dp4);
+  // Sandwich norms (Note [sandwich norms]): the Gemma 3 block under TP, TP x DP with ZeRO-1 and
+  // DP, with accumulation and recomputation mixed in.
+  const int gemma_layouts[][4] = {{2, 1, 0, 0}, {4, 1, 0, 2}, {2, 2, 1, 0}, {1, 2, 0, 2}};
+  for (const auto& [tp, dp, zero_stage, micro_batch] : gemma_layouts) {
+    Case gemma{tp, dp, rms_shared, zero_stage, micro_batch, true};
+    gemma.block = testing::gemma3_block();
+    gemma.recompute = tp == 2 && dp == 2 ? testing::kLayers : 0;
+    out.push_back(gemma);
+  }
   Case olmo_clip{2, 2, rms_projection, 0, 0, false, kBindingClip};
   olmo_clip.block = testing::olmo2_block();
   out.push_back(olmo_clip);
@@ -200,6 +209,9 @@ std::vector<Case> cases() {
       {2, 2, 0, 2, rms_projection, testing::olmo2_block(), false, testing::kLayers},
       {2, 1, 0, 4, {config::RMS, config::HEAD}, {}, true, testing::kLayers},
       {2, 2, 1, 0, {config::NONE, config::HEAD_SHARED}, testing::rope_geglu_bias_block(), true, 0},
+      // Sandwich norms (Note [sandwich norms]) under SP, with accumulation and recomputation.
+      {2, 1, 0, 2, rms_shared, testing::gemma3_block(), true, 0},
+      {4, 1, 0, 0, rms_shared, testing::gemma3_block(), true, testing::kLayers},
   };
   for (const SpCase& k : sp_cases) {
     Case c{k.tp, k.dp, k.qk, k.zero_stage, k.micro_batch, k.tied};
