@@ -1,6 +1,7 @@
 // The "Sizing a GPU run" tables of docs/distributed.md are what launch/tools/plan_step_time.py
-// prints, line for line, the script's arithmetic holds for one row recomputed here (124M at
-// TP8 x DP16), and every row's head count divides by its tp.
+// prints, line for line, the script's arithmetic holds for rows recomputed here (124M at
+// TP8 x DP16; the grouped-query Qwen3-0.6B at TP8 x DP16 and Gemma3-1B, whose one k/v head is
+// replicated, at TP2 x DP64), and every row is a head layout keel-train accepts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,14 @@ using testing::run_command;
 using testing::TempDir;
 
 const std::string kScript = std::string(KEEL_SOURCE_DIR) + "/launch/tools/plan_step_time.py";
+
+// Line `n` (0-based) of the script's output.
+std::string line_of(const std::string& out, int n) {
+  std::istringstream lines(out);
+  std::string line;
+  for (int i = 0; i <= n; ++i) std::getline(lines, line);
+  return line;
+}
 
 // The number after " key=" in one of the script's "key=value ..." lines.
 double value_of(const std::string& line, const std::string& key) {
@@ -41,11 +50,13 @@ TEST(PlanStepTime, ReadmeTablesAreTheScriptsOutput) {
           << "not in docs/distributed.md (" << flags << "): " << line;
       ++rows;
     }
-    EXPECT_EQ(rows, 6) << flags;  // header, rule, four layouts
+    EXPECT_EQ(rows, 9) << flags;  // header, rule, seven layouts
   }
 }
 
-// Every row is a layout keel-train accepts: TP splits whole heads (the 124M row at TP8 has 16).
+// Every row is a layout keel-train accepts: TP splits whole heads (the 124M row at TP8 has 16), the
+// k/v heads divide the query heads, and tp divides the k/v heads (sharded) or they divide tp
+// (replicated, Note [gqa layouts] in layers/attention.h).
 TEST(PlanStepTime, EveryRowSplitsWholeHeads) {
   TempDir dir("keel_plan_step_time_test");
   const auto r = run_command("python3 " + kScript, dir);
@@ -57,10 +68,15 @@ TEST(PlanStepTime, EveryRowSplitsWholeHeads) {
     const size_t tp_at = line.find("layout=TP");
     ASSERT_NE(tp_at, std::string::npos) << line;
     const int tp = std::stoi(line.substr(tp_at + 9));
-    EXPECT_EQ(static_cast<int>(value_of(line, "heads")) % tp, 0) << line;
+    const int heads = static_cast<int>(value_of(line, "heads"));
+    const int kv_heads = static_cast<int>(value_of(line, "kv_heads"));
+    EXPECT_EQ(heads % tp, 0) << line;
+    EXPECT_EQ(heads % kv_heads, 0) << line;
+    EXPECT_TRUE(kv_heads % tp == 0 || tp % kv_heads == 0) << line;
+    EXPECT_EQ(value_of(line, "kv_replicated"), kv_heads % tp != 0 ? 1 : 0) << line;
     ++rows;
   }
-  EXPECT_EQ(rows, 4);
+  EXPECT_EQ(rows, 7);
 }
 
 // 124M at TP8 x DP16, micro-batch 16 x 2 accumulation steps of 1024 tokens: the TP formula of
@@ -112,6 +128,69 @@ TEST(PlanStepTime, SequenceParallelArithmeticOfOneRow) {
   EXPECT_EQ(field("tp_bytes"), gather + reduce);
   const double want_s = (7.0 / 8 * gather + 2 * 7.0 / 8 * reduce) / 450e9;
   EXPECT_LE(std::abs(field("tp_s") - want_s), 1e-8 * want_s);
+}
+
+// Grouped-query attention, Qwen3-0.6B's shape at TP8 x DP16 (the fifth row; micro-batch 8 x 4 of
+// 2048 tokens): V 151936, C 1024, L 28, H 16 query heads on Hkv 8 k/v heads of D 128, F 3072
+// SwiGLU, RoPE, tied. FLOPs per token (PaLM): 6 N + 12 L T H D, with the matmul weights
+//   N = L [C (H + 2 Hkv) D  (q, k, v)  +  H D C  (output)  +  3 C F  (gate, up, down)] + V C,
+// here 28 (4,194,304 + 2,097,152 + 9,437,184) + 155,582,464 = 595,984,384 (Qwen3-0.6B's published
+// 596,049,920 less its 65,536 norm gains), and 12 L T H D = 1,409,286,144. k/v heads shard 8 ways
+// (one each), so the TP bytes are the multi-head formula's and the DP arena is params / tp.
+TEST(PlanStepTime, GroupedQueryArithmeticOfOneRow) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string row = line_of(r.out, 4);
+  ASSERT_NE(row.find("name=Qwen3-0.6B "), std::string::npos) << row;
+  ASSERT_NE(row.find("layout=TP8 x DP16"), std::string::npos) << row;
+  auto field = [&](const std::string& key) { return value_of(row, key); };
+  const double V = 151936, C = 1024, L = 28, H = 16, Hkv = 8, D = 128, F = 3072, T = 2048;
+  const double N = L * (C * (H + 2 * Hkv) * D + H * D * C + 3 * C * F) + V * C;
+  EXPECT_EQ(N, 595984384.0);
+  EXPECT_EQ(field("params"), N);  // RoPE: no position table
+  const double flops = 6 * N + 12 * L * T * H * D;
+  EXPECT_EQ(flops, 4985192448.0);
+  EXPECT_EQ(field("flops_token"), flops);
+  // Heads of C / H and H k/v heads (4 C^2 a layer, 12 L T C), what the planner counted before
+  // GQA and head_dim, would be 21% fewer: q and the output are H D = 2 C wide.
+  const double mha = 6 * (L * (4 * C * C + 3 * C * F) + V * C) + 12 * L * T * C;
+  EXPECT_EQ(mha, 3928227840.0);
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-8 * std::abs(b); };
+  EXPECT_TRUE(near(field("compute_s"), flops * 512 * T / 128 / (0.45 * 989e12)));
+  const double BT = 8 * T, A = 4;
+  EXPECT_EQ(field("tp_bytes"), A * (2 * (2 + 4 * L) * BT * C + 4 * 3 * BT) + 8);
+  EXPECT_EQ(field("dp_bytes"), 4 * N / 8);
+  EXPECT_EQ(field("kv_replicated"), 0);
+}
+
+// Replicated k/v heads: Gemma3-1B's shape (V 262144, C 1152, L 26, H 4 on Hkv 1 k/v head of D 256,
+// F 6912 GeGLU) at TP2 x DP64 (the seventh row; 4 x 2 of 2048 tokens). Each rank projects the one
+// k/v head whole, K = L 2 Hkv D C = 15,335,424 weights: their 6 K FLOPs a token are not split by
+// tp, their gradients are whole in each rank's DP arena, and TP all-reduces them (fp32) once a
+// step on top of the multi-head formula.
+TEST(PlanStepTime, ReplicatedKvArithmeticOfOneRow) {
+  TempDir dir("keel_plan_step_time_test");
+  const auto r = run_command("python3 " + kScript, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string row = line_of(r.out, 6);
+  ASSERT_NE(row.find("name=Gemma3-1B "), std::string::npos) << row;
+  ASSERT_NE(row.find("layout=TP2 x DP64"), std::string::npos) << row;
+  auto field = [&](const std::string& key) { return value_of(row, key); };
+  const double V = 262144, C = 1152, L = 26, H = 4, Hkv = 1, D = 256, F = 6912, T = 2048;
+  const double N = L * (C * (H + 2 * Hkv) * D + H * D * C + 3 * C * F) + V * C;
+  EXPECT_EQ(field("params"), N);
+  EXPECT_EQ(N, 999751680.0);  // Gemma 3 1B's 999,885,952 less its 134,272 norm gains
+  const double flops = 6 * N + 12 * L * T * H * D;
+  EXPECT_EQ(field("flops_token"), flops);
+  const double K = L * 2 * Hkv * D * C;
+  EXPECT_EQ(K, 15335424.0);
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-8 * std::abs(b); };
+  EXPECT_TRUE(near(field("compute_s"), (flops / 2 + 6 * K / 2) * 512 * T / 64 / (0.45 * 989e12)));
+  const double BT = 4 * T, A = 2;
+  EXPECT_EQ(field("tp_bytes"), A * (2 * (2 + 4 * L) * BT * C + 4 * 3 * BT) + 4 * K + 8);
+  EXPECT_EQ(field("dp_bytes"), 4 * ((N - K) / 2 + K));
+  EXPECT_EQ(field("kv_replicated"), 1);
 }
 
 // The default is parallel.tp_comm_dtype's under train.precision=BF16 (a GPU's default): BF16.
