@@ -1,6 +1,6 @@
 // keel-ckpt export's tensor plan: which Hugging Face architecture a model is (every model field
-// classified for each), the keel -> GPT-2 / OLMo 2 / Qwen3 name and layout maps, and the values
-// of each exported tensor. See export.h and checkpoints/EXPORT.md.
+// classified for each), the keel -> GPT-2 / OLMo 2 / Qwen3 / Llama name and layout maps, and the
+// values of each exported tensor. See export.h and checkpoints/EXPORT.md.
 #include "checkpoints/export.h"
 
 #include <google/protobuf/descriptor.h>
@@ -43,65 +43,73 @@ struct FieldRule {
   static FieldRule any() { return {}; }
 };
 
-// Every field of config::Model, for GPT-2, OLMo 2 and Qwen3 (kHfArchitectures' order). A field
-// missing here makes arch_mismatch name it for every architecture, so a new model field cannot
-// slip into a Hugging Face export unexamined.
+// Every field of config::Model, for GPT-2, OLMo 2, Qwen3 and Llama (kHfArchitectures' order). A
+// field missing here makes arch_mismatch name it for every architecture, so a new model field
+// cannot slip into a Hugging Face export unexamined.
 const std::map<std::string, std::array<FieldRule, kArchCount>>& field_rules() {
   const FieldRule any = FieldRule::any();
   static const std::map<std::string, std::array<FieldRule, kArchCount>> rules = {
       // Each config.json expresses any value of these.
-      {"vocab_size", {any, any, any}},
-      {"seq_len", {any, any, any}},
-      {"d_model", {any, any, any}},
-      {"n_layers", {any, any, any}},
-      {"n_heads", {any, any, any}},
-      // k/v heads: the config.json files keel writes have multi-head attention (0: n_heads).
+      {"vocab_size", {any, any, any, any}},
+      {"seq_len", {any, any, any, any}},
+      {"d_model", {any, any, any, any}},
+      {"n_layers", {any, any, any, any}},
+      {"n_heads", {any, any, any, any}},
+      // k/v heads (n_heads is compared as 0): num_key_value_heads, which GPT2Config lacks.
       {"n_kv_heads",
-       {{{"0", "GPT-2 has multi-head attention"},
-         {"0", "keel-ckpt export writes OLMo 2 with multi-head attention only so far"},
-         {"0", "keel-ckpt export writes Qwen3 with multi-head attention only so far"}}}},
-      // Head width: the config.json files keel writes have d_model / n_heads so far.
+       {{{"0", "GPT-2 has multi-head attention: every head has its own k and v"}, any, any, any}}},
+      // Head width (d_model / n_heads is compared as 0): Qwen3Config and LlamaConfig take
+      // head_dim; GPT2Config and Olmo2Config derive it from the width.
       {"head_dim",
        {{{"0", "GPT-2's head width is d_model / n_heads"},
          {"0", "OLMo 2's head width is d_model / n_heads"},
-         {"0", "keel-ckpt export writes Qwen3 with head_dim = d_model / n_heads only so far"}}}},
-      {"d_ff", {any, any, any}},
-      {"max_positions", {any, any, any}},
+         any,
+         any}}},
+      {"d_ff", {any, any, any, any}},
+      {"max_positions", {any, any, any, any}},
       // Initialisation only.
-      {"init_std", {any, any, any}},
+      {"init_std", {any, any, any, any}},
       {"qk_norm",
        {{{"NONE", "GPT-2 has no QK-norm"},
          {"RMS", "OLMo 2 RMS-normalises q and k"},
-         {"RMS", "Qwen3 RMS-normalises q and k"}}}},
-      // GPT-2: meaningless without QK-norm, which GPT-2 needs.
+         {"RMS", "Qwen3 RMS-normalises q and k"},
+         {"NONE", "Llama has no QK-norm"}}}},
+      // GPT-2 and Llama: meaningless without QK-norm, which they need.
       {"qk_norm_scope",
        {{any,
          {"PROJECTION", "OLMo 2 normalises q and k over the whole projection, all heads at once"},
-         {"HEAD_SHARED", "Qwen3 normalises each head with one gain shared by all heads"}}}},
-      // OLMo 2 and Qwen3: tie_word_embeddings.
-      {"tie_embeddings", {{{"true", "GPT-2 ties the LM head to the token embedding"}, any, any}}},
+         {"HEAD_SHARED", "Qwen3 normalises each head with one gain shared by all heads"},
+         any}}},
+      // OLMo 2, Qwen3 and Llama: tie_word_embeddings.
+      {"tie_embeddings",
+       {{{"true", "GPT-2 ties the LM head to the token embedding"}, any, any, any}}},
       {"norm",
        {{{"LAYERNORM", "GPT-2 uses LayerNorm"},
          {"RMSNORM", "OLMo 2 uses RMSNorm"},
-         {"RMSNORM", "Qwen3 uses RMSNorm"}}}},
+         {"RMSNORM", "Qwen3 uses RMSNorm"},
+         {"RMSNORM", "Llama uses RMSNorm"}}}},
       {"position",
        {{{"LEARNED", "GPT-2 learns absolute positions"},
          {"ROPE", "OLMo 2 uses rotary positions"},
-         {"ROPE", "Qwen3 uses rotary positions"}}}},
-      // GPT-2: meaningless with learned positions; OLMo 2 and Qwen3: rope_theta.
-      {"rope_theta", {any, any, any}},
+         {"ROPE", "Qwen3 uses rotary positions"},
+         {"ROPE", "Llama uses rotary positions"}}}},
+      // GPT-2: meaningless with learned positions; the others: rope_theta.
+      {"rope_theta", {any, any, any, any}},
       {"mlp",
        {{{"GELU", "GPT-2's MLP is GELU"},
          {"SWIGLU", "OLMo 2's MLP is SwiGLU"},
-         {"SWIGLU", "Qwen3's MLP is SwiGLU"}}}},
+         {"SWIGLU", "Qwen3's MLP is SwiGLU"},
+         {"SWIGLU", "Llama's MLP is SwiGLU"}}}},
       {"bias",
        {{{"true", "GPT-2 has biases in every linear layer and norm"},
          {"false", "OLMo 2 has no biases"},
-         {"false", "Qwen3 has no biases"}}}},
+         {"false", "Qwen3 has no biases"},
+         {"false", "Llama has no biases"}}}},
       {"norm_placement",
        {{{"PRE", "GPT-2 normalises each sublayer's input"},
          {"POST_SUBLAYER", "OLMo 2 normalises each sublayer's output"},
-         {"PRE", "Qwen3 normalises each sublayer's input"}}}},
+         {"PRE", "Qwen3 normalises each sublayer's input"},
+         {"PRE", "Llama normalises each sublayer's input"}}}},
   };
   return rules;
 }
@@ -203,6 +211,7 @@ HfConfig hf_config(const ModelDims& d, const char* activation) {
           .hidden_size = d.C,
           .num_layers = d.L,
           .num_heads = d.H,
+          .num_kv_heads = d.Hkv,
           .head_dim = d.D,
           .intermediate_size = d.F,
           .activation = activation,
@@ -260,45 +269,79 @@ ExportPlan gpt2_plan(const ckpt::Manifest& m, const ModelDims& d, const std::str
   return plan;
 }
 
-// OLMo 2 and Qwen3 share Llama's names; they differ in where the block norms sit and in the
-// QK-norm gains' shape. Both use nn.Linear's [out, in], keel's layout, so nothing is transposed.
+// OLMo 2, Qwen3 and Llama share Llama's names; they differ in where the block norms sit and in the
+// QK-norm gains (OLMo 2: over the projection; Qwen3: per head; Llama: none). All three use
+// nn.Linear's [out, in], keel's layout, so nothing is transposed. RoPE needs no reordering of q's
+// or k's rows: keel rotates (x[i], x[i + D/2]) within each head (Note [rope-convention] in
+// framework/kernels/rope.h), as their rotate_half does.
 ExportPlan llama_like_plan(ExportNaming arch, const ckpt::Manifest& m, const ModelDims& d,
                            const std::string& where) {
   ExportPlan plan;
   plan.naming = arch;
   plan.hf = hf_config(d, "silu");
   const bool olmo2 = arch == ExportNaming::kOlmo2;
-  const int64_t C = d.C, F = d.F, HD = d.H * d.D;
+  const bool qk_norm = arch != ExportNaming::kLlama;
+  // Widths: C the residual stream, HD q's and the attention output's, KD k's and v's.
+  const int64_t C = d.C, F = d.F, HD = d.H * d.D, KD = d.Hkv * d.D;
   std::vector<Entry> entries;
   entries.push_back({"wte", "model.embed_tokens.weight", {}, {d.V, C}, ExportOp::kRows});
-  // OLMo 2 normalises the whole projection: keel's PROJECTION gains [H, D] are its [H D] gains,
-  // heads in order. Qwen3 normalises each head with one [D] gain: keel's HEAD_SHARED gain.
-  const Shape qk_gain = olmo2 ? Shape{d.H, d.D} : Shape{d.D};
-  const Shape qk_gain_hf = olmo2 ? Shape{HD} : Shape{d.D};
+  // OLMo 2 normalises the whole q and the whole k projection: keel's PROJECTION gains [H, D] and
+  // [Hkv, D] are its [H D] and [Hkv D] gains, heads in order. Qwen3 normalises each head with one
+  // [D] gain: keel's HEAD_SHARED gain, the same for q and k.
+  const Shape q_gain = olmo2 ? Shape{d.H, d.D} : Shape{d.D};
+  const Shape k_gain = olmo2 ? Shape{d.Hkv, d.D} : Shape{d.D};
+  const Shape q_gain_hf = olmo2 ? Shape{HD} : Shape{d.D};
+  const Shape k_gain_hf = olmo2 ? Shape{KD} : Shape{d.D};
   for (int64_t l = 0; l < d.L; ++l) {
     const std::string k = "blocks." + std::to_string(l);
     const std::string h = "model.layers." + std::to_string(l);
-    // qkv.weight [3, H, D, C] viewed as [3 H D, C]: rows [0, HD) are q (heads in order, D rows
-    // each, as q_proj's output is split into heads), then k, then v.
-    const char* qkv_names[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                               ".self_attn.v_proj.weight"};
-    for (int64_t i = 0; i < 3; ++i) {
-      entries.push_back({k + ".attn.qkv.weight",
-                         h + qkv_names[i],
-                         {3, d.H, d.D, C},
+    if (!d.gqa()) {
+      // qkv.weight [3, H, D, C] viewed as [3 H D, C]: rows [0, HD) are q (heads in order, D rows
+      // each, as q_proj's output is split into heads), then k, then v.
+      const char* qkv_names[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+                                 ".self_attn.v_proj.weight"};
+      for (int64_t i = 0; i < 3; ++i) {
+        entries.push_back({k + ".attn.qkv.weight",
+                           h + qkv_names[i],
+                           {3, d.H, d.D, C},
+                           {HD, C},
+                           ExportOp::kRows,
+                           i * HD});
+      }
+    } else {
+      // Grouped-query (Note [gqa layouts] in layers/attention.h): q.weight [H, D, C] is q_proj;
+      // kv.weight [2, Hkv, D, C] viewed as [2 Hkv D, C] is k_proj's rows, then v_proj's, k/v
+      // heads in order as the architectures split them (query head j reads k/v head
+      // j / (H / Hkv) in both, transformers' repeat_kv).
+      entries.push_back({k + ".attn.q.weight",
+                         h + ".self_attn.q_proj.weight",
+                         {d.H, d.D, C},
                          {HD, C},
+                         ExportOp::kCopy});
+      entries.push_back({k + ".attn.kv.weight",
+                         h + ".self_attn.k_proj.weight",
+                         {2, d.Hkv, d.D, C},
+                         {KD, C},
                          ExportOp::kRows,
-                         i * HD});
+                         0});
+      entries.push_back({k + ".attn.kv.weight",
+                         h + ".self_attn.v_proj.weight",
+                         {2, d.Hkv, d.D, C},
+                         {KD, C},
+                         ExportOp::kRows,
+                         KD});
     }
     entries.push_back({k + ".attn.proj.weight",
                        h + ".self_attn.o_proj.weight",
                        {C, HD},
                        {C, HD},
                        ExportOp::kCopy});
-    entries.push_back({k + ".attn.q_norm.weight", h + ".self_attn.q_norm.weight", qk_gain,
-                       qk_gain_hf, ExportOp::kCopy});
-    entries.push_back({k + ".attn.k_norm.weight", h + ".self_attn.k_norm.weight", qk_gain,
-                       qk_gain_hf, ExportOp::kCopy});
+    if (qk_norm) {
+      entries.push_back({k + ".attn.q_norm.weight", h + ".self_attn.q_norm.weight", q_gain,
+                         q_gain_hf, ExportOp::kCopy});
+      entries.push_back({k + ".attn.k_norm.weight", h + ".self_attn.k_norm.weight", k_gain,
+                         k_gain_hf, ExportOp::kCopy});
+    }
     // keel's mlp.gate is gate_proj (through the activation), mlp.fc is up_proj, mlp.proj down_proj.
     entries.push_back(
         {k + ".mlp.gate.weight", h + ".mlp.gate_proj.weight", {F, C}, {F, C}, ExportOp::kCopy});
@@ -307,8 +350,9 @@ ExportPlan llama_like_plan(ExportNaming arch, const ckpt::Manifest& m, const Mod
     entries.push_back(
         {k + ".mlp.proj.weight", h + ".mlp.down_proj.weight", {C, F}, {C, F}, ExportOp::kCopy});
     // keel's ln1 and ln2 are the attention and MLP sublayers' norms wherever they sit: before
-    // the sublayer (Qwen3: input_layernorm, post_attention_layernorm, the norm between attention
-    // and MLP) or after it (OLMo 2: post_attention_layernorm, post_feedforward_layernorm).
+    // the sublayer (Qwen3 and Llama: input_layernorm, post_attention_layernorm, the norm between
+    // attention and MLP) or after it (OLMo 2: post_attention_layernorm,
+    // post_feedforward_layernorm).
     const std::string ln1 = olmo2 ? ".post_attention_layernorm" : ".input_layernorm";
     const std::string ln2 = olmo2 ? ".post_feedforward_layernorm" : ".post_attention_layernorm";
     entries.push_back({k + ".ln1.weight", h + ln1 + ".weight", {C}, {C}, ExportOp::kCopy});
@@ -334,6 +378,8 @@ const char* naming_id(ExportNaming n) {
       return "olmo2";
     case ExportNaming::kQwen3:
       return "qwen3";
+    case ExportNaming::kLlama:
+      return "llama";
   }
   return "?";
 }
@@ -348,12 +394,19 @@ const char* naming_title(ExportNaming n) {
       return "OLMo 2";
     case ExportNaming::kQwen3:
       return "Qwen3";
+    case ExportNaming::kLlama:
+      return "Llama";
   }
   return "?";
 }
 
-std::string arch_mismatch(ExportNaming arch, const config::Model& m) {
+std::string arch_mismatch(ExportNaming arch, const config::Model& model) {
   const size_t a = arch_index(arch);
+  // n_kv_heads = n_heads and head_dim = d_model / n_heads build the model their 0 builds (the same
+  // parameters, the same checkpoint), so they are compared as 0.
+  config::Model m = model;
+  if (m.n_kv_heads() == m.n_heads()) m.set_n_kv_heads(0);
+  if (m.n_heads() > 0 && m.head_dim() * m.n_heads() == m.d_model()) m.set_head_dim(0);
   std::string out;
   auto add = [&](const std::string& why) { out += (out.empty() ? "" : "; ") + why; };
   const google::protobuf::Descriptor* desc = config::Model::descriptor();

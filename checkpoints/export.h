@@ -1,7 +1,7 @@
 // What `keel-ckpt export` writes: every parameter of a checkpoint as one whole f32 tensor, under
 // the names and layouts of the Hugging Face architecture the model matches exactly (GPT-2,
-// OLMo 2 or Qwen3), so that transformers computes the same logits, or under keel's own names when
-// none matches (see checkpoints/EXPORT.md). This file decides names, shapes, values and the
+// OLMo 2, Qwen3 or Llama), so that transformers computes the same logits, or under keel's own names
+// when none matches (see checkpoints/EXPORT.md). This file decides names, shapes, values and the
 // config.json values, and reads and writes the safetensors header; the command writes the files
 // (safetensors, config.json) in launch/keel_ckpt_main.cc.
 //
@@ -31,18 +31,20 @@ enum class ExportNaming {
   kGpt2,   // Hugging Face GPT2LMHeadModel
   kOlmo2,  // Hugging Face Olmo2ForCausalLM
   kQwen3,  // Hugging Face Qwen3ForCausalLM
+  kLlama,  // Hugging Face LlamaForCausalLM
 };
 
-// The Hugging Face architectures export can write, in the order it reports on them. At most one
-// matches a model: GPT-2 needs learned positions, OLMo 2 and Qwen3 RoPE, and OLMo 2 normalises
-// each sublayer's output where Qwen3 normalises its input.
+// The Hugging Face architectures export can write, in the order it reports on them. There is no
+// flag to choose: at most one matches a model. GPT-2 needs learned positions and the others RoPE;
+// OLMo 2 normalises each sublayer's output where Qwen3 and Llama normalise its input; Qwen3
+// RMS-normalises q and k per head where Llama has no QK-norm.
 inline constexpr ExportNaming kHfArchitectures[] = {ExportNaming::kGpt2, ExportNaming::kOlmo2,
-                                                    ExportNaming::kQwen3};
+                                                    ExportNaming::kQwen3, ExportNaming::kLlama};
 
-// "keel", "gpt2", "olmo2", "qwen3": the safetensors metadata `keel.naming` and, for the Hugging
-// Face architectures, config.json's model_type.
+// "keel", "gpt2", "olmo2", "qwen3", "llama": the safetensors metadata `keel.naming` and, for the
+// Hugging Face architectures, config.json's model_type.
 const char* naming_id(ExportNaming n);
-// "keel", "GPT-2", "OLMo 2", "Qwen3": for messages.
+// "keel", "GPT-2", "OLMo 2", "Qwen3", "Llama": for messages.
 const char* naming_title(ExportNaming n);
 
 // How an exported tensor is made from a checkpoint parameter.
@@ -50,7 +52,8 @@ enum class ExportOp {
   kCopy,       // the stored elements in order, under `shape` (same count; may flatten)
   kRows,       // rows [row_begin, row_begin + shape[0]) of the source viewed as a matrix
                // [elements / shape[1], shape[1]]: the vocabulary rows (Note [export vocab rows]),
-               // or q, k or v out of the fused qkv weight
+               // q, k or v out of the fused qkv weight, or k or v out of grouped-query
+               // attention's kv weight
   kTranspose,  // the source as a matrix [rows, last dim] -> [last dim, rows] (keel's linear
                // weights are [out, in]; GPT-2's Conv1D weights are [in, out])
 };
@@ -70,12 +73,13 @@ struct HfConfig {
   int64_t max_positions = 0;      // model.max_positions, or seq_len when 0
   int64_t hidden_size = 0;        // model.d_model
   int64_t num_layers = 0;         // model.n_layers
-  int64_t num_heads = 0;          // model.n_heads (also the key/value heads: keel has no GQA)
-  int64_t head_dim = 0;           // d_model / n_heads
+  int64_t num_heads = 0;          // model.n_heads
+  int64_t num_kv_heads = 0;       // model.n_kv_heads, or n_heads when 0
+  int64_t head_dim = 0;           // model.head_dim, or d_model / n_heads when 0
   int64_t intermediate_size = 0;  // model.d_ff (4 d_model when 0 in an unvalidated GELU config)
-  std::string activation;         // GPT-2: "gelu_new" (tanh GELU); OLMo 2, Qwen3: "silu"
+  std::string activation;         // GPT-2: "gelu_new" (tanh GELU); the others: "silu"
   float norm_eps = 0.0f;          // every norm's epsilon (kBlockNormEps)
-  double rope_theta = 0.0;        // model.rope_theta (OLMo 2, Qwen3)
+  double rope_theta = 0.0;        // model.rope_theta (all but GPT-2)
   bool tie_word_embeddings = true;
   float initializer_range = 0.0f;  // model.init_std; initialisation only
 };
@@ -93,6 +97,8 @@ struct ExportPlan {
 // `arch` cannot express ("model.qk_norm=RMS (GPT-2 has no QK-norm)"), joined by "; ", and every
 // model field this exporter does not know (a field added to keel.proto since counts as a
 // difference for every architecture until export.cc classifies it). Empty: `m` is `arch`.
+// model.n_kv_heads = n_heads and model.head_dim = d_model / n_heads are compared as 0, their
+// default: the same model, parameters and checkpoint.
 std::string arch_mismatch(ExportNaming arch, const config::Model& m);
 
 // The tensors to export from the checkpoint in `dir` with manifest `m`: the matching Hugging Face

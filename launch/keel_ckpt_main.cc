@@ -5,8 +5,8 @@
 //   keel-ckpt export PATH OUT_DIR
 //                           every parameter, whole and f32, into OUT_DIR/model.safetensors: under
 //                           the names of the Hugging Face architecture the model matches exactly
-//                           (GPT-2, OLMo 2, Qwen3) with OUT_DIR/config.json, under keel's names
-//                           otherwise (checkpoints/EXPORT.md)
+//                           (GPT-2, OLMo 2, Qwen3, Llama) with OUT_DIR/config.json, under keel's
+//                           names otherwise (checkpoints/EXPORT.md)
 //   keel-ckpt anomaly DIR   one anomaly's evidence (RUN/anomalies/step_N, Note [anomaly evidence]
 //                           in launch/train/forensics.cc): its figures, the replay's verdict and
 //                           its batch decoded as text; DIR = RUN lists the run's anomalies
@@ -63,15 +63,15 @@ const char* kUsage =
     "  info    step, tokens, writer layout, data fingerprints, tensors and their slices\n"
     "  verify  every file size and every slice checksum; exit 0 when all hold, 2 otherwise\n"
     "  export  every parameter, whole and f32, into OUT_DIR/model.safetensors (created if\n"
-    "          missing); a model that is exactly GPT-2, OLMo 2 or Qwen3 gets that Hugging Face\n"
-    "          architecture's names and OUT_DIR/config.json (load with\n"
+    "          missing); a model that is exactly GPT-2, OLMo 2, Qwen3 or Llama gets that Hugging\n"
+    "          Face architecture's names and OUT_DIR/config.json (load with\n"
     "          AutoModelForCausalLM.from_pretrained(OUT_DIR)), any other model keel's names\n"
     "          and a line per architecture saying which options prevent it\n"
+    "          (checkpoints/EXPORT.md); a run on a keel-data directory also gets its\n"
+    "          tokenizer.json and a tokenizer_config.json (AutoTokenizer.from_pretrained)\n"
     "  anomaly  DIR = RUN/anomalies/step_N: the anomaly's figures, the replay's verdict and the\n"
     "          batch decoded as text (through the run's tokenizer.json, or as bytes); DIR = RUN:\n"
-    "          one line per anomaly"
-    "          (checkpoints/EXPORT.md); a run on a keel-data directory also gets its\n"
-    "          tokenizer.json and a tokenizer_config.json (AutoTokenizer.from_pretrained)\n";
+    "          one line per anomaly\n";
 
 std::string step_list(const std::vector<int64_t>& steps) {
   std::string s;
@@ -297,23 +297,29 @@ nlohmann::ordered_json gpt2_config(const HfConfig& g) {
       {"torch_dtype", "float32"}};
 }
 
-// Hugging Face Olmo2Config / Qwen3Config (transformers/models/{olmo2,qwen3}/configuration_*.py).
+// Hugging Face Olmo2Config / Qwen3Config / LlamaConfig
+// (transformers/models/{olmo2,qwen3,llama}/configuration_*.py).
 nlohmann::ordered_json llama_like_config(ExportNaming arch, const HfConfig& g) {
-  const bool qwen3 = arch == ExportNaming::kQwen3;
+  const bool qwen3 = arch == ExportNaming::kQwen3, llama = arch == ExportNaming::kLlama;
+  const char* architecture = qwen3   ? "Qwen3ForCausalLM"
+                             : llama ? "LlamaForCausalLM"
+                                     : "Olmo2ForCausalLM";
   nlohmann::ordered_json c = {
       {"model_type", keel::naming_id(arch)},
-      {"architectures", {qwen3 ? "Qwen3ForCausalLM" : "Olmo2ForCausalLM"}},
+      {"architectures", {architecture}},
       {"vocab_size", g.vocab_size},
       {"hidden_size", g.hidden_size},
       {"intermediate_size", g.intermediate_size},
       {"num_hidden_layers", g.num_layers},
       {"num_attention_heads", g.num_heads},
-      // keel has no grouped-query attention: every head has its own k and v.
-      {"num_key_value_heads", g.num_heads},
+      // model.n_kv_heads: query head j reads k/v head j / (num_attention_heads /
+      // num_key_value_heads), as transformers' repeat_kv does.
+      {"num_key_value_heads", g.num_kv_heads},
   };
-  // Qwen3Config's head_dim defaults to 128 whatever the width; OLMo 2 derives it from
-  // hidden_size / num_attention_heads, which is keel's.
-  if (qwen3) c["head_dim"] = g.head_dim;
+  // Qwen3Config's head_dim defaults to 128 whatever the width, LlamaConfig's to hidden_size /
+  // num_attention_heads; both take keel's. OLMo 2 derives it from the width (export requires
+  // model.head_dim to be that).
+  if (arch != ExportNaming::kOlmo2) c["head_dim"] = g.head_dim;
   c["hidden_act"] = g.activation;
   c["max_position_embeddings"] = g.max_positions;
   // transformers < 5 reads rope_theta (and rope_scaling); 5 reads rope_parameters.
@@ -325,6 +331,11 @@ nlohmann::ordered_json llama_like_config(ExportNaming arch, const HfConfig& g) {
   // keel's qkv and output projections have no bias (model.bias=false).
   c["attention_bias"] = false;
   c["attention_dropout"] = 0.0;
+  if (llama) {
+    // ... nor its MLP; and no tensor-parallel slicing of the weights (Llama 2's pretraining_tp).
+    c["mlp_bias"] = false;
+    c["pretraining_tp"] = 1;
+  }
   if (qwen3) {
     // Full causal attention in every layer.
     c["use_sliding_window"] = false;
@@ -333,8 +344,8 @@ nlohmann::ordered_json llama_like_config(ExportNaming arch, const HfConfig& g) {
   }
   c["tie_word_embeddings"] = g.tie_word_embeddings;
   c["initializer_range"] = shortest_decimal(g.initializer_range);
-  // keel's vocabulary has no special tokens (Olmo2Config's pad 1 and eos 50279 are its
-  // tokenizer's).
+  // keel's vocabulary has no special tokens (Olmo2Config's pad 1 and eos 50279, LlamaConfig's bos
+  // 1 and eos 2, are their tokenizers').
   c["pad_token_id"] = nullptr;
   c["bos_token_id"] = nullptr;
   c["eos_token_id"] = nullptr;

@@ -1,7 +1,9 @@
 // checkpoints/export: which Hugging Face architecture a model is (every model field classified
-// for GPT-2, OLMo 2 and Qwen3; each field an architecture cannot express named on its own; at
-// most one architecture matches), each plan's names, shapes, ops and config values for a small
-// model whose vocabulary a TP layout padded, the keel plan's names with the padding dropped, and
+// for GPT-2, OLMo 2, Qwen3 and Llama; each field an architecture cannot express named on its own;
+// at most one architecture matches), each plan's names, shapes, ops and config values for a small
+// model whose vocabulary a TP layout padded (with grouped-query and multi-query attention and a
+// head width apart from d_model / n_heads, and n_kv_heads = n_heads giving multi-head attention's
+// plan), the keel plan's names with the padding dropped, and
 // a checkpoint whose parameters do not match its config (missing, stray, misshapen, too few
 // vocabulary rows) refused with the manifest and the tensor named. The parameter lists come from
 // keel's own model (GPT's registrations), so a renamed parameter fails here. The exported values,
@@ -19,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "framework/config/config.h"
@@ -79,6 +82,23 @@ config::KeelConfig qwen3() {
   return cfg;
 }
 
+// Llama: Qwen3's block without QK-norm (pre-norm RMSNorm, RoPE, SwiGLU, no bias), untied.
+config::KeelConfig llama() {
+  config::KeelConfig cfg = qwen3();
+  config::Model* m = cfg.mutable_model();
+  m->set_qk_norm(config::NONE);
+  m->set_rope_theta(500000);
+  m->set_tie_embeddings(false);
+  return cfg;
+}
+
+// `cfg` with `kv_heads` k/v heads of width `head_dim` (0: d_model / n_heads).
+config::KeelConfig with_heads(config::KeelConfig cfg, int kv_heads, int head_dim) {
+  cfg.mutable_model()->set_n_kv_heads(kv_heads);
+  cfg.mutable_model()->set_head_dim(head_dim);
+  return cfg;
+}
+
 // The PARAM (and ADAM_M) records a TP2 writer of `cfg` lists: its parameters with the vocabulary
 // padded to kPadded rows.
 ckpt::Manifest manifest_of(const config::KeelConfig& cfg) {
@@ -125,6 +145,7 @@ TEST(ExportArchCheck, EveryModelFieldIsClassifiedForEveryArchitecture) {
   EXPECT_EQ(arch_mismatch(ExportNaming::kGpt2, gpt2().model()), "");
   EXPECT_EQ(arch_mismatch(ExportNaming::kOlmo2, olmo2().model()), "");
   EXPECT_EQ(arch_mismatch(ExportNaming::kQwen3, qwen3().model()), "");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kLlama, llama().model()), "");
 }
 
 TEST(ExportArchCheck, AtMostOneArchitectureMatchesAndTheOthersSayWhy) {
@@ -148,7 +169,26 @@ TEST(ExportArchCheck, AtMostOneArchitectureMatchesAndTheOthersSayWhy) {
             "model.qk_norm_scope=HEAD_SHARED (OLMo 2 normalises q and k over the whole "
             "projection, all heads at once); model.norm_placement=PRE (OLMo 2 normalises each "
             "sublayer's output)");
-  for (const config::KeelConfig& cfg : {gpt2(), olmo2(), qwen3()}) {
+  // Llama is Qwen3 without QK-norm: they differ in that field alone, both ways.
+  EXPECT_EQ(arch_mismatch(ExportNaming::kLlama, qwen3().model()),
+            "model.qk_norm=RMS (Llama has no QK-norm)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kQwen3, llama().model()),
+            "model.qk_norm=NONE (Qwen3 RMS-normalises q and k)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kLlama, olmo2().model()),
+            "model.qk_norm=RMS (Llama has no QK-norm); model.norm_placement=POST_SUBLAYER (Llama "
+            "normalises each sublayer's input)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kLlama, gpt2().model()),
+            "model.norm=LAYERNORM (Llama uses RMSNorm); model.position=LEARNED (Llama uses rotary "
+            "positions); model.mlp=GELU (Llama's MLP is SwiGLU); model.bias=true (Llama has no "
+            "biases)");
+  EXPECT_EQ(arch_mismatch(ExportNaming::kGpt2, llama().model()),
+            "model.tie_embeddings=false (GPT-2 ties the LM head to the token embedding); "
+            "model.norm=RMSNORM (GPT-2 uses LayerNorm); model.position=ROPE (GPT-2 learns "
+            "absolute positions); model.mlp=SWIGLU (GPT-2's MLP is GELU); model.bias=false (GPT-2 "
+            "has biases in every linear layer and norm)");
+  for (const config::KeelConfig& cfg :
+       {gpt2(), olmo2(), qwen3(), llama(), with_heads(qwen3(), 2, 12), with_heads(llama(), 1, 0),
+        with_heads(olmo2(), 2, 0), with_heads(gpt2(), 4, 8)}) {
     int matches = 0;
     for (ExportNaming arch : kHfArchitectures) matches += arch_mismatch(arch, cfg.model()).empty();
     EXPECT_EQ(matches, 1) << cfg.model().DebugString();
@@ -164,7 +204,8 @@ struct OneField {
 
 TEST(ExportArchCheck, EachFieldAnArchitectureCannotExpressIsNamedOnItsOwn) {
   using M = config::Model;
-  const ExportNaming G = ExportNaming::kGpt2, O = ExportNaming::kOlmo2, Q = ExportNaming::kQwen3;
+  const ExportNaming G = ExportNaming::kGpt2, O = ExportNaming::kOlmo2, Q = ExportNaming::kQwen3,
+                     L = ExportNaming::kLlama;
   const std::vector<OneField> cases = {
       {G, [](M& m) { m.set_qk_norm(config::RMS); }, "model.qk_norm=RMS (GPT-2 has no QK-norm)"},
       {G, [](M& m) { m.set_qk_norm(config::L2); }, "model.qk_norm=L2 (GPT-2 has no QK-norm)"},
@@ -183,6 +224,13 @@ TEST(ExportArchCheck, EachFieldAnArchitectureCannotExpressIsNamedOnItsOwn) {
       {G, [](M& m) { m.set_rope_theta(123); }, ""},
       {G, [](M& m) { m.set_d_ff(64); }, ""},
       {G, [](M& m) { m.set_init_std(0.5f); }, ""},
+      {G, [](M& m) { m.set_n_kv_heads(2); },
+       "model.n_kv_heads=2 (GPT-2 has multi-head attention: every head has its own k and v)"},
+      {G, [](M& m) { m.set_head_dim(16); },
+       "model.head_dim=16 (GPT-2's head width is d_model / n_heads)"},
+      // n_heads k/v heads of d_model / n_heads are multi-head attention's defaults.
+      {G, [](M& m) { m.set_n_kv_heads(4); }, ""},
+      {G, [](M& m) { m.set_head_dim(8); }, ""},
 
       {O, [](M& m) { m.set_qk_norm(config::LAYER); },
        "model.qk_norm=LAYER (OLMo 2 RMS-normalises q and k)"},
@@ -200,6 +248,10 @@ TEST(ExportArchCheck, EachFieldAnArchitectureCannotExpressIsNamedOnItsOwn) {
       {O, [](M& m) { m.set_tie_embeddings(true); }, ""},
       {O, [](M& m) { m.set_rope_theta(10000); }, ""},
       {O, [](M& m) { m.set_max_positions(4096); }, ""},
+      {O, [](M& m) { m.set_n_kv_heads(1); }, ""},
+      {O, [](M& m) { m.set_head_dim(16); },
+       "model.head_dim=16 (OLMo 2's head width is d_model / n_heads)"},
+      {O, [](M& m) { m.set_head_dim(8); }, ""},
 
       {Q, [](M& m) { m.set_qk_norm(config::NONE); },
        "model.qk_norm=NONE (Qwen3 RMS-normalises q and k)"},
@@ -214,9 +266,31 @@ TEST(ExportArchCheck, EachFieldAnArchitectureCannotExpressIsNamedOnItsOwn) {
        "model.norm_placement=POST_SUBLAYER (Qwen3 normalises each sublayer's input)"},
       {Q, [](M& m) { m.set_tie_embeddings(false); }, ""},
       {Q, [](M& m) { m.set_n_heads(8); }, ""},
+      {Q, [](M& m) { m.set_n_kv_heads(2); }, ""},
+      {Q, [](M& m) { m.set_head_dim(128); }, ""},
+
+      {L, [](M& m) { m.set_qk_norm(config::RMS); }, "model.qk_norm=RMS (Llama has no QK-norm)"},
+      {L, [](M& m) { m.set_qk_norm(config::L2); }, "model.qk_norm=L2 (Llama has no QK-norm)"},
+      {L, [](M& m) { m.set_norm(config::LAYERNORM); }, "model.norm=LAYERNORM (Llama uses RMSNorm)"},
+      {L, [](M& m) { m.set_position(config::LEARNED); },
+       "model.position=LEARNED (Llama uses rotary positions)"},
+      {L, [](M& m) { m.set_mlp(config::GEGLU); }, "model.mlp=GEGLU (Llama's MLP is SwiGLU)"},
+      {L, [](M& m) { m.set_bias(true); }, "model.bias=true (Llama has no biases)"},
+      {L, [](M& m) { m.set_norm_placement(config::POST_SUBLAYER); },
+       "model.norm_placement=POST_SUBLAYER (Llama normalises each sublayer's input)"},
+      // Meaningless without QK-norm, or in LlamaConfig.
+      {L, [](M& m) { m.set_qk_norm_scope(config::PROJECTION); }, ""},
+      {L, [](M& m) { m.set_tie_embeddings(true); }, ""},
+      {L, [](M& m) { m.set_n_kv_heads(1); }, ""},
+      {L, [](M& m) { m.set_head_dim(64); }, ""},
+      {L, [](M& m) { m.set_rope_theta(10000); }, ""},
+      {L, [](M& m) { m.set_d_ff(128); }, ""},
   };
   for (const OneField& c : cases) {
-    config::KeelConfig cfg = c.arch == G ? gpt2() : c.arch == O ? olmo2() : qwen3();
+    config::KeelConfig cfg = c.arch == G   ? gpt2()
+                             : c.arch == O ? olmo2()
+                             : c.arch == Q ? qwen3()
+                                           : llama();
     c.set(*cfg.mutable_model());
     EXPECT_EQ(arch_mismatch(c.arch, cfg.model()), c.why) << naming_title(c.arch);
   }
@@ -350,6 +424,149 @@ TEST(ExportPlan, Qwen3NamesShapesAndConfig) {
   EXPECT_FALSE(u.hf.tie_word_embeddings);
 }
 
+TEST(ExportPlan, LlamaNamesShapesAndConfig) {
+  const ExportPlan plan = plan_export("ck", manifest_of(llama()));
+  ASSERT_EQ(plan.naming, ExportNaming::kLlama);
+  EXPECT_TRUE(plan.mismatches.empty());
+  // embed_tokens, 9 per layer (no QK-norm gains), the final norm, the untied LM head.
+  ASSERT_EQ(plan.tensors.size(), 1u + 9u * 2u + 2u);
+  expect_tensor(plan, 0, "model.embed_tokens.weight", {kVocab, 32}, "wte", ExportOp::kRows);
+  expect_tensor(plan, 1, "model.layers.0.self_attn.q_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 0);
+  expect_tensor(plan, 2, "model.layers.0.self_attn.k_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 32);
+  expect_tensor(plan, 3, "model.layers.0.self_attn.v_proj.weight", {32, 32},
+                "blocks.0.attn.qkv.weight", ExportOp::kRows, 64);
+  expect_tensor(plan, 4, "model.layers.0.self_attn.o_proj.weight", {32, 32},
+                "blocks.0.attn.proj.weight", ExportOp::kCopy);
+  expect_tensor(plan, 5, "model.layers.0.mlp.gate_proj.weight", {48, 32},
+                "blocks.0.mlp.gate.weight", ExportOp::kCopy);
+  expect_tensor(plan, 6, "model.layers.0.mlp.up_proj.weight", {48, 32}, "blocks.0.mlp.fc.weight",
+                ExportOp::kCopy);
+  expect_tensor(plan, 7, "model.layers.0.mlp.down_proj.weight", {32, 48},
+                "blocks.0.mlp.proj.weight", ExportOp::kCopy);
+  // Pre-norm, as Qwen3.
+  expect_tensor(plan, 8, "model.layers.0.input_layernorm.weight", {32}, "blocks.0.ln1.weight",
+                ExportOp::kCopy);
+  expect_tensor(plan, 9, "model.layers.0.post_attention_layernorm.weight", {32},
+                "blocks.0.ln2.weight", ExportOp::kCopy);
+  expect_tensor(plan, 10, "model.layers.1.self_attn.q_proj.weight", {32, 32},
+                "blocks.1.attn.qkv.weight", ExportOp::kRows, 0);
+  expect_tensor(plan, 19, "model.norm.weight", {32}, "ln_f.weight", ExportOp::kCopy);
+  expect_tensor(plan, 20, "lm_head.weight", {kVocab, 32}, "lm_head.weight", ExportOp::kRows);
+  const HfConfig& c = plan.hf;
+  EXPECT_EQ(c.vocab_size, kVocab);
+  EXPECT_EQ(c.hidden_size, 32);
+  EXPECT_EQ(c.intermediate_size, 48);
+  EXPECT_EQ(c.num_layers, 2);
+  EXPECT_EQ(c.num_heads, 4);
+  EXPECT_EQ(c.num_kv_heads, 4);
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.max_positions, 24);
+  EXPECT_EQ(c.activation, "silu");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.norm_eps, 1e-5f);
+  EXPECT_FALSE(c.tie_word_embeddings);
+
+  config::KeelConfig tied = llama();
+  tied.mutable_model()->set_tie_embeddings(true);
+  const ExportPlan t = plan_export("ck", manifest_of(tied));
+  ASSERT_EQ(t.naming, ExportNaming::kLlama);
+  EXPECT_EQ(t.tensors.size(), plan.tensors.size() - 1);
+  EXPECT_EQ(t.tensors.back().name, "model.norm.weight");
+  EXPECT_TRUE(t.hf.tie_word_embeddings);
+}
+
+// Grouped-query attention: q_proj is q.weight [H, D, C], k_proj and v_proj the two halves of
+// kv.weight [2, Hkv, D, C]; every head width is H D or Hkv D (not d_model), and OLMo 2's k_norm
+// covers the narrower k projection.
+TEST(ExportPlan, GroupedQueryAttentionAndHeadDimShapes) {
+  // Llama, 2 k/v heads of 12 (d_model 32, 4 heads): q 48 rows, k and v 24 each, o_proj [32, 48].
+  const ExportPlan l = plan_export("ck", manifest_of(with_heads(llama(), 2, 12)));
+  ASSERT_EQ(l.naming, ExportNaming::kLlama);
+  ASSERT_EQ(l.tensors.size(), 1u + 9u * 2u + 2u);
+  expect_tensor(l, 1, "model.layers.0.self_attn.q_proj.weight", {48, 32}, "blocks.0.attn.q.weight",
+                ExportOp::kCopy);
+  expect_tensor(l, 2, "model.layers.0.self_attn.k_proj.weight", {24, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 0);
+  expect_tensor(l, 3, "model.layers.0.self_attn.v_proj.weight", {24, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 24);
+  expect_tensor(l, 4, "model.layers.0.self_attn.o_proj.weight", {32, 48},
+                "blocks.0.attn.proj.weight", ExportOp::kCopy);
+  expect_tensor(l, 12, "model.layers.1.self_attn.v_proj.weight", {24, 32},
+                "blocks.1.attn.kv.weight", ExportOp::kRows, 24);
+  EXPECT_EQ(l.hf.num_heads, 4);
+  EXPECT_EQ(l.hf.num_kv_heads, 2);
+  EXPECT_EQ(l.hf.head_dim, 12);
+  EXPECT_EQ(l.hf.hidden_size, 32);
+
+  // Qwen3, 2 k/v heads of 12: the [D] QK-norm gains are [12] for q and k alike.
+  const ExportPlan q = plan_export("ck", manifest_of(with_heads(qwen3(), 2, 12)));
+  ASSERT_EQ(q.naming, ExportNaming::kQwen3);
+  ASSERT_EQ(q.tensors.size(), 1u + 11u * 2u + 1u);
+  expect_tensor(q, 1, "model.layers.0.self_attn.q_proj.weight", {48, 32}, "blocks.0.attn.q.weight",
+                ExportOp::kCopy);
+  expect_tensor(q, 2, "model.layers.0.self_attn.k_proj.weight", {24, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 0);
+  expect_tensor(q, 3, "model.layers.0.self_attn.v_proj.weight", {24, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 24);
+  expect_tensor(q, 4, "model.layers.0.self_attn.o_proj.weight", {32, 48},
+                "blocks.0.attn.proj.weight", ExportOp::kCopy);
+  expect_tensor(q, 5, "model.layers.0.self_attn.q_norm.weight", {12}, "blocks.0.attn.q_norm.weight",
+                ExportOp::kCopy);
+  expect_tensor(q, 6, "model.layers.0.self_attn.k_norm.weight", {12}, "blocks.0.attn.k_norm.weight",
+                ExportOp::kCopy);
+  EXPECT_EQ(q.hf.num_kv_heads, 2);
+  EXPECT_EQ(q.hf.head_dim, 12);
+
+  // OLMo 2, multi-query: k and v one head of 8; k_norm's PROJECTION gains [1, 8] are its [8].
+  const ExportPlan o = plan_export("ck", manifest_of(with_heads(olmo2(), 1, 0)));
+  ASSERT_EQ(o.naming, ExportNaming::kOlmo2);
+  ASSERT_EQ(o.tensors.size(), 1u + 11u * 2u + 2u);
+  expect_tensor(o, 1, "model.layers.0.self_attn.q_proj.weight", {32, 32}, "blocks.0.attn.q.weight",
+                ExportOp::kCopy);
+  expect_tensor(o, 2, "model.layers.0.self_attn.k_proj.weight", {8, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 0);
+  expect_tensor(o, 3, "model.layers.0.self_attn.v_proj.weight", {8, 32}, "blocks.0.attn.kv.weight",
+                ExportOp::kRows, 8);
+  expect_tensor(o, 5, "model.layers.0.self_attn.q_norm.weight", {32}, "blocks.0.attn.q_norm.weight",
+                ExportOp::kCopy);
+  expect_tensor(o, 6, "model.layers.0.self_attn.k_norm.weight", {8}, "blocks.0.attn.k_norm.weight",
+                ExportOp::kCopy);
+  EXPECT_EQ(o.hf.num_heads, 4);
+  EXPECT_EQ(o.hf.num_kv_heads, 1);
+  EXPECT_EQ(o.hf.head_dim, 8);
+
+  // A kv.weight of the wrong k/v head count is refused, naming the tensor and both shapes.
+  ckpt::Manifest wrong = manifest_of(with_heads(llama(), 2, 12));
+  param(wrong, "blocks.1.attn.kv.weight")->set_shape(1, 4);
+  EXPECT_EQ(error_of(ErrorKind::kData, [&] { plan_export("ck", wrong); }),
+            "ck/manifest.pb: tensor blocks.1.attn.kv.weight has shape [2, 4, 12, 32] in the "
+            "checkpoint but [2, 2, 12, 32] in its config");
+}
+
+// n_kv_heads = n_heads and head_dim = d_model / n_heads are multi-head attention: the plan is
+// the one of n_kv_heads = head_dim = 0, tensor for tensor, and config.json says the same.
+TEST(ExportPlan, KvHeadsEqualToHeadsKeepMultiHeadAttentionsPlan) {
+  for (const config::KeelConfig& cfg : {gpt2(), olmo2(), qwen3(), llama()}) {
+    const ExportPlan base = plan_export("ck", manifest_of(cfg));
+    const ExportPlan same = plan_export("ck", manifest_of(with_heads(cfg, 4, 8)));
+    ASSERT_NE(base.naming, ExportNaming::kKeel) << cfg.model().DebugString();
+    EXPECT_EQ(same.naming, base.naming);
+    ASSERT_EQ(same.tensors.size(), base.tensors.size());
+    for (size_t i = 0; i < base.tensors.size(); ++i) {
+      const ExportTensor &a = base.tensors[i], &b = same.tensors[i];
+      EXPECT_EQ(std::tie(a.name, a.shape, a.source, a.op, a.row_begin),
+                std::tie(b.name, b.shape, b.source, b.op, b.row_begin))
+          << a.name;
+    }
+    EXPECT_EQ(same.hf.num_kv_heads, 4);
+    EXPECT_EQ(same.hf.head_dim, 8);
+    EXPECT_EQ(base.hf.num_kv_heads, 4);
+    EXPECT_EQ(base.hf.head_dim, 8);
+  }
+}
+
 TEST(ExportPlan, OtherModelsKeepKeelNamesWithoutThePaddingAndSayWhyForEachArchitecture) {
   // The Gemma 3-style block: GEGLU is none of the three.
   config::KeelConfig cfg = qwen3();
@@ -357,11 +574,14 @@ TEST(ExportPlan, OtherModelsKeepKeelNamesWithoutThePaddingAndSayWhyForEachArchit
   const ckpt::Manifest m = manifest_of(cfg);
   const ExportPlan plan = plan_export("ck", m);
   ASSERT_EQ(plan.naming, ExportNaming::kKeel);
-  ASSERT_EQ(plan.mismatches.size(), 3u);
+  ASSERT_EQ(plan.mismatches.size(), 4u);
   EXPECT_EQ(plan.mismatches[0].first, ExportNaming::kGpt2);
   EXPECT_EQ(plan.mismatches[1].first, ExportNaming::kOlmo2);
   EXPECT_EQ(plan.mismatches[2].first, ExportNaming::kQwen3);
   EXPECT_EQ(plan.mismatches[2].second, "model.mlp=GEGLU (Qwen3's MLP is SwiGLU)");
+  EXPECT_EQ(plan.mismatches[3].first, ExportNaming::kLlama);
+  EXPECT_EQ(plan.mismatches[3].second,
+            "model.qk_norm=RMS (Llama has no QK-norm); model.mlp=GEGLU (Llama's MLP is SwiGLU)");
   std::vector<std::string> names;
   for (const ckpt::TensorRecord& t : m.tensors()) {
     if (t.kind() == ckpt::PARAM) names.push_back(t.name());

@@ -25,7 +25,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -180,13 +182,19 @@ void write_reference(const std::string& ckpt_dir, const std::string& ref) {
   };
   write_logits(ref + "/logits.f32");
   if (!qk_norm) return;
-  // qkv.weight [3, H, D, C]: q and k are its first 2 H D C elements.
-  const int64_t C = cfg.model().d_model(), HDC = static_cast<int64_t>(C) * C;
+  // q and k: the first two thirds of qkv.weight [3, H, D, C]; with grouped-query attention all of
+  // q.weight [H, D, C] and the first half of kv.weight [2, Hkv, D, C].
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
   for (int id = 0; id < ps.size(); ++id) {
     const std::string& name = ps.info(id).spec.name;
-    if (name.size() < 16 || name.compare(name.size() - 16, 16, ".attn.qkv.weight") != 0) continue;
-    ASSERT_EQ(ps.info(id).numel(), 3 * HDC) << name;
-    for (int64_t i = 0; i < 2 * HDC; ++i) ps.param(id)[i] *= kQkScale;
+    const int64_t n = ps.info(id).numel();
+    const int64_t scaled = ends_with(name, ".attn.qkv.weight")  ? n / 3 * 2
+                           : ends_with(name, ".attn.q.weight")  ? n
+                           : ends_with(name, ".attn.kv.weight") ? n / 2
+                                                                : 0;
+    for (int64_t i = 0; i < scaled; ++i) ps.param(id)[i] *= kQkScale;
   }
   write_logits(ref + "/logits_qk_small.f32");
 }
@@ -251,51 +259,160 @@ std::vector<std::string> modern(const std::string& scope, const std::string& pla
           "--set", "checkpoint.every=2"};
 }
 
-// Trains `args` on `ranks` processes, exports, and checks the export as `naming` (olmo2, qwen3)
-// against keel's logits; `title` is what keel-ckpt calls the names, `tensors` how many it writes.
-void check_llama_like(const std::string& naming, const std::string& title, int ranks,
-                      std::vector<std::string> args, size_t tensors) {
-  TempDir dir("keel_export_" + naming);
+// Llama's block: the modern options without QK-norm, pre-norm.
+std::vector<std::string> llama(const std::string& theta, const std::string& tied) {
+  std::vector<std::string> args = modern("HEAD_SHARED", "PRE", theta, tied);
+  args[1] = "model.qk_norm=NONE";
+  return args;
+}
+
+// `n` sentences of invented words (nothing copied from anywhere): a corpus for keel-data.
+std::string invented_text(int n, unsigned seed) {
+  static const char* syllables[] = {"ka",  "lo",  "mi",  "re",  "su",  "ta",
+                                    "ven", "dor", "pli", "qua", "zen", "ith"};
+  std::mt19937 rng(seed);
+  std::string out;
+  for (int s = 0; s < n; ++s) {
+    const int words = 4 + static_cast<int>(rng() % 9);
+    for (int w = 0; w < words; ++w) {
+      for (int p = 0, parts = 1 + static_cast<int>(rng() % 3); p < parts; ++p) {
+        out += syllables[rng() % std::size(syllables)];
+      }
+      out += w + 1 < words ? " " : ".\n";
+    }
+  }
+  return out;
+}
+
+struct ExportCase {
+  std::string naming;  // export_check.py's: olmo2, qwen3, llama
+  std::string title;   // what keel-ckpt calls the names
+  int ranks = 1;
+  std::vector<std::string> args;
+  size_t tensors = 0;           // how many keel-ckpt writes
+  bool tokenizer_data = false;  // train on a keel-data directory (vocabulary 300, tokenizer.json)
+};
+
+// Trains the case's model on `ranks` processes, exports it, and checks the export against keel's
+// logits with export_check.py: OLMo 2 and Qwen3 through hf_reference.py, Llama through
+// transformers. With tokenizer_data, the data is a keel-data directory and the export carries its
+// tokenizer, which AutoTokenizer must load.
+void check_llama_like(const ExportCase& c) {
+  TempDir dir("keel_export_" + c.naming);
   const std::string run = dir.file("run"), out = dir.file("hf"), ref = dir.file("ref");
-  const CommandResult t = train(dir, ranks, job(run, std::move(args)));
+  std::vector<std::string> args = c.args;
+  std::string data;
+  if (c.tokenizer_data) {
+    ASSERT_TRUE(fs::exists(KEEL_TEST_PYTHON)) << KEEL_TEST_PYTHON << " is missing: run tests/run";
+    fs::create_directories(dir.file("corpus"));
+    dir.write("corpus/a.txt", invented_text(80, 29));
+    dir.write("corpus/b.txt", invented_text(40, 30));
+    data = dir.file("data");
+    const CommandResult d = run_command(
+        command_line(KEEL_TEST_PYTHON,
+                     {std::string(KEEL_SOURCE_DIR) + "/launch/tools/keel-data", dir.file("corpus"),
+                      "--out", data, "--vocab-size", std::to_string(kVocab), "--workers", "1"}),
+        dir);
+    ASSERT_EQ(d.exit_code, 0) << d.out << d.err;
+    args.insert(args.end(), {"--set", "data.path=" + data});
+  }
+  const CommandResult t = train(dir, c.ranks, job(run, std::move(args)));
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
   const std::string step4 = run + "/checkpoints/step_00000004";
   const CommandResult e = ckpt(dir, {"export", run, out});
   ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
   const std::string head =
-      "exported step 4 of " + step4 + ": " + std::to_string(tensors) + " tensors, ";
+      "exported step 4 of " + step4 + ": " + std::to_string(c.tensors) + " tensors, ";
   EXPECT_EQ(e.out.rfind(head, 0), 0u) << e.out;
-  EXPECT_TRUE(contains(e.out, " -> " + out + "/model.safetensors (" + title + " names) and " + out +
-                                  "/config.json\n"))
+  EXPECT_TRUE(contains(e.out, " -> " + out + "/model.safetensors (" + c.title + " names) and " +
+                                  out + "/config.json\n"))
       << e.out;
-  EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  if (c.tokenizer_data) {
+    EXPECT_TRUE(contains(e.out, "tokenizer.json and tokenizer_config.json from " + data)) << e.out;
+    EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors",
+                                                      "tokenizer.json", "tokenizer_config.json"}));
+  } else {
+    EXPECT_EQ(entries(out), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  }
 
   write_reference(step4, ref);
-  const CommandResult c = check_export(dir, naming, out, ref);
-  ASSERT_EQ(c.exit_code, 0) << c.out << c.err;
-  std::printf("%s", c.out.c_str());
-  const double diff = printed_diff(c.out, "max |logit difference| = ");
-  const double small = printed_diff(c.out, "): max |logit difference| = ");
+  const CommandResult r = check_export(dir, c.naming, out, ref);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+  const double diff = printed_diff(r.out, "max |logit difference| = ");
   EXPECT_LE(diff, 1e-5);
-  EXPECT_LE(small, 1e-5);
   ::testing::Test::RecordProperty("max_logit_abs_diff", std::to_string(diff));
-  ::testing::Test::RecordProperty("max_logit_abs_diff_small_qk", std::to_string(small));
+  if (c.naming != "llama") {
+    const double small = printed_diff(r.out, "): max |logit difference| = ");
+    EXPECT_LE(small, 1e-5);
+    ::testing::Test::RecordProperty("max_logit_abs_diff_small_qk", std::to_string(small));
+  }
+  if (c.tokenizer_data) {
+    EXPECT_TRUE(contains(r.out, "tokenizer: 300 tokens")) << r.out;
+  }
+}
+
+std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
 }
 
 TEST(CkptExport, Olmo2StyleModelGivesKeelsLogitsInAnIndependentOlmo2) {
   // TP2 x DP2 with ZeRO-1, untied: embed_tokens, 11 per layer, the final norm, lm_head.
-  std::vector<std::string> args = modern("PROJECTION", "POST_SUBLAYER", "500000", "false");
-  for (const char* a : {"--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"}) {
-    args.push_back(a);
-  }
-  check_llama_like("olmo2", "OLMo 2", 4, args, 1 + 11 * 2 + 2);
+  check_llama_like(
+      {"olmo2", "OLMo 2", 4,
+       modern("PROJECTION", "POST_SUBLAYER", "500000", "false") +
+           std::vector<std::string>{"--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"},
+       1 + 11 * 2 + 2});
 }
 
 TEST(CkptExport, Qwen3StyleModelGivesKeelsLogitsInAnIndependentQwen3) {
   // TP2, tied: no lm_head tensor.
-  std::vector<std::string> args = modern("HEAD_SHARED", "PRE", "1000000", "true");
-  args.insert(args.end(), {"--set", "parallel.tp=2"});
-  check_llama_like("qwen3", "Qwen3", 2, args, 1 + 11 * 2 + 1);
+  check_llama_like({"qwen3", "Qwen3", 2,
+                    modern("HEAD_SHARED", "PRE", "1000000", "true") +
+                        std::vector<std::string>{"--set", "parallel.tp=2"},
+                    1 + 11 * 2 + 1});
+}
+
+// Grouped-query attention, checked against hf_reference.py (transformers 4.46 has neither model).
+// OLMo 2 multi-query at TP2: the one k/v head, its kv.weight and its PROJECTION k gains are
+// replicated on both ranks (Note [gqa layouts]); k_norm is over the narrower k projection.
+TEST(CkptExport, Olmo2MultiQueryModelGivesKeelsLogitsInAnIndependentOlmo2) {
+  check_llama_like(
+      {"olmo2", "OLMo 2", 2,
+       modern("PROJECTION", "POST_SUBLAYER", "500000", "false") +
+           std::vector<std::string>{"--set", "model.n_kv_heads=1", "--set", "parallel.tp=2"},
+       1 + 11 * 2 + 2});
+}
+
+// Qwen3 with 2 k/v heads of 12 (not d_model / n_heads = 8) at TP2: the k/v heads shard with the
+// query heads.
+TEST(CkptExport, Qwen3GroupedQueryModelWithItsOwnHeadDimGivesKeelsLogitsInAnIndependentQwen3) {
+  check_llama_like({"qwen3", "Qwen3", 2,
+                    modern("HEAD_SHARED", "PRE", "1000000", "true") +
+                        std::vector<std::string>{"--set", "model.n_kv_heads=2", "--set",
+                                                 "model.head_dim=12", "--set", "parallel.tp=2"},
+                    1 + 11 * 2 + 1});
+}
+
+// Llama through transformers' own LlamaForCausalLM (9 tensors per layer: no QK-norm gains).
+// Grouped-query (2 of 4 heads, sharded at TP2), untied, trained on a keel-data directory whose
+// tokenizer goes with the export.
+TEST(CkptExport, LlamaGroupedQueryModelLoadsInTransformersWithKeelsLogitsAndTokenizer) {
+  check_llama_like(
+      {"llama", "Llama", 2,
+       llama("500000", "false") +
+           std::vector<std::string>{"--set", "model.n_kv_heads=2", "--set", "parallel.tp=2"},
+       1 + 9 * 2 + 2, true});
+}
+
+// Multi-query (replicated at TP2), head_dim 12 (not 8), tied.
+TEST(CkptExport, LlamaMultiQueryModelWithItsOwnHeadDimLoadsInTransformersWithKeelsLogits) {
+  check_llama_like({"llama", "Llama", 2,
+                    llama("10000", "true") + std::vector<std::string>{"--set", "model.n_kv_heads=1",
+                                                                      "--set", "model.head_dim=12",
+                                                                      "--set", "parallel.tp=2"},
+                    1 + 9 * 2 + 1});
 }
 
 TEST(CkptExport, OtherModelsExportKeelNamesAndSayWhy) {
@@ -328,7 +445,9 @@ TEST(CkptExport, OtherModelsExportKeelNamesAndSayWhy) {
             "projection, all heads at once); model.mlp=GEGLU (OLMo 2's MLP is SwiGLU); "
             "model.norm_placement=PRE (OLMo 2 normalises each sublayer's output)\n"
             "  not Qwen3: model.qk_norm_scope=HEAD (Qwen3 normalises each head with one gain "
-            "shared by all heads); model.mlp=GEGLU (Qwen3's MLP is SwiGLU)\n");
+            "shared by all heads); model.mlp=GEGLU (Qwen3's MLP is SwiGLU)\n"
+            "  not Llama: model.qk_norm=RMS (Llama has no QK-norm); model.mlp=GEGLU (Llama's MLP "
+            "is SwiGLU)\n");
   EXPECT_TRUE(contains(e.out, " (keel names)\n")) << e.out;
   EXPECT_EQ(entries(out), (std::vector<std::string>{"model.safetensors"}));
 

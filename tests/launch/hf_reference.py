@@ -11,8 +11,11 @@ and shares no code with keel: it is written from the architectures as transforme
 Both architectures, for tokens x of length T:
   h = embed_tokens[x]                                         (no embedding scale)
   per layer: q, k, v = h Wq^T, h Wk^T, h Wv^T                  (nn.Linear, [out, in]; no bias)
-    OLMo 2: q, k = RMSNorm over the whole projection (num_heads * head_dim) with q_norm / k_norm,
-            then split into heads
+    q has num_attention_heads heads of head_dim, k and v num_key_value_heads (transformers'
+    repeat_kv: query head j attends with k/v head j // (num_attention_heads / num_key_value_heads))
+    head_dim: config.json's (Qwen3), else hidden_size / num_attention_heads (OLMo 2)
+    OLMo 2: q, k = RMSNorm over the whole projection (num_heads * head_dim for q,
+            num_key_value_heads * head_dim for k) with q_norm / k_norm, then split into heads
     Qwen3:  split into heads, then RMSNorm over head_dim with the [head_dim] q_norm / k_norm
     q, k = RoPE(q), RoPE(k): rotate-half, inv_freq_i = rope_theta^(-2i / head_dim), i < head_dim/2,
            cos/sin of position * inv_freq repeated twice: x cos + rotate_half(x) sin with
@@ -88,8 +91,12 @@ def check_config(config):
         raise ValueError("hidden_act %r (only silu)" % config["hidden_act"])
     if config.get("attention_bias", False):
         raise ValueError("attention_bias is not implemented here")
-    if config["num_key_value_heads"] != config["num_attention_heads"]:
-        raise ValueError("grouped-query attention is not implemented here")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError("num_key_value_heads %r does not divide num_attention_heads %r"
+                         % (kv_heads, heads))
+    if arch == "olmo2" and "head_dim" in config:
+        raise ValueError("Olmo2Config has no head_dim")
     if config.get("rope_scaling") is not None or config.get("use_sliding_window", False):
         raise ValueError("RoPE scaling and sliding windows are not implemented here")
     return arch
@@ -98,8 +105,8 @@ def check_config(config):
 def forward(config, tensors, tokens, variant=Variant()):
     """Logits [B, T, vocab_size] (float64) of tokens [B, T] (int)."""
     arch = check_config(config)
-    n_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"] if arch == "qwen3" else config["hidden_size"] // n_heads
     eps = config["rms_norm_eps"]
     qk_eps = eps if variant.qk_norm_eps is None else variant.qk_norm_eps
     theta = config["rope_theta"] if variant.rope_theta is None else variant.rope_theta
@@ -114,12 +121,15 @@ def forward(config, tensors, tokens, variant=Variant()):
         if arch == "olmo2":  # over the whole projection
             q = rms_norm(q, tensors[p + "q_norm.weight"], qk_eps)
             k = rms_norm(k, tensors[p + "k_norm.weight"], qk_eps)
-        heads = lambda y: y.view(B, T, n_heads, head_dim).transpose(1, 2)  # [B, H, T, D]
-        q, k, v = heads(q), heads(k), heads(v)
+        heads = lambda y, n: y.view(B, T, n, head_dim).transpose(1, 2)  # [B, n, T, D]
+        q, k, v = heads(q, n_heads), heads(k, n_kv), heads(v, n_kv)
         if arch == "qwen3":  # per head, over head_dim
             q = rms_norm(q, tensors[p + "q_norm.weight"], qk_eps)
             k = rms_norm(k, tensors[p + "k_norm.weight"], qk_eps)
         q, k = rope(q, theta, variant.interleaved_rope), rope(k, theta, variant.interleaved_rope)
+        # Each k/v head serves n_heads / n_kv consecutive query heads.
+        k = k.repeat_interleave(n_heads // n_kv, dim=1)
+        v = v.repeat_interleave(n_heads // n_kv, dim=1)
         scores = (q @ k.transpose(-1, -2)) / head_dim**0.5
         scores = scores.masked_fill(~causal, float("-inf"))
         a = torch.softmax(scores, -1) @ v  # [B, H, T, D]
