@@ -2,15 +2,19 @@
 // layers): attention_scales, scale_grad_accumulate and load_tokens (framework/kernels/cuda/ops.h)
 // against the CPU kernels on random inputs, outputs poisoned with NaN before each run. All three
 // are exact (copies and the same sequence of float additions), so results must be bitwise equal.
+// And the linear layers' bias gradients (column_sum_add, framework/kernels/cuda/gemm.h), summed
+// over row chunks in another order than the CPU's: within the fp32 bound, and bitwise run to run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "framework/kernels/attention.h"
+#include "framework/kernels/cuda/gemm.h"
 #include "framework/kernels/cuda/ops.h"
 #include "framework/kernels/gemm.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -82,6 +86,45 @@ TEST_F(LayerKernelsTest, LoadTokensCopiesHostBatch) {
   EXPECT_EQ(get<int32_t>(d, n), expected);
   EXPECT_EQ(cpu, expected);
   cuda::load_tokens(ctx(), nullptr, nullptr, 0);  // nothing to copy
+}
+
+// Row counts for one pass (at most 128 rows) and for many row chunks with a ragged last one
+// (Note [fused-bias-grad]: 3000 rows make 188 chunks of 16 at C = 96, the last of 8, and 43 of 70
+// at C = 770, the last of 60), a ragged 32-column strip, strided rows; fp32 and bf16 inputs (the
+// same values: x is rounded to bf16 for both). The gradient starts random (+=); a guard element
+// past its end stays NaN.
+TEST_F(LayerKernelsTest, ColumnSumAddOverRowChunksMatchesCpu) {
+  struct Shape {
+    int64_t N, C, ld;
+  };
+  uint32_t seed = 50;
+  for (const Shape& sh :
+       {Shape{3000, 96, 96}, Shape{3000, 770, 777}, Shape{100, 96, 100}, Shape{129, 33, 40}}) {
+    SCOPED_TRACE("N=" + std::to_string(sh.N) + " C=" + std::to_string(sh.C));
+    const auto x = bf16_rounded(random_vec(sh.N * sh.ld, -1.0f, 1.0f, seed++));
+    const auto grad0 = random_vec(sh.C, -2.0f, 2.0f, seed++);
+    std::vector<float> cpu = grad0;
+    kernels::column_sum_add<float>(cpu.data(), x.data(), sh.N, sh.C, sh.ld);
+    for (const bool bf16 : {false, true}) {
+      SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+      DeviceBuffer d_x = bf16 ? cuda::upload(ctx(), to_bf16(x)) : cuda::upload(ctx(), x);
+      std::vector<float> runs[2];
+      for (std::vector<float>& run : runs) {
+        DeviceBuffer d_grad = poisoned<float>(sh.C + 1);
+        ctx().copy_to_device(d_grad.data(), grad0.data(), sh.C * sizeof(float));
+        if (bf16) {
+          cuda::column_sum_add(ctx(), d_grad.as<float>(), d_x.as<const Bf16>(), sh.N, sh.C, sh.ld);
+        } else {
+          cuda::column_sum_add(ctx(), d_grad.as<float>(), d_x.as<const float>(), sh.N, sh.C, sh.ld);
+        }
+        const auto got = get<float>(d_grad, sh.C + 1);
+        EXPECT_TRUE(std::isnan(got[sh.C])) << "wrote past the gradient";
+        run.assign(got.begin(), got.begin() + sh.C);
+      }
+      EXPECT_TRUE(matches(runs[0], cpu, f32_rtol(sh.N)));
+      EXPECT_TRUE(identical(runs[1], runs[0])) << "not reproducible run to run";
+    }
+  }
 }
 
 }  // namespace

@@ -76,6 +76,11 @@ const std::vector<Bf16NormCase>& cases() {
       // Rows and groups that fill neither a warp's lanes nor a block's warps.
       {NormOp::kLayer, {33, 1, 100, 130, 110, 0}, true, true, "odd LN"},
       {NormOp::kRms, {37, 3, 40, 130, 125, 40}, true, false, "odd per-group RMS"},
+      // Gain gradients over many row chunks with a ragged last one (Note [fused-bias-grad] in
+      // framework/kernels/cuda/internal.h: 43 chunks of 70 rows, the last of 60, and a ragged
+      // column strip; 3000 items (n, g) of a gain shared by 3 groups).
+      {NormOp::kLayer, {3000, 1, 770, 800, 790, 0}, true, true, "3000 rows, LN 770"},
+      {NormOp::kLayer, {1000, 3, 32, 100, 96, 0}, true, true, "3000 items, LN shared by 3"},
   };
   return all;
 }

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/error.h"
@@ -14,6 +16,7 @@
 #include "framework/kernels/cross_entropy.h"
 #include "framework/kernels/elementwise.h"
 #include "framework/kernels/embedding.h"
+#include "framework/kernels/gemm.h"
 #include "framework/kernels/norm.h"
 #include "framework/kernels/rope.h"
 #include "framework/optim/optimizer.h"
@@ -58,6 +61,36 @@ TEST_F(OpsTest, GeluBf16MatchesCpuOnRoundedInputs) {
   cuda::gelu_backward(ctx(), d_dx.as<Bf16>(), d_x.as<Bf16>(), d_dy.as<Bf16>(), n);
   EXPECT_TRUE(matches(from_bf16(get<Bf16>(d_y, n)), y, kBf16Rtol));
   EXPECT_TRUE(matches(from_bf16(get<Bf16>(d_dx, n)), dx, kBf16Rtol));
+}
+
+// GELU's backward with its fused bias gradient (Note [fused-bias-grad]) against the CPU's
+// gelu_backward and column sums: one row chunk (100 rows) and many with a ragged last one (3000
+// rows: 188 chunks of 16 at C = 96, 43 of 70 at C = 770), dbias += into random values. The bf16
+// dinp form sums the same fp32 values before rounding them, so its dbias equals the fp32 form's
+// bit for bit.
+TEST_F(OpsTest, GeluBackwardBiasOverRowChunksMatchesCpu) {
+  uint32_t seed = 10;
+  for (const auto& [N, C] : {std::pair<int64_t, int64_t>{3000, 96}, {3000, 770}, {100, 96}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
+    const auto x = random_vec(N * C, -6, 6, seed++);
+    const auto dy = random_vec(N * C, -1, 1, seed++);
+    const auto db0 = random_vec(C, -2, 2, seed++);
+    std::vector<float> dx(N * C), db = db0;
+    kernels::gelu_backward<float>(dx.data(), x.data(), dy.data(), N * C);
+    kernels::column_sum_add<float>(db.data(), dx.data(), N, C, C);
+    DeviceBuffer d_x = cuda::upload(ctx(), x), d_dy = cuda::upload(ctx(), dy);
+    DeviceBuffer d_dx = poisoned<float>(N * C), d_dxb = poisoned<Bf16>(N * C);
+    DeviceBuffer d_db = cuda::upload(ctx(), db0), d_dbb = cuda::upload(ctx(), db0);
+    cuda::gelu_backward(ctx(), d_dx.as<float>(), d_db.as<float>(), d_x.as<float>(),
+                        d_dy.as<float>(), N, C);
+    cuda::gelu_backward(ctx(), d_dxb.as<Bf16>(), d_dbb.as<float>(), d_x.as<float>(),
+                        d_dy.as<float>(), N, C);
+    EXPECT_TRUE(matches(get<float>(d_dx, N * C), dx, f32_rtol(1)));  // as GeluForwardBackward
+    EXPECT_TRUE(matches(from_bf16(get<Bf16>(d_dxb, N * C)), dx, kBf16Rtol));
+    const auto gdb = get<float>(d_db, C);
+    EXPECT_TRUE(matches(gdb, db, f32_rtol(N)));
+    EXPECT_TRUE(identical(get<float>(d_dbb, C), gdb));
+  }
 }
 
 TEST_F(OpsTest, ResidualAddMatchesCpu) {
@@ -181,6 +214,15 @@ TEST_F(OpsTest, NormsForwardBackwardMatchCpu) {
       {NormOp::kLayer, {48, 12, 64, 2304, 1000, 0}, true, true, "per-head LN, HEAD_SHARED"},
       {NormOp::kL2, {48, 12, 64, 2304, 800, 0}, false, false, "per-head L2"},
       {NormOp::kLayer, {33, 1, 100, 130, 110, 0}, true, true, "odd sizes"},
+      // Gain gradients over many row chunks with a ragged last one (Note [fused-bias-grad]): 3000
+      // rows make 188 chunks of 16 at width 96, 43 of 70 at width 770 (a ragged column strip);
+      // 3000 items (n, g) of a gain shared by 3 groups (fewer than a chunk step's 8 items) and by
+      // 12 (more), and 3000 rows of a per-group gain.
+      {NormOp::kLayer, {3000, 1, 96, 96, 96, 0}, true, true, "3000 rows, LN 96"},
+      {NormOp::kLayer, {3000, 1, 770, 800, 790, 0}, true, true, "3000 rows, LN 770"},
+      {NormOp::kRms, {1000, 3, 32, 100, 96, 0}, true, false, "3000 items, RMS shared by 3"},
+      {NormOp::kLayer, {250, 12, 64, 2304, 1000, 0}, true, true, "3000 items, LN shared by 12"},
+      {NormOp::kRms, {3000, 2, 48, 100, 96, 48}, true, false, "3000 rows, per-group RMS"},
   };
   const float eps = 1e-5f;
   uint32_t seed = 100;

@@ -85,13 +85,13 @@ void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* 
     return;
   }
   if (N == 0 || C == 0) return;
-  const RowChunks k = row_chunks(N);
+  const RowChunks k = row_chunks(N, C);
   auto* partial = static_cast<float*>(ctx.scratch(sizeof(float) * k.count * C));
   const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
   gelu_backward_bias_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(dinp, partial, inp, dout,
                                                                            N, C, k.rows);
   KEEL_CUDA_LAUNCH_CHECK("gelu_backward (bias)", "N=", N, " C=", C);
-  column_sum_add(ctx, dbias, partial, k.count, C, C);
+  column_sum_partials_add(ctx, dbias, nullptr, partial, k.count, C);
 }
 template <typename T, typename TB>
 void add_impl(Context& ctx, T* out, const T* a, const TB* b, int64_t n, const char* name) {
@@ -145,32 +145,64 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
   }
 }
 
-// ---- column sums: a 32-column tile per block, 32 row lanes, fixed-order tree over the lanes ----
+// ---- column sums (Note [fused-bias-grad]): 32-column strips x row chunks ----
+// The column sums of rows [blockIdx.y * rows, + rows) of x into partial[blockIdx.y, C], or with one
+// chunk (partial null) added to out. 32-bit indices (the host checks N, C, ld <= kMaxIndex32).
 template <typename T>
-__global__ void column_sum_add_kernel(float* out, const T* x, int64_t N, int64_t C, int64_t ld) {
-  __shared__ float tile[32][33];
-  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
+__global__ void column_sum_add_kernel(float* out, float* partial, const T* x, int N, int C, int ld,
+                                      int rows) {
+  __shared__ float s[kColRows][33];
+  const int c = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  const int r0 = static_cast<int>(blockIdx.y) * rows, r1 = rows < N - r0 ? r0 + rows : N;
   float acc = 0.0f;
   if (c < C) {
-    for (int64_t n = threadIdx.y; n < N; n += 32) acc += to_f(x[n * ld + c]);
+    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += kColRows) {
+      acc += to_f(x[static_cast<int64_t>(r) * ld + c]);
+    }
   }
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = 16; s > 0; s /= 2) {
-    if (threadIdx.y < s) tile[threadIdx.y][threadIdx.x] += tile[threadIdx.y + s][threadIdx.x];
-    __syncthreads();
+  acc = column_block_sum(acc, s);
+  if (threadIdx.y == 0 && c < C) {
+    if (partial != nullptr) {
+      partial[static_cast<int64_t>(blockIdx.y) * C + c] = acc;
+    } else {
+      out[c] += acc;
+    }
   }
-  if (threadIdx.y == 0 && c < C) out[c] += tile[0][threadIdx.x];
+}
+// The final pass: out[c] += the column sums of partial[chunks, C] (blockIdx.y 0), out2[c] += those
+// of the next [chunks, C] (blockIdx.y 1); a null output's blocks leave at once.
+__global__ void column_sum_partials_kernel(float* out, float* out2, const float* partial,
+                                           int chunks, int C) {
+  __shared__ float s[kColRows][33];
+  float* o = blockIdx.y == 0 ? out : out2;
+  if (o == nullptr) return;  // the whole block leaves together
+  const float* p = partial + static_cast<int64_t>(blockIdx.y) * chunks * C;
+  const int c = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  float acc = 0.0f;
+  if (c < C) {
+    for (int k = static_cast<int>(threadIdx.y); k < chunks; k += kColRows) {
+      acc += p[static_cast<int64_t>(k) * C + c];
+    }
+  }
+  acc = column_block_sum(acc, s);
+  if (threadIdx.y == 0 && c < C) o[c] += acc;
 }
 template <typename T>
 void column_sum_add_impl(Context& ctx, float* out, const T* x, int64_t N, int64_t C, int64_t ld) {
   KEEL_CHECK(N >= 0 && C >= 0 && ld >= C, kUsage, "cuda column_sum_add: bad shape N=", N, " C=", C,
              " ld=", ld);
   if (N == 0 || C == 0) return;
-  const dim3 block(32, 32);
-  column_sum_add_kernel<<<static_cast<unsigned>((C + 31) / 32), block, 0, ctx.stream()>>>(out, x, N,
-                                                                                          C, ld);
-  KEEL_CUDA_LAUNCH_CHECK("column_sum_add", "N=", N, " C=", C, " ld=", ld);
+  KEEL_CHECK(N <= kMaxIndex32 && ld <= kMaxIndex32, kUsage, "cuda column_sum_add: N=", N,
+             " ld=", ld, " past the kernel's 32-bit indices (", kMaxIndex32, ")");
+  const RowChunks k = row_chunks(N, C);
+  auto* partial =
+      k.count > 1 ? static_cast<float*>(ctx.scratch(sizeof(float) * k.count * C)) : nullptr;
+  const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
+  column_sum_add_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
+      out, partial, x, static_cast<int>(N), static_cast<int>(C), static_cast<int>(ld),
+      static_cast<int>(k.rows));
+  KEEL_CUDA_LAUNCH_CHECK("column_sum_add", "N=", N, " C=", C, " ld=", ld, " chunks=", k.count);
+  if (partial != nullptr) column_sum_partials_add(ctx, out, nullptr, partial, k.count, C);
 }
 
 template <typename T>
@@ -316,6 +348,17 @@ void column_sum_add(Context& ctx, float* out, const float* x, int64_t N, int64_t
 }
 void column_sum_add(Context& ctx, float* out, const Bf16* x, int64_t N, int64_t C, int64_t ld) {
   column_sum_add_impl(ctx, out, dev(x), N, C, ld);
+}
+
+void column_sum_partials_add(Context& ctx, float* out, float* out2, const float* partial,
+                             int64_t chunks, int64_t C) {
+  KEEL_CHECK(chunks >= 1 && C >= 1 && chunks * C <= kMaxIndex32, kUsage,
+             "cuda column_sum_partials_add: chunks=", chunks, " C=", C);
+  if (out == nullptr && out2 == nullptr) return;
+  const dim3 grid(static_cast<unsigned>((C + 31) / 32), out2 != nullptr ? 2u : 1u);
+  column_sum_partials_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
+      out, out2, partial, static_cast<int>(chunks), static_cast<int>(C));
+  KEEL_CUDA_LAUNCH_CHECK("column_sum_partials_add", "chunks=", chunks, " C=", C);
 }
 
 void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N, int64_t ldc,

@@ -13,6 +13,12 @@ namespace keel::kernels::cuda {
 void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N, int64_t ldc,
                    DType t);
 
+// The largest extent (rows, columns, leading dimension) a kernel indexes in 32 bits: half of
+// INT32_MAX, so a loop's last step past it cannot overflow. Element offsets are widened to 64 bits
+// in the multiply (row * ld), which costs one wide multiply-add, not the 64-bit division and
+// remainder of all-64-bit index math.
+constexpr int64_t kMaxIndex32 = int64_t{1} << 30;
+
 // Blocks for a grid-stride loop over n elements with `threads` threads per block.
 inline unsigned grid_for(int64_t n, int threads, int64_t max_blocks = 65536) {
   int64_t blocks = (n + threads - 1) / threads;
@@ -21,23 +27,50 @@ inline unsigned grid_for(int64_t n, int threads, int64_t max_blocks = 65536) {
 }
 
 // ---- Note [fused-bias-grad] ----
-// The element-wise backward kernels whose output is a linear layer's output gradient
-// (gelu_backward, glu_backward) also sum that output's columns: the layer's bias gradient, in fp32
-// before the output is rounded to bf16, without reading the output again. [N, C] is cut into
-// 32-column strips (blockIdx.x) and row chunks (blockIdx.y), a block of (32, kColRows) threads
-// each; a block writes its chunk's column sums to partial[chunk, C] (Context scratch), and
-// column_sum_add adds the partials' column sums to the bias gradient. The chunks are a function of
-// N alone, so the sums are bitwise reproducible run to run.
+// Column sums over all of a step's rows: a linear layer's bias gradient (column_sum_add, and fused
+// into the element-wise backward kernels whose output is the layer's output gradient,
+// gelu_backward and glu_backward, in fp32 before that output is rounded to bf16, without reading
+// it again) and the norms' gain and bias gradients (norm.cu). [N, C] is cut into 32-column strips
+// (blockIdx.x) and row chunks (blockIdx.y), a block of (32, kColRows) threads each; a block writes
+// its chunk's column sums to partial[chunk, C] (Context scratch), and column_sum_partials_add adds
+// the partials' column sums to the gradient (+=) in one small launch. A width-sized grid alone
+// (C / 32 blocks: 2 for a 64-wide QK-norm gain) would leave most of the GPU idle while it reads
+// N * C elements; the chunks make strips x chunks fill it (ctest cuda_emu.StepBudget's
+// RowReductionsFillAnH200 holds these kernels to an H200's 132 SMs). The chunks are a function of
+// N and C alone, never of the device, so the sums are bitwise reproducible run to run and machine
+// to machine; no floating-point atomics.
 constexpr int kColRows = 8;
 struct RowChunks {
-  int64_t count;  // chunks (gridDim.y), at most 128
+  int64_t count;  // chunks (gridDim.y), at most 512; 1 when N <= 128
   int64_t rows;   // rows per chunk (the last may have fewer)
 };
+// Chunks for column sums of [N, C]. Target: as many 256-thread blocks as an H200 holds resident
+// (132 SMs x 2048 threads / 256 = 1056; llm.c's matmul_backward_bias sizes its row split the same
+// way), in chunks of at least 16 rows (two per thread), at most 512 chunks (the final pass reads
+// chunks x C floats). At most 128 rows make one chunk: column_sum_add then runs in one pass
+// without scratch, which glu.cu relies on when it sums its scratch partials through it.
+inline RowChunks row_chunks(int64_t N, int64_t C) {
+  constexpr int64_t kOnePassRows = 128, kTargetBlocks = 132 * 2048 / 256, kMaxChunks = 512,
+                    kMinRows = 16;
+  if (N <= kOnePassRows) return {1, N < 1 ? 1 : N};
+  const int64_t strips = (C + 31) / 32;
+  int64_t want = (kTargetBlocks + strips - 1) / strips;
+  if (want > kMaxChunks) want = kMaxChunks;
+  int64_t rows = (N + want - 1) / want;
+  if (rows < kMinRows) rows = kMinRows;
+  return {(N + rows - 1) / rows, rows};
+}
+// glu.cu's chunks (at most 128, of at least 64 rows), until it passes C to the form above.
 inline RowChunks row_chunks(int64_t N) {
   constexpr int64_t kMaxChunks = 128, kMinRows = 64;
   int64_t rows = (N + kMaxChunks - 1) / kMaxChunks;
   if (rows < kMinRows) rows = kMinRows;
   return {(N + rows - 1) / rows, rows};
 }
+// out[c] += sum over k < chunks of partial[k * C + c] for c < C, and out2 likewise from the next
+// chunks x C partials (partial + chunks * C); either may be null (skipped). Fixed order, one
+// launch, no scratch (partial may be the Context's scratch).
+void column_sum_partials_add(Context& ctx, float* out, float* out2, const float* partial,
+                             int64_t chunks, int64_t C);
 
 }  // namespace keel::kernels::cuda

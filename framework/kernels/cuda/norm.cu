@@ -1,10 +1,11 @@
 // CUDA LayerNorm / RMSNorm / L2 over grouped, strided rows (framework/kernels/norm.h): one warp
 // per (row, group), the CPU's two-pass statistics (mean, then the centred sum of squares) and its
-// expression order. Parameter gradients: one thread column per gain element and 32 row lanes,
-// summed in a fixed order, so results are deterministic. The kernels are templates on the
-// activation type (float or __nv_bfloat16: bf16 inputs, outputs, dout and dinp); statistics, math,
-// mean/rstd and gain/bias gradients are fp32 in both, so the bf16 forms differ from the fp32 ones
-// only by the roundings of their bf16 loads and stores.
+// expression order. Parameter gradients: partial sums over chunks of rows, then one pass over the
+// chunks (Note [fused-bias-grad] in internal.h), each in a fixed order, so results are
+// deterministic. The kernels are templates on the activation type (float or __nv_bfloat16: bf16
+// inputs, outputs, dout and dinp); statistics, math, mean/rstd and gain/bias gradients are fp32 in
+// both, so the bf16 forms differ from the fp32 ones only by the roundings of their bf16 loads and
+// stores.
 #include <cuda_runtime.h>
 
 #include "framework/error.h"
@@ -87,43 +88,62 @@ __global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, T* dinp, bool 
   }
 }
 
-// Gain element wi sums over every (n, g) that uses it: all groups when the gain is shared
-// (w_group_stride 0), else its own group g = wi / Cg. fp32 accumulation for either T.
+// The gain and bias gradients' extents in 32 bits (the host checks they fit: kMaxIndex32).
+struct ParamGradShape {
+  int G, Cg, ld_in, ld_out;
+  int items;         // what a gain element sums over: N * G items (n, g) when shared, else N rows
+  int wsize;         // gain elements: Cg when shared (w_group_stride 0), else G * Cg
+  int rows;          // items per chunk (blockIdx.y)
+  bool shared_gain;  // one gain for every group
+};
+
+// Gain element wi sums over every (n, g) that uses it: all groups when the gain is shared (item
+// j = n * G + g), else its own group g = wi / Cg (item j = n). Note [fused-bias-grad]: blockIdx.x
+// is a strip of 32 gain elements, blockIdx.y a chunk of s.rows items; the chunk's sums go to
+// partial[chunk, wsize] (the gain's, then the bias's at partial + chunks * wsize), or with one
+// chunk (partial null) into dweight and dbias (+=, each may be null). fp32 accumulation for
+// either T. An item's (n, g) advances by kColRows items without a division per item.
 template <typename T>
-__global__ void norm_param_grads_kernel(NormOp op, NormShape s, float* dweight, float* dbias,
-                                        const T* dout, const T* inp, const float* mean,
-                                        const float* rstd) {
-  __shared__ float tw[32][33], tb[32][33];
-  const bool shared_gain = s.w_group_stride == 0;
-  const int64_t wsize = shared_gain ? s.Cg : s.G * s.Cg;
-  const int64_t wi = blockIdx.x * int64_t{32} + threadIdx.x;
+__global__ void norm_param_grads_kernel(NormOp op, ParamGradShape s, float* dweight, float* dbias,
+                                        float* partial, const T* dout, const T* inp,
+                                        const float* mean, const float* rstd) {
+  __shared__ float sum[kColRows][33];
+  const int wi = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
+  const int j0 = static_cast<int>(blockIdx.y) * s.rows;
+  const int j1 = s.rows < s.items - j0 ? j0 + s.rows : s.items;
   float accw = 0.0f, accb = 0.0f;
-  if (wi < wsize) {
-    const int64_t c = shared_gain ? wi : wi % s.Cg;
-    const int64_t items = shared_gain ? s.N * s.G : s.N;
-    for (int64_t j = threadIdx.y; j < items; j += 32) {
-      const int64_t n = shared_gain ? j / s.G : j;
-      const int64_t g = shared_gain ? j % s.G : wi / s.Cg;
-      const int64_t r = n * s.G + g;
+  if (wi < s.wsize) {
+    const int j = j0 + static_cast<int>(threadIdx.y);
+    const int c = s.shared_gain ? wi : wi % s.Cg;
+    // Item j's (n, g) and the step of kColRows items in n and g.
+    int n = s.shared_gain ? j / s.G : j, g = s.shared_gain ? j % s.G : wi / s.Cg;
+    const int dn = s.shared_gain ? kColRows / s.G : kColRows;
+    const int dg = s.shared_gain ? kColRows % s.G : 0;
+    for (int i = j; i < j1; i += kColRows) {
+      const int r = n * s.G + g;  // the row of mean and rstd
+      const int col = g * s.Cg + c;
       const float mu = op == NormOp::kLayer ? mean[r] : 0.0f;
-      const float dy = to_f(dout[n * s.ld_out + g * s.Cg + c]);
-      accw += dy * ((to_f(inp[n * s.ld_in + g * s.Cg + c]) - mu) * rstd[r]);
+      const float dy = to_f(dout[static_cast<int64_t>(n) * s.ld_out + col]);
+      accw += dy * ((to_f(inp[static_cast<int64_t>(n) * s.ld_in + col]) - mu) * rstd[r]);
       accb += dy;
+      n += dn;
+      g += dg;
+      if (g >= s.G) {
+        g -= s.G;
+        ++n;
+      }
     }
   }
-  tw[threadIdx.y][threadIdx.x] = accw;
-  tb[threadIdx.y][threadIdx.x] = accb;
-  __syncthreads();
-  for (int half = 16; half > 0; half /= 2) {
-    if (threadIdx.y < half) {
-      tw[threadIdx.y][threadIdx.x] += tw[threadIdx.y + half][threadIdx.x];
-      tb[threadIdx.y][threadIdx.x] += tb[threadIdx.y + half][threadIdx.x];
+  accw = column_block_sum(accw, sum);
+  accb = column_block_sum(accb, sum);
+  if (threadIdx.y == 0 && wi < s.wsize) {
+    if (partial != nullptr) {
+      partial[static_cast<int64_t>(blockIdx.y) * s.wsize + wi] = accw;
+      partial[static_cast<int64_t>(gridDim.y + blockIdx.y) * s.wsize + wi] = accb;
+    } else {
+      if (dweight != nullptr) dweight[wi] += accw;
+      if (dbias != nullptr) dbias[wi] += accb;
     }
-    __syncthreads();
-  }
-  if (threadIdx.y == 0 && wi < wsize) {
-    if (dweight != nullptr) dweight[wi] += tw[0][threadIdx.x];
-    if (dbias != nullptr) dbias[wi] += tb[0][threadIdx.x];
   }
 }
 
@@ -164,11 +184,29 @@ void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, T* dinp, 
     KEEL_CUDA_LAUNCH_CHECK("norm_backward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
   }
   if (dweight != nullptr || dbias != nullptr) {
-    const int64_t wsize = s.w_group_stride == 0 ? s.Cg : s.G * s.Cg;
-    norm_param_grads_kernel<T>
-        <<<static_cast<unsigned>((wsize + 31) / 32), dim3(32, 32), 0, ctx.stream()>>>(
-            op, s, dweight, dbias, dout, inp, mean, rstd);
-    KEEL_CUDA_LAUNCH_CHECK("norm_param_grads", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
+    KEEL_CHECK(s.N * s.G <= kMaxIndex32 && s.ld_in <= kMaxIndex32 && s.ld_out <= kMaxIndex32,
+               kUsage, "cuda norm_backward: N * G = ", s.N * s.G, " or ld_in=", s.ld_in,
+               " ld_out=", s.ld_out, " past the gain gradients' 32-bit indices (", kMaxIndex32,
+               ")");
+    const bool shared_gain = s.w_group_stride == 0;
+    const int64_t wsize = shared_gain ? s.Cg : s.G * s.Cg;
+    const int64_t items = shared_gain ? s.N * s.G : s.N;
+    const RowChunks k = row_chunks(items, wsize);
+    auto* partial = k.count > 1
+                        ? static_cast<float*>(ctx.scratch(sizeof(float) * 2 * k.count * wsize))
+                        : nullptr;
+    const ParamGradShape ps{static_cast<int>(s.G),     static_cast<int>(s.Cg),
+                            static_cast<int>(s.ld_in), static_cast<int>(s.ld_out),
+                            static_cast<int>(items),   static_cast<int>(wsize),
+                            static_cast<int>(k.rows),  shared_gain};
+    const dim3 grid(static_cast<unsigned>((wsize + 31) / 32), static_cast<unsigned>(k.count));
+    norm_param_grads_kernel<T><<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
+        op, ps, dweight, dbias, partial, dout, inp, mean, rstd);
+    KEEL_CUDA_LAUNCH_CHECK("norm_param_grads", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
+                           " chunks=", k.count);
+    if (partial != nullptr) {
+      column_sum_partials_add(ctx, dweight, dbias, partial, k.count, wsize);
+    }
   }
 }
 
