@@ -2,9 +2,12 @@
 // execution context's cuDNN path runs on the emulator too: its staging, the per-head scale fold
 // of Note [cudnn-sdpa-scale] (fold_head_scale and unfold_head_scale_grad, the backend's own
 // kernels), and the standalone max |logit| beside it. With KEEL_CUDA_EMU_CUDNN=1 sdpa_available
-// takes the shapes cuDNN takes (up to keel's D <= 128) and the attention itself is keel's fused
-// kernel run as cuDNN is: on q' = scale * q with unit scales, the log-sum-exp as its softmax
-// stats. Without it, this build behaves as one without the cuDNN frontend.
+// takes the shapes cuDNN takes, grouped-query ones (Hkv < H k/v heads) included, but head dims
+// only up to 128 (keel's fused kernel's limit, where real cuDNN on Hopper takes 256: see
+// shape_problem in sdpa_cudnn.cc), and the attention itself is keel's fused kernel run as cuDNN
+// is: on q' = scale * q with unit scales, the log-sum-exp as its softmax stats, dk and dv of the
+// Hkv k/v heads summed over their groups. Without it, this build behaves as one without the cuDNN
+// frontend.
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -24,19 +27,23 @@ bool enabled() {
 }
 
 std::string shape_string(const AttentionShape& s) {
-  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D, " ldq=", s.ldq,
-                              " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
+  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " Hkv=", s.kv_heads(), " D=", s.D,
+                              " ldq=", s.ldq, " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
 }
 
-// sdpa_cudnn.cc's limits, and the fused kernel's D <= 128 that stands in for cuDNN here.
+// sdpa_cudnn.cc's limits, with the fused kernel's D <= 128 that stands in for cuDNN here in place
+// of cuDNN's 256.
 std::string shape_problem(const AttentionShape& s) {
   if (!enabled()) return "built without the cuDNN frontend (emulator: KEEL_CUDA_EMU_CUDNN unset)";
   if (s.B <= 0 || s.T <= 0 || s.H <= 0 || s.D <= 0) return "empty shape";
   if (s.D % 8 != 0 || s.D > kAttentionMaxHeadDim) {
     return "head dim D must be a multiple of 8 and at most 128 (emulated cuDNN)";
   }
-  const int64_t c = s.H * s.D;
-  if (s.ldq < c || s.ldk < c || s.ldv < c || s.ldo < c) return "a row stride is below H * D";
+  const int64_t Hkv = s.kv_heads();
+  if (Hkv <= 0 || s.H % Hkv != 0) return "k/v heads Hkv must divide the query heads H";
+  const int64_t c = s.H * s.D, kc = Hkv * s.D;
+  if (s.ldq < c || s.ldo < c) return "a q or out row stride is below H * D";
+  if (s.ldk < kc || s.ldv < kc) return "a k or v row stride is below Hkv * D";
   if (s.ldq % 8 != 0 || s.ldk % 8 != 0 || s.ldv % 8 != 0 || s.ldo % 8 != 0) {
     return "row strides must be multiples of 8 elements (16-byte rows)";
   }
@@ -57,7 +64,7 @@ DeviceBuffer unit_scales(Context& ctx, int64_t H) {
   return ones;
 }
 
-// The shape of q' (dense rows of H * D) with the other operands' strides.
+// The shape of q' (dense rows of H * D) with the other operands' strides (and k/v heads).
 AttentionShape folded(const AttentionShape& s) {
   AttentionShape f = s;
   f.ldq = s.H * s.D;

@@ -2,10 +2,11 @@
 // (framework/kernels/attention.h) in fp32 on the same bf16-rounded inputs: out, lse (against a
 // float64 log-sum-exp computed here), dq, dk, dv and dscale, for D in {64, 128}, T not a multiple
 // of 64, B, H > 1, different per-head scales, and q, k, v (and their gradients) both as strided
-// views of one fused qkv buffer and as dense arrays. Outputs are poisoned with NaN first, and the
-// fused rows' columns no view covers must stay untouched. Also the per-head scale fold's kernels
-// against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips without a GPU, and
-// the cuDNN comparisons skip in a build without the cuDNN frontend.
+// views of one fused qkv buffer and as dense arrays, and grouped-query and multi-query attention
+// (H = 4 query heads on Hkv = 4, 2, 1 k/v heads: K, V, dK, dV of Hkv heads). Outputs are poisoned
+// with NaN first, and the fused rows' columns no view covers must stay untouched. Also the per-head
+// scale fold's kernels against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips
+// without a GPU, and the cuDNN comparisons skip in a build without the cuDNN frontend.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,41 +43,57 @@ constexpr double kDqRtol = 6 * kBf16Rtol;
 
 struct SdpaCase {
   int64_t B, T, H, D;
-  bool fused;  // q, k, v at columns [0, HD), [HD, 2HD), [2HD, 3HD) of rows of 3HD + 8 and out in
-               // rows of HD + 8 (cuDNN needs 16-byte rows); otherwise dense [B * T, HD] arrays.
+  bool fused;  // q, k, v at columns [0, HD), [HD, HD + KD), [HD + KD, HD + 2 KD) of rows of
+               // HD + 2 KD + 8 (KD = Hkv D) and out in rows of HD + 8 (cuDNN needs 16-byte rows);
+               // otherwise dense [B * T, HD] q and [B * T, KD] k, v arrays.
+  int64_t Hkv = 0;  // k/v heads; 0: H
+  int64_t kv_heads() const { return Hkv > 0 ? Hkv : H; }
 };
 
 std::string describe(const SdpaCase& c) {
   return "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) +
-         " D=" + std::to_string(c.D) + (c.fused ? " fused" : " dense");
+         " Hkv=" + std::to_string(c.kv_heads()) + " D=" + std::to_string(c.D) +
+         (c.fused ? " fused" : " dense");
 }
 
+// q's rows have stride ldq, k's and v's ldkv.
 struct Layout {
-  int64_t ld, off_q, off_k, off_v, size, ldo, out_size;
+  int64_t ldq, ldkv, off_q, off_k, off_v, size, ldo, out_size;
 };
 Layout layout_of(const SdpaCase& c) {
-  const int64_t N = c.B * c.T, HD = c.H * c.D;
-  if (c.fused) return {3 * HD + 8, 0, HD, 2 * HD, N * (3 * HD + 8), HD + 8, N * (HD + 8)};
-  return {HD, 0, N * HD, 2 * N * HD, 3 * N * HD, HD, N * HD};
+  const int64_t N = c.B * c.T, HD = c.H * c.D, KD = c.kv_heads() * c.D;
+  if (c.fused) {
+    const int64_t ld = HD + 2 * KD + 8;
+    return {ld, ld, 0, HD, HD + KD, N * ld, HD + 8, N * (HD + 8)};
+  }
+  return {HD, KD, 0, N * HD, N * (HD + KD), N * (HD + 2 * KD), HD, N * HD};
 }
 
-// The [N, HD] elements of a view (row stride ld, first element at off), densely.
-std::vector<float> gather(const std::vector<float>& buf, int64_t N, int64_t HD, int64_t ld,
-                          int64_t off) {
-  std::vector<float> out(N * HD);
+kernels::AttentionShape shape_of(const SdpaCase& c, const Layout& L) {
+  return {c.B, c.T, c.H, c.D, L.ldq, L.ldkv, L.ldkv, L.ldo, /*threads=*/1, c.Hkv};
+}
+
+// A view of [N, width] elements with row stride ld, first element at off.
+struct View {
+  int64_t off, width, ld;
+};
+
+// The N rows of a view, densely.
+std::vector<float> gather(const std::vector<float>& buf, int64_t N, const View& v) {
+  std::vector<float> out(N * v.width);
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t j = 0; j < HD; ++j) out[n * HD + j] = buf[off + n * ld + j];
+    for (int64_t j = 0; j < v.width; ++j) out[n * v.width + j] = buf[v.off + n * v.ld + j];
   }
   return out;
 }
 
 // Elements no view covers are still NaN (the poison).
-::testing::AssertionResult untouched_outside(const std::vector<float>& buf, int64_t N, int64_t HD,
-                                             int64_t ld, const std::vector<int64_t>& offsets) {
+::testing::AssertionResult untouched_outside(const std::vector<float>& buf, int64_t N,
+                                             const std::vector<View>& views) {
   std::vector<char> covered(buf.size(), 0);
-  for (int64_t off : offsets) {
+  for (const View& v : views) {
     for (int64_t n = 0; n < N; ++n) {
-      for (int64_t j = 0; j < HD; ++j) covered[off + n * ld + j] = 1;
+      for (int64_t j = 0; j < v.width; ++j) covered[v.off + n * v.ld + j] = 1;
     }
   }
   for (size_t i = 0; i < buf.size(); ++i) {
@@ -87,20 +104,22 @@ std::vector<float> gather(const std::vector<float>& buf, int64_t N, int64_t HD, 
   return ::testing::AssertionSuccess();
 }
 
-// lse[(b * H + h) * T + t] = ln sum_{u <= t} exp(scale[h] q_t . k_u), in double.
+// lse[(b * H + h) * T + t] = ln sum_{u <= t} exp(scale[h] q_t . k_u), in double (k of the k/v
+// head hk = h / (H / Hkv)).
 std::vector<float> reference_lse(const kernels::AttentionShape& s, const float* q, const float* k,
                                  const std::vector<float>& scale) {
   std::vector<float> lse(s.B * s.H * s.T);
   std::vector<double> x(s.T);
   for (int64_t b = 0; b < s.B; ++b) {
     for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t hk = h / (s.H / s.kv_heads());
       for (int64_t t = 0; t < s.T; ++t) {
         double mx = -INFINITY;
         for (int64_t u = 0; u <= t; ++u) {
           double dot = 0.0;
           for (int64_t d = 0; d < s.D; ++d) {
             dot += static_cast<double>(q[(b * s.T + t) * s.ldq + h * s.D + d]) *
-                   k[(b * s.T + u) * s.ldk + h * s.D + d];
+                   k[(b * s.T + u) * s.ldk + hk * s.D + d];
           }
           x[u] = scale[h] * dot;
           mx = std::max(mx, x[u]);
@@ -125,8 +144,10 @@ class SdpaTest : public GpuTest {
   void check_case(const SdpaCase& c, uint32_t seed) {
     SCOPED_TRACE(describe(c));
     const Layout L = layout_of(c);
-    const int64_t N = c.B * c.T, HD = c.H * c.D;
-    const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, /*threads=*/1};
+    const int64_t N = c.B * c.T, HD = c.H * c.D, KD = c.kv_heads() * c.D;
+    const kernels::AttentionShape s = shape_of(c, L);
+    const View vq{L.off_q, HD, L.ldq}, vk{L.off_k, KD, L.ldkv}, vv{L.off_v, KD, L.ldkv};
+    const View vout{0, HD, L.ldo};
     std::string why;
     ASSERT_TRUE(cudnn::sdpa_available(ctx(), s, &why)) << why;
 
@@ -170,19 +191,16 @@ class SdpaTest : public GpuTest {
     const auto g_lse = get<float>(d_lse, c.B * c.H * c.T);
     const auto g_dscale = get<float>(d_dscale, c.H);
 
-    EXPECT_TRUE(matches(gather(g_out, N, HD, L.ldo, 0), gather(out, N, HD, L.ldo, 0), kBf16Rtol))
-        << "out";
-    EXPECT_TRUE(untouched_outside(g_out, N, HD, L.ldo, {0})) << "out";
+    EXPECT_TRUE(matches(gather(g_out, N, vout), gather(out, N, vout), kBf16Rtol)) << "out";
+    EXPECT_TRUE(untouched_outside(g_out, N, {vout})) << "out";
     EXPECT_TRUE(matches(g_lse, lse_ref, kLseRtol)) << "lse";
-    const std::pair<int64_t, double> grads[] = {
-        {L.off_q, kDqRtol}, {L.off_k, kGradRtol}, {L.off_v, kGradRtol}};
+    const std::pair<View, double> grads[] = {{vq, kDqRtol}, {vk, kGradRtol}, {vv, kGradRtol}};
     const char* names[] = {"dq", "dk", "dv"};
     for (int i = 0; i < 3; ++i) {
-      const auto [off, rtol] = grads[i];
-      EXPECT_TRUE(matches(gather(g_dqkv, N, HD, L.ld, off), gather(dqkv, N, HD, L.ld, off), rtol))
-          << names[i];
+      const auto [view, rtol] = grads[i];
+      EXPECT_TRUE(matches(gather(g_dqkv, N, view), gather(dqkv, N, view), rtol)) << names[i];
     }
-    EXPECT_TRUE(untouched_outside(g_dqkv, N, HD, L.ld, {L.off_q, L.off_k, L.off_v})) << "dqkv";
+    EXPECT_TRUE(untouched_outside(g_dqkv, N, {vq, vk, vv})) << "dqkv";
     // The increment, not the sum, against the bound: dscale0 would otherwise hide its errors.
     EXPECT_TRUE(matches(minus(g_dscale, dscale0), minus(dscale, dscale0), kDqRtol)) << "dscale";
   }
@@ -191,8 +209,12 @@ class SdpaTest : public GpuTest {
 TEST_F(SdpaTest, ForwardAndBackwardMatchCpuOnRoundedInputs) {
   if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
   std::cout << "[          ] " << cudnn::library_version() << "\n";
-  // T = 77, 130, 45: no multiple of cuDNN's 64- or 128-row tiles.
-  const SdpaCase cases[] = {{2, 77, 3, 64, true}, {2, 130, 2, 128, false}, {3, 45, 4, 128, true}};
+  // T = 77, 130, 45, 50: no multiple of cuDNN's 64- or 128-row tiles. H = 4 on Hkv = 4 (written
+  // out), 2 and 1 (multi-query), fused and dense.
+  const SdpaCase cases[] = {{2, 77, 3, 64, true},     {2, 130, 2, 128, false},
+                            {3, 45, 4, 128, true},    {2, 50, 4, 64, false, 4},
+                            {2, 77, 4, 64, true, 2},  {1, 50, 4, 128, false, 2},
+                            {2, 45, 4, 64, false, 1}, {1, 77, 4, 64, true, 1}};
   uint32_t seed = 500;
   for (const SdpaCase& c : cases) check_case(c, seed += 10);
 }
@@ -202,7 +224,7 @@ TEST_F(SdpaTest, PlansAreReusedAcrossCalls) {
   // The same shape twice on the same inputs: the cached plan gives the same forward result.
   const SdpaCase c{2, 70, 2, 64, false};
   const Layout L = layout_of(c);
-  const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, 1};
+  const kernels::AttentionShape s = shape_of(c, L);
   const auto qkv = to_bf16(random_vec(L.size, -1, 1, 601));
   const std::vector<float> scale = {0.1f, 0.2f};
   DeviceBuffer d_qkv = cuda::upload(ctx(), qkv), d_scale = cuda::upload(ctx(), scale);
@@ -220,41 +242,44 @@ TEST_F(SdpaTest, PlansAreReusedAcrossCalls) {
 
 // At a training size (the dP workspace B * H * T^2 * 2 bytes is 268 MB here), two backward calls
 // on the same inputs give the same dq, dk, dv and dscale, bit for bit: cuDNN 9's default backward
-// accumulates dq with atomics, sdpa_cudnn.cc asks for the deterministic one.
+// accumulates dq with atomics, sdpa_cudnn.cc asks for the deterministic one. Also with 2 k/v heads
+// for the 8 query heads, where cuDNN sums each dK, dV over a group of 4.
 TEST_F(SdpaTest, BackwardIsBitwiseReproducibleAtTrainingSizes) {
   if (!cudnn::have_frontend()) GTEST_SKIP() << cudnn::library_version();
 #if KEEL_CUDA_EMULATOR
   GTEST_SKIP() << "the emulated cuDNN is keel's own deterministic kernel, and T = 2048 takes "
                   "hours at emulation speed; this checks the real cuDNN's algorithm choice";
 #endif
-  const SdpaCase c{4, 2048, 8, 64, false};
-  const Layout L = layout_of(c);
-  const int64_t N = c.B * c.T, HD = c.H * c.D;
-  const kernels::AttentionShape s{c.B, c.T, c.H, c.D, L.ld, L.ld, L.ld, L.ldo, 1};
-  const auto qkv = to_bf16(random_vec(L.size, -1, 1, 611));
-  const auto dout = to_bf16(random_vec(L.out_size, -1, 1, 612));
-  std::vector<float> scale(c.H, 0.125f);
-  DeviceBuffer d_qkv = cuda::upload(ctx(), qkv), d_dout = cuda::upload(ctx(), dout);
-  DeviceBuffer d_scale = cuda::upload(ctx(), scale);
-  DeviceBuffer d_out = poisoned<Bf16>(L.out_size), d_lse = poisoned<float>(c.B * c.H * c.T);
-  const Bf16* q = d_qkv.as<Bf16>() + L.off_q;
-  const Bf16* k = d_qkv.as<Bf16>() + L.off_k;
-  const Bf16* v = d_qkv.as<Bf16>() + L.off_v;
-  cudnn::sdpa_forward(ctx(), s, d_out.as<Bf16>(), d_lse.as<float>(), q, k, v, d_scale.as<float>());
-  std::vector<std::vector<Bf16>> grads;
-  std::vector<std::vector<float>> dscales;
-  for (int rep = 0; rep < 2; ++rep) {
-    DeviceBuffer d_grad = poisoned<Bf16>(L.size);
-    DeviceBuffer d_dscale = cuda::upload(ctx(), std::vector<float>(c.H, 0.0f));
-    cudnn::sdpa_backward(ctx(), s, d_grad.as<Bf16>() + L.off_q, d_grad.as<Bf16>() + L.off_k,
-                         d_grad.as<Bf16>() + L.off_v, d_dscale.as<float>(), d_dout.as<Bf16>(),
-                         d_out.as<Bf16>(), d_lse.as<float>(), q, k, v, d_scale.as<float>());
-    grads.push_back(get<Bf16>(d_grad, L.size));
-    dscales.push_back(get<float>(d_dscale, c.H));
+  for (const int64_t Hkv : {int64_t{0}, int64_t{2}}) {
+    const SdpaCase c{4, 2048, 8, 64, false, Hkv};
+    SCOPED_TRACE(describe(c));
+    const Layout L = layout_of(c);
+    const kernels::AttentionShape s = shape_of(c, L);
+    const auto qkv = to_bf16(random_vec(L.size, -1, 1, 611));
+    const auto dout = to_bf16(random_vec(L.out_size, -1, 1, 612));
+    std::vector<float> scale(c.H, 0.125f);
+    DeviceBuffer d_qkv = cuda::upload(ctx(), qkv), d_dout = cuda::upload(ctx(), dout);
+    DeviceBuffer d_scale = cuda::upload(ctx(), scale);
+    DeviceBuffer d_out = poisoned<Bf16>(L.out_size), d_lse = poisoned<float>(c.B * c.H * c.T);
+    const Bf16* q = d_qkv.as<Bf16>() + L.off_q;
+    const Bf16* k = d_qkv.as<Bf16>() + L.off_k;
+    const Bf16* v = d_qkv.as<Bf16>() + L.off_v;
+    cudnn::sdpa_forward(ctx(), s, d_out.as<Bf16>(), d_lse.as<float>(), q, k, v,
+                        d_scale.as<float>());
+    std::vector<std::vector<Bf16>> grads;
+    std::vector<std::vector<float>> dscales;
+    for (int rep = 0; rep < 2; ++rep) {
+      DeviceBuffer d_grad = poisoned<Bf16>(L.size);
+      DeviceBuffer d_dscale = cuda::upload(ctx(), std::vector<float>(c.H, 0.0f));
+      cudnn::sdpa_backward(ctx(), s, d_grad.as<Bf16>() + L.off_q, d_grad.as<Bf16>() + L.off_k,
+                           d_grad.as<Bf16>() + L.off_v, d_dscale.as<float>(), d_dout.as<Bf16>(),
+                           d_out.as<Bf16>(), d_lse.as<float>(), q, k, v, d_scale.as<float>());
+      grads.push_back(get<Bf16>(d_grad, L.size));
+      dscales.push_back(get<float>(d_dscale, c.H));
+    }
+    EXPECT_TRUE(identical(from_bf16(grads[1]), from_bf16(grads[0]))) << "dq, dk, dv";
+    EXPECT_TRUE(identical(dscales[1], dscales[0])) << "dscale";
   }
-  EXPECT_TRUE(identical(from_bf16(grads[1]), from_bf16(grads[0])))
-      << "dq, dk, dv (N=" << N << ", HD=" << HD << ")";
-  EXPECT_TRUE(identical(dscales[1], dscales[0])) << "dscale";
 }
 
 // A plan whose workspace is above the limit is refused with the reason (and the shape then takes
@@ -284,12 +309,14 @@ TEST_F(SdpaTest, RefusesAPlanWhoseWorkspaceIsAboveTheLimit) {
 }
 
 TEST_F(SdpaTest, RefusesShapesCudnnCannotTakeNamingTheShape) {
-  // D = 12 is not a multiple of 8; ld = 36 (H * D for D = 12, H = 3) is not either.
+  // D = 12 is not a multiple of 8; ld = 36 (H * D for D = 12, H = 3) is not either; 3 k/v heads
+  // do not divide 4 query heads.
   const kernels::AttentionShape odd_d{1, 8, 3, 12, 36, 36, 36, 36, 1};
   const kernels::AttentionShape odd_ld{1, 8, 1, 64, 68, 68, 68, 64, 1};
+  const kernels::AttentionShape ungrouped{1, 8, 4, 16, 64, 48, 48, 64, 1, 3};
   DeviceBuffer buf = ctx().alloc(1 << 16), lse = ctx().alloc(1 << 12), sc = ctx().alloc(64);
   Bf16* p = buf.as<Bf16>();
-  for (const auto& s : {odd_d, odd_ld}) {
+  for (const auto& s : {odd_d, odd_ld, ungrouped}) {
     std::string why;
     EXPECT_FALSE(cudnn::sdpa_available(ctx(), s, &why));
     EXPECT_FALSE(why.empty());

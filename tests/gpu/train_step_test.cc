@@ -130,6 +130,14 @@ TEST_F(TrainStepTest, OneTrainingStepMatchesTheCpu) {
         "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false", "model.bias=false"}},
       {"LEARNED + GEGLU, no qk_norm, 2 layers",
        {"model.n_layers=2", "model.position=LEARNED", "model.mlp=GEGLU", "model.qk_norm=NONE"}},
+      // Grouped-query and multi-query attention (Note [gqa layouts] in layers/attention.h): the
+      // CUDA kernels' k/v head sharing and the dk, dv sums over each group.
+      {"grouped-query: 4 heads on 2 k/v heads, ROPE + SWIGLU, qk_norm L2 (per head), 2 layers",
+       {"model.n_layers=2", "model.n_kv_heads=2", "model.position=ROPE", "model.mlp=SWIGLU",
+        "model.qk_norm=L2", "model.qk_norm_scope=HEAD", "model.norm=RMSNORM", "model.bias=false"}},
+      {"multi-query: 4 heads on 1 k/v head, LEARNED + GELU, no qk_norm, 2 layers",
+       {"model.n_layers=2", "model.n_kv_heads=1", "model.position=LEARNED", "model.mlp=GELU",
+        "model.qk_norm=NONE"}},
   };
   for (const Variant& variant : variants) {
     SCOPED_TRACE(variant.name);
@@ -275,6 +283,10 @@ TEST_F(TrainStepTest, RecomputationChangesNoBit) {
         "model.qk_norm=RMS", "model.qk_norm_scope=PROJECTION", "model.norm=RMSNORM",
         "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false", "model.bias=false",
         "train.recompute_layers=2"}},
+      // Grouped-query attention in BF16: bf16 QK-normalised k of Hkv heads read in place.
+      {"grouped-query, 4 heads on 2 k/v heads, ROPE, 2 layers, all recomputed",
+       {"model.n_layers=2", "model.seq_len=32", "model.n_kv_heads=2", "model.position=ROPE",
+        "model.qk_norm=RMS", "model.qk_norm_scope=HEAD", "train.recompute_layers=2"}},
   };
   for (const Variant& variant : variants) {
     SCOPED_TRACE(variant.name);

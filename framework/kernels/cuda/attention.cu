@@ -9,19 +9,26 @@
 // that follow, a lane owns the columns d = lane + 32 i (i < 4) of each of the warp's 8 rows and
 // takes the other tile's weights from its lanes by shuffles, in increasing row order.
 //
+// Grouped-query attention (AttentionShape::Hkv < H): query head h reads k/v head h / G, G = H /
+// Hkv, at row strides ldk, ldv of at least Hkv * D. Only the dK/dV kernel sees the groups.
+//
 // Forward: one block per (b, h, query tile), key tiles from 0 to the diagonal tile (the causal
 // mask skips the rest), online softmax (running max m, running sum l, output rescaled by
 // exp(m_old - m_new)); writes out and lse = m + log l.
 //
 // Backward, without atomics: delta = rowsum(dout * out) (FlashAttention-2's, from the out the
-// forward wrote: bf16-rounded for bf16); one kernel per (b, h, key tile) walks the query tiles
-// from the diagonal down, recomputes P = exp(scale q.k - lse) and dS = P (dout.v - delta),
-// accumulates dV = P^T dO and dK = scale dS^T Q in registers and sums dS * q.k (the scale
-// gradient) per block; a second kernel per (b, h, query tile) recomputes the same P and dS
+// forward wrote: bf16-rounded for bf16); one kernel per (b, k/v head, key tile) walks, for each
+// query head of the group in increasing order, the query tiles from the diagonal down, recomputes
+// P = exp(scale q.k - lse) and dS = P (dout.v - delta), accumulates dV = P^T dO and dK = (scale
+// dS)^T Q over the whole group in registers (so a k/v head's gradient sums its query heads in a
+// fixed order, with no partial buffers and no atomics) and sums dS * q.k (the scale gradient) per
+// block and query head; a second kernel per (b, h, query tile) recomputes the same P and dS
 // (bitwise: the same dot products in the same order) and accumulates dQ = scale dS K. A last small
 // kernel sums the per-block scale-gradient partials per head in a fixed order. Every sum has a
 // fixed order, so results are bitwise reproducible; max |logit| combines blocks with an integer
-// atomicMax on the float's bits (exact and order-independent for non-negative floats).
+// atomicMax on the float's bits (exact and order-independent for non-negative floats). With
+// groups, the dK/dV grid has B * Hkv rather than B * H columns of blocks, each G times the work:
+// at 124M-like shapes (B 16, T 1024) even multi-query attention gives 16 x 32 = 512 blocks.
 //
 // Max |logit| alone (what the cuDNN path reports beside cuDNN's attention, Note [cuda-exec-bf16]):
 // for bf16 q and k in 16-row-aligned layouts, on the tensor cores (WMMA m16n16k16, fp32
@@ -97,6 +104,18 @@ __device__ __forceinline__ void row_dots(float (&acc)[kRows], const float* rows,
   }
 }
 
+// AttentionShape::kv_heads() for device code (the header's member is host-only).
+__host__ __device__ inline int64_t kv_heads_of(const AttentionShape& s) {
+  return s.Hkv > 0 ? s.Hkv : s.H;
+}
+
+// The k/v head query head h reads: h / G with G = H / Hkv query heads per group. In 32 bits
+// (check_shape holds B * H below 2^31): 64-bit integer division is a software routine on a GPU.
+__host__ __device__ inline int64_t kv_head_of(const AttentionShape& s, int64_t h) {
+  const int H = static_cast<int>(s.H), Hkv = static_cast<int>(kv_heads_of(s));
+  return static_cast<int>(h) / (H / Hkv);
+}
+
 // Folds a block's non-negative maximum into *out: a float's bits order like an int's for
 // non-negative values, so an integer atomicMax is exact and independent of block order.
 __device__ void block_max_into(float v, float* out) {
@@ -121,9 +140,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * int64_t{kTile};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float sc = scale[h];
+  const int64_t hk = kv_head_of(s, h);
   const T* qh = q + b * s.T * s.ldq + h * s.D;
-  const T* kh = k + b * s.T * s.ldk + h * s.D;
-  const T* vh = v + b * s.T * s.ldv + h * s.D;
+  const T* kh = k + b * s.T * s.ldk + hk * s.D;
+  const T* vh = v + b * s.T * s.ldv + hk * s.D;
   load_tile(sQ, D, qh, s.ldq, q0, s.T, D);
 
   float m[kRows], l[kRows], o[kRows][kCols];
@@ -205,11 +225,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * int64_t{kTile};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float sc = scale[h];
+  const T* kh = k + b * s.T * s.ldk + kv_head_of(s, h) * s.D;
   load_tile(sQ, D, q + b * s.T * s.ldq + h * s.D, s.ldq, q0, s.T, D);
   float amax = 0.0f;
   for (int64_t k0 = 0; k0 <= q0; k0 += kTile) {
     __syncthreads();
-    load_tile(sK, Dk, k + b * s.T * s.ldk + h * s.D, s.ldk, k0, s.T, D);
+    load_tile(sK, Dk, kh, s.ldk, k0, s.T, D);
     __syncthreads();
     float x[kRows];
     row_dots(x, sQ + warp * kRows * D, sK + lane * Dk, D);
@@ -258,7 +279,7 @@ __global__ void __launch_bounds__(kThreads)
       wmma::fragment<wmma::accumulator, kTcRows, kTcRows, kTcRows, float> acc;
       wmma::fill_fragment(acc, 0.0f);
       // B = K^T: element (d, key) at k[key * ldk + d], i.e. column-major with ldm = ldk.
-      const __nv_bfloat16* kcol = k + (b * s.T + k0) * s.ldk + h * s.D;
+      const __nv_bfloat16* kcol = k + (b * s.T + k0) * s.ldk + kv_head_of(s, h) * s.D;
 #pragma unroll
       for (int i = 0; i < kAttentionMaxHeadDim / kTcRows; ++i) {
         if (i >= kd) break;
@@ -281,10 +302,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // The tensor-core form's requirements: bf16, D a multiple of 16, T a multiple of 16 (whole
 // tiles), row strides a multiple of 8 elements and q, k 32-byte aligned (WMMA's loads).
+// D at most 128: the A fragments a[] are sized for it (cuDNN's larger head dims take the CUDA-core
+// form).
 bool can_use_tensor_cores(const AttentionShape& s, const void* q, const void* k) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
-  return s.D % kTcRows == 0 && s.T % kTcRows == 0 && s.ldq % 8 == 0 && s.ldk % 8 == 0 &&
-         aligned(q) && aligned(k);
+  return s.D % kTcRows == 0 && s.D <= kAttentionMaxHeadDim && s.T % kTcRows == 0 &&
+         s.ldq % 8 == 0 && s.ldk % 8 == 0 && aligned(q) && aligned(k);
 }
 
 // ---- backward ----
@@ -305,9 +328,10 @@ __global__ void attention_delta_kernel(AttentionShape s, float* delta, const T* 
   if (lane == 0) delta[row] = acc;
 }
 
-// dK, dV for one (b * H + h, key tile): the warp's 8 keys against the lanes' 32 queries of each
-// query tile from the diagonal to T. dscale_partial[bh * tiles + key tile] = sum of dS * q.k over
-// the block (when not null).
+// dK, dV for one (b * Hkv + k/v head hk, key tile): the warp's 8 keys against the lanes' 32
+// queries of each query tile from the diagonal to T, for each query head h of the group in turn.
+// dscale_partial[(b * H + h) * tiles + key tile] = sum of dS * q.k over the block's part of head h
+// (when not null).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_dkdv_kernel(AttentionShape s, T* dk, T* dv, float* dscale_partial, const T* dout,
@@ -322,16 +346,12 @@ __global__ void __launch_bounds__(kThreads)
   float* sdO = sQ + kTile * Dq;    // [kTile][Dq]
   float* sLse = sdO + kTile * Dq;  // [kTile]
   float* sDelta = sLse + kTile;    // [kTile]
-  const int64_t bh = blockIdx.x, b = bh / s.H, h = bh % s.H;
+  const int64_t Hkv = kv_heads_of(s), G = s.H / Hkv;
+  const int64_t b = blockIdx.x / Hkv, hk = blockIdx.x % Hkv;
   const int64_t k0 = blockIdx.y * int64_t{kTile};  // key tile 0, the longest column, first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float sc = scale[h];
-  const T* qh = q + b * s.T * s.ldq + h * s.D;
-  const T* kh = k + b * s.T * s.ldk + h * s.D;
-  const T* vh = v + b * s.T * s.ldv + h * s.D;
-  const T* doh = dout + b * s.T * s.ldo + h * s.D;
-  const float* lse_h = lse + bh * s.T;
-  const float* delta_h = delta + bh * s.T;
+  const T* kh = k + b * s.T * s.ldk + hk * s.D;
+  const T* vh = v + b * s.T * s.ldv + hk * s.D;
   load_tile(sK, D, kh, s.ldk, k0, s.T, D);
   load_tile(sV, D, vh, s.ldv, k0, s.T, D);
   const float* krows = sK + warp * kRows * D;
@@ -343,83 +363,95 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < kCols; ++i) dk_acc[r][i] = dv_acc[r][i] = 0.0f;
   }
-  float dscale_acc = 0.0f;
-  for (int64_t q0 = k0; q0 < s.T; q0 += kTile) {
-    __syncthreads();  // the previous query tile is no longer read (and sK, sV are complete)
-    load_tile(sQ, Dq, qh, s.ldq, q0, s.T, D);
-    load_tile(sdO, Dq, doh, s.ldo, q0, s.T, D);
-    if (threadIdx.x < kTile) {
-      const int64_t t = q0 + threadIdx.x;
-      sLse[threadIdx.x] = t < s.T ? lse_h[t] : 0.0f;
-      sDelta[threadIdx.x] = t < s.T ? delta_h[t] : 0.0f;
-    }
-    __syncthreads();
-    // The lane's query t against the warp's keys: q.k (the forward's order) and dout.v.
-    const float* qrow = sQ + lane * Dq;
-    const float* dorow = sdO + lane * Dq;
-    float qk[kRows], dp[kRows], p[kRows], ds[kRows];
-    row_dots(qk, krows, qrow, D);
-    row_dots(dp, vrows, dorow, D);
-    const int64_t t = q0 + lane;
-    const float lse_t = sLse[lane], delta_t = sDelta[lane];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t key = k0 + warp * kRows + r;
-      const bool valid = key <= t && t < s.T;
-      p[r] = valid ? expf(sc * qk[r] - lse_t) : 0.0f;
-      ds[r] = valid ? p[r] * (dp[r] - delta_t) : 0.0f;
-      dscale_acc = fmaf(ds[r], qk[r], dscale_acc);
-    }
-    // dV[key][d] += sum_j P[j][key] dO[j][d]; dK[key][d] += sum_j dS[j][key] Q[j][d].
-    // Unrolled by 8: ptxas otherwise spills 20 bytes per thread here at its 168-register
-    // allocation (tests/gpu/kernel_resources.py).
-#pragma unroll 8
-    for (int j = 0; j < kTile; ++j) {
-      float qj[kCols], doj[kCols];
-#pragma unroll
-      for (int i = 0; i < kCols; ++i) {
-        const int d = lane + 32 * i;
-        qj[i] = d < D ? sQ[j * Dq + d] : 0.0f;
-        doj[i] = d < D ? sdO[j * Dq + d] : 0.0f;
+  // The group's query heads in increasing order, all into the same dk_acc, dv_acc.
+  for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+    const int64_t bh = b * s.H + h;
+    const float sc = scale[h];
+    const T* qh = q + b * s.T * s.ldq + h * s.D;
+    const T* doh = dout + b * s.T * s.ldo + h * s.D;
+    const float* lse_h = lse + bh * s.T;
+    const float* delta_h = delta + bh * s.T;
+    float dscale_acc = 0.0f;
+    for (int64_t q0 = k0; q0 < s.T; q0 += kTile) {
+      __syncthreads();  // the previous query tile is no longer read (and sK, sV are complete)
+      load_tile(sQ, Dq, qh, s.ldq, q0, s.T, D);
+      load_tile(sdO, Dq, doh, s.ldo, q0, s.T, D);
+      if (threadIdx.x < kTile) {
+        const int64_t t = q0 + threadIdx.x;
+        sLse[threadIdx.x] = t < s.T ? lse_h[t] : 0.0f;
+        sDelta[threadIdx.x] = t < s.T ? delta_h[t] : 0.0f;
       }
+      __syncthreads();
+      // The lane's query t against the warp's keys: q.k (the forward's order) and dout.v.
+      const float* qrow = sQ + lane * Dq;
+      const float* dorow = sdO + lane * Dq;
+      float qk[kRows], dp[kRows], p[kRows], ds[kRows];
+      row_dots(qk, krows, qrow, D);
+      row_dots(dp, vrows, dorow, D);
+      const int64_t t = q0 + lane;
+      const float lse_t = sLse[lane], delta_t = sDelta[lane];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float pj = __shfl_sync(kFullMask, p[r], j);
-        const float dsj = __shfl_sync(kFullMask, ds[r], j);
+        const int64_t key = k0 + warp * kRows + r;
+        const bool valid = key <= t && t < s.T;
+        p[r] = valid ? expf(sc * qk[r] - lse_t) : 0.0f;
+        ds[r] = valid ? p[r] * (dp[r] - delta_t) : 0.0f;
+        dscale_acc = fmaf(ds[r], qk[r], dscale_acc);
+        ds[r] *= sc;  // dK takes scale dS: the group's heads may have different scales
+      }
+      // dV[key][d] += sum_j P[j][key] dO[j][d]; dK[key][d] += sum_j scale dS[j][key] Q[j][d].
+      // Unrolled by 8: ptxas otherwise spills 20 bytes per thread here at its 168-register
+      // allocation (tests/gpu/kernel_resources.py).
+#pragma unroll 8
+      for (int j = 0; j < kTile; ++j) {
+        float qj[kCols], doj[kCols];
 #pragma unroll
         for (int i = 0; i < kCols; ++i) {
-          dv_acc[r][i] = fmaf(pj, doj[i], dv_acc[r][i]);
-          dk_acc[r][i] = fmaf(dsj, qj[i], dk_acc[r][i]);
+          const int d = lane + 32 * i;
+          qj[i] = d < D ? sQ[j * Dq + d] : 0.0f;
+          doj[i] = d < D ? sdO[j * Dq + d] : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float pj = __shfl_sync(kFullMask, p[r], j);
+          const float dsj = __shfl_sync(kFullMask, ds[r], j);
+#pragma unroll
+          for (int i = 0; i < kCols; ++i) {
+            dv_acc[r][i] = fmaf(pj, doj[i], dv_acc[r][i]);
+            dk_acc[r][i] = fmaf(dsj, qj[i], dk_acc[r][i]);
+          }
         }
       }
+    }
+    if (dscale_partial != nullptr) {  // block-uniform
+      __shared__ float red[32];
+      dscale_acc = block_sum(dscale_acc, red);
+      if (threadIdx.x == 0) dscale_partial[bh * gridDim.y + blockIdx.y] = dscale_acc;
     }
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t key = k0 + warp * kRows + r;
     if (key >= s.T) continue;
-    T* dkrow = dk + (b * s.T + key) * s.ldk + h * s.D;
-    T* dvrow = dv + (b * s.T + key) * s.ldv + h * s.D;
+    T* dkrow = dk + (b * s.T + key) * s.ldk + hk * s.D;
+    T* dvrow = dv + (b * s.T + key) * s.ldv + hk * s.D;
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int d = lane + 32 * i;
       if (d < D) {
-        dkrow[d] = from_f<T>(sc * dk_acc[r][i]);
+        dkrow[d] = from_f<T>(dk_acc[r][i]);
         dvrow[d] = from_f<T>(dv_acc[r][i]);
       }
     }
   }
-  if (dscale_partial != nullptr) {
-    __shared__ float red[32];
-    dscale_acc = block_sum(dscale_acc, red);
-    if (threadIdx.x == 0) dscale_partial[bh * gridDim.y + blockIdx.y] = dscale_acc;
-  }
 }
 
 // dQ for one (b * H + h, query tile): the warp's 8 queries against the lanes' 32 keys of each key
-// tile up to the diagonal.
+// tile up to the diagonal. At least 3 blocks per SM (up to 170 registers), the occupancy it had at
+// 140 registers before grouped-query attention: ptxas otherwise squeezes it to 128 registers and
+// spills 8 bytes (tests/gpu/kernel_resources.py); with the hint it takes 154 and spills nothing.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     attention_dq_kernel(AttentionShape s, T* dq, const T* dout, const float* lse,
                         const float* delta, const T* q, const T* k, const T* v,
                         const float* scale) {
@@ -434,8 +466,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t q0 = (gridDim.y - 1 - blockIdx.y) * int64_t{kTile};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float sc = scale[h];
-  const T* kh = k + b * s.T * s.ldk + h * s.D;
-  const T* vh = v + b * s.T * s.ldv + h * s.D;
+  const int64_t hk = kv_head_of(s, h);
+  const T* kh = k + b * s.T * s.ldk + hk * s.D;
+  const T* vh = v + b * s.T * s.ldv + hk * s.D;
   load_tile(sQ, D, q + b * s.T * s.ldq + h * s.D, s.ldq, q0, s.T, D);
   load_tile(sdO, D, dout + b * s.T * s.ldo + h * s.D, s.ldo, q0, s.T, D);
   float lse_r[kRows], delta_r[kRows], dq_acc[kRows][kCols];
@@ -513,15 +546,19 @@ __global__ void attention_dscale_kernel(const float* partial, int64_t B, int64_t
 
 int64_t tiles_of(const AttentionShape& s) { return (s.T + kTile - 1) / kTile; }
 
-void check_shape(const AttentionShape& s, const char* name) {
+// max_d: the largest head dim the kernel takes (kAttentionMaxHeadDim for the fused kernels).
+void check_shape(const AttentionShape& s, const char* name, int64_t max_d = kAttentionMaxHeadDim) {
   KEEL_CHECK(s.B >= 0 && s.T >= 0 && s.H >= 1 && s.D >= 1, kUsage, "cuda ", name,
              ": bad shape B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D);
-  KEEL_CHECK(s.D <= kAttentionMaxHeadDim, kUsage, "cuda ", name, ": head dim D=", s.D,
-             " exceeds the fused kernel's limit of ", kAttentionMaxHeadDim);
-  const int64_t HD = s.H * s.D;
-  KEEL_CHECK(s.ldq >= HD && s.ldk >= HD && s.ldv >= HD && s.ldo >= HD, kUsage, "cuda ", name,
-             ": row strides ldq=", s.ldq, " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo,
-             " must be at least H * D = ", HD);
+  const int64_t Hkv = s.kv_heads();
+  KEEL_CHECK(Hkv >= 1 && s.H % Hkv == 0, kUsage, "cuda ", name, ": k/v heads Hkv=", Hkv,
+             " must divide the H=", s.H, " query heads");
+  KEEL_CHECK(s.D <= max_d, kUsage, "cuda ", name, ": head dim D=", s.D, " exceeds the limit of ",
+             max_d);
+  const int64_t HD = s.H * s.D, KD = Hkv * s.D;
+  KEEL_CHECK(s.ldq >= HD && s.ldo >= HD && s.ldk >= KD && s.ldv >= KD, kUsage, "cuda ", name,
+             ": row strides ldq=", s.ldq, " ldo=", s.ldo, " (at least H * D = ", HD,
+             "), ldk=", s.ldk, " ldv=", s.ldv, " (at least Hkv * D = ", KD, ")");
   // The delta kernel's grid is one block per kWarps rows of B * H * T.
   KEEL_CHECK(s.B * s.H * s.T / kWarps < INT32_MAX, kUsage, "cuda ", name,
              ": B * H * T = ", s.B * s.H * s.T, " rows is too many for one launch");
@@ -532,6 +569,11 @@ void check_shape(const AttentionShape& s, const char* name) {
 
 dim3 grid_of(const AttentionShape& s) {
   return dim3(static_cast<unsigned>(s.B * s.H), static_cast<unsigned>(tiles_of(s)));
+}
+
+// The dK/dV kernel's grid: one column of blocks per (b, k/v head).
+dim3 kv_grid_of(const AttentionShape& s) {
+  return dim3(static_cast<unsigned>(s.B * s.kv_heads()), static_cast<unsigned>(tiles_of(s)));
 }
 
 // Dynamic shared memory of each kernel for head dim D (fp32 words, as laid out in the kernels).
@@ -568,7 +610,7 @@ void forward_impl(Context& ctx, const AttentionShape& s, T* out, float* lse, con
 template <typename T>
 void max_logit_impl(Context& ctx, const AttentionShape& s, const T* q, const T* k,
                     const float* scale, float* max_abs_logit) {
-  check_shape(s, "attention_max_abs_logit");
+  check_shape(s, "attention_max_abs_logit", kMaxLogitMaxHeadDim);
   KEEL_CHECK(max_abs_logit != nullptr, kUsage, "cuda attention_max_abs_logit: null output");
   KEEL_CUDA_CHECK(cudaMemsetAsync(max_abs_logit, 0, sizeof(float), ctx.stream()),
                   "attention_max_abs_logit");
@@ -612,9 +654,10 @@ void backward_impl(Context& ctx, const AttentionShape& s, T* dq, T* dk, T* dv, f
 
   const size_t smem_kv = dkdv_smem(s.D);
   allow_smem(attention_dkdv_kernel<T>, smem_kv, "attention_backward dkdv");
-  attention_dkdv_kernel<T><<<grid_of(s), kThreads, smem_kv, ctx.stream()>>>(
+  attention_dkdv_kernel<T><<<kv_grid_of(s), kThreads, smem_kv, ctx.stream()>>>(
       s, dk, dv, partial, dout, lse, delta, q, k, v, scale);
-  KEEL_CUDA_LAUNCH_CHECK("attention_backward dkdv", "B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D);
+  KEEL_CUDA_LAUNCH_CHECK("attention_backward dkdv", "B=", s.B, " T=", s.T, " H=", s.H,
+                         " Hkv=", s.kv_heads(), " D=", s.D);
 
   const size_t smem_q = dq_smem(s.D);
   allow_smem(attention_dq_kernel<T>, smem_q, "attention_backward dq");

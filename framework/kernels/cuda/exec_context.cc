@@ -299,24 +299,31 @@ void CudaExec::norm_backward_from_partials(NormOp op, const NormShape& s, int64_
 }
 
 // ---- attention.h (Note [cuda-exec-attention]) ----
+//
+// Grouped-query attention (Note [gqa layouts] in layers/attention.h) runs on both paths: k, v and
+// their gradients hold s.kv_heads() heads (Hkv * D columns), q, out and theirs H. The head dim D
+// is the shape's own (model.head_dim), never d_model / H. keel's fused kernel takes D up to
+// kAttentionMaxHeadDim (128), cuDNN up to 256 (sdpa_cudnn.cc); what neither takes stops with a
+// kConfig error naming model.head_dim.
 
-// Grouped-query attention (k/v heads shared by groups of query heads) has no CUDA kernel yet:
-// keel's fused kernels and the cuDNN SDPA call here read one k/v head per query head.
-static void require_one_kv_head_per_query_head(const AttentionShape& s) {
-  KEEL_CHECK(s.kv_heads() == s.H, kConfig, "model.n_kv_heads: grouped-query attention (", s.H,
-             " query heads on ", s.kv_heads(),
-             " k/v heads on this rank) runs on the CPU only so far; use train.device=CPU or "
-             "model.n_kv_heads=0");
+// "model.head_dim=D: ..." when no attention path here takes D; `why` says why cuDNN does not.
+static void require_head_dim(const AttentionShape& s, const std::string& why) {
+  KEEL_CHECK(s.D <= kAttentionMaxHeadDim, kConfig, "model.head_dim=", s.D,
+             ": keel's fused CUDA attention takes head dims up to ", kAttentionMaxHeadDim,
+             ", and cuDNN's does not take this shape (", why,
+             "); use a smaller head_dim or train.device=CPU");
 }
 
 int64_t CudaExec::attention_saved_elems(const AttentionShape& s) const {
-  require_one_kv_head_per_query_head(s);
+  // In fp32 only keel's fused kernel runs (cuDNN's SDPA is bf16): refused here, when the model is
+  // built. Under BF16 the first forward decides, once it knows whether cuDNN takes the shape.
+  if (precision_ == Precision::kFp32) require_head_dim(s, "bf16 only, and train.precision=FP32");
   return s.B * s.H * s.T;
 }
 
 int64_t CudaExec::attention_workspace_elems(const AttentionShape& /*s*/) const { return 0; }
 
-// Note [act-dtype]: whether an attention operand (q, k or out, row stride ld) is bf16 memory the
+// Note [act-dtype]: whether an attention operand (q or out, row stride ld) is bf16 memory the
 // kernels use as it is: dense rows of H * D, as they read and write them.
 static bool dense_bf16(ActIn a, int64_t ld, const AttentionShape& s, Precision p,
                        const char* method, const char* arg) {
@@ -326,23 +333,34 @@ static bool dense_bf16(ActIn a, int64_t ld, const AttentionShape& s, Precision p
   return true;
 }
 
+// Note [act-dtype]: whether k is bf16 memory the kernels read as it is, at its own row stride:
+// dense rows of Hkv * D, or, with k/v heads replicated under TP (Note [gqa layouts]), the k/v
+// head this rank's query heads read inside rows of every k/v head. Both kernels take strided k.
+static bool strided_bf16_k(ActIn k, int64_t ldk, const AttentionShape& s, Precision p,
+                           const char* method) {
+  if (!is_bf16(k, p, method, "k")) return false;
+  KEEL_CHECK(ldk >= s.kv_heads() * s.D, kInternal, "CudaExec::", method, ": a bf16 k's row stride ",
+             ldk, " is below Hkv * D = ", s.kv_heads() * s.D);
+  return true;
+}
+
 namespace {
 
-// Consecutive slots of n bf16 elements in a staging buffer, handed out as needed.
+// Consecutive slots in a staging buffer, handed out as needed; each starts 64-element aligned
+// (align64), so the sizes given are already rounded.
 class StageSlots {
  public:
-  StageSlots(Bf16* base, int64_t n) : next_(base), n_(n) {}
-  // The next slot, or null (and no slot used) when not needed.
-  Bf16* take(bool needed = true) {
+  explicit StageSlots(Bf16* base) : next_(base) {}
+  // The next slot of n elements, or null (and no slot used) when not needed.
+  Bf16* take(int64_t n, bool needed = true) {
     if (!needed) return nullptr;
     Bf16* p = next_;
-    next_ += n_;
+    next_ += n;
     return p;
   }
 
  private:
   Bf16* next_;
-  int64_t n_;
 };
 
 }  // namespace
@@ -356,29 +374,46 @@ static const Bf16* bf16_rows(Context& ctx, ActIn a, bool is_bf16_rows, int64_t l
   return staged;
 }
 
+// Every operand in dense rows: H * D for q, out and their gradients, Hkv * D for k, v and theirs.
+static AttentionShape dense_rows(const AttentionShape& s) {
+  AttentionShape c = s;
+  c.ldq = c.ldo = s.H * s.D;
+  c.ldk = c.ldv = s.kv_heads() * s.D;
+  return c;
+}
+
+// The shape the bf16 kernels see: dense rows, except that a bf16 k keeps its own row stride
+// (strided_bf16_k).
+static AttentionShape bf16_shape(const AttentionShape& s, bool k_bf16) {
+  AttentionShape c = dense_rows(s);
+  if (k_bf16) c.ldk = s.ldk;
+  return c;
+}
+
 void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
                                  ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) {
-  require_one_kv_head_per_query_head(s);
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_forward", "out");
   const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_forward", "q");
-  const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_forward", "k");
+  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, "attention_forward");
   if (precision_ == Precision::kFp32) {
     cuda::attention_forward<float>(ctx_, s, static_cast<float*>(out.data), saved,
                                    static_cast<const float*>(q.data),
                                    static_cast<const float*>(k.data), v, scale, max_abs_logit);
     return;
   }
-  // Note [cuda-exec-bf16]: dense bf16 q, k, v, out rows of H * D; bf16 q and k are read and a bf16
-  // out is written in place. Staging holds v and whichever of q, k, out are fp32.
-  const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  StageSlots slots(stage(n * (1 + !q_bf16 + !k_bf16 + !out_bf16)), n);
-  Bf16* vb = slots.take();
-  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(!q_bf16), BT, HD);
-  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(!k_bf16), BT, HD);
-  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : slots.take();
-  to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
-  const AttentionShape c = dense_shape(s);
+  // Note [cuda-exec-bf16]: dense bf16 q, v, out rows (H * D, Hkv * D for v) and k's bf16 rows;
+  // bf16 q and k are read and a bf16 out is written in place. Staging holds v and whichever of
+  // q, k, out are fp32.
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = s.kv_heads() * s.D;
+  const int64_t n = align64(BT * HD), nk = align64(BT * KD);
+  StageSlots slots(stage(nk + (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (out_bf16 ? 0 : n)));
+  Bf16* vb = slots.take(nk);
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(n, !q_bf16), BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(nk, !k_bf16), BT, KD);
+  Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : slots.take(n);
+  to_bf16_rows(ctx_, vb, KD, v, s.ldv, BT, KD);
+  const AttentionShape c = bf16_shape(s, k_bf16);
   if (use_cudnn(c)) {
     cudnn::sdpa_forward(ctx_, c, ob, saved, qb, kb, vb, scale);
     if (max_abs_logit != nullptr)
@@ -392,22 +427,29 @@ void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* sav
   }
 }
 
-AttentionShape CudaExec::dense_shape(const AttentionShape& s) {
-  AttentionShape c = s;
-  c.ldq = c.ldk = c.ldv = c.ldo = s.H * s.D;
-  return c;
-}
+// exec_context.h's "row strides H * D" is the multi-head case of dense_rows.
+AttentionShape CudaExec::dense_shape(const AttentionShape& s) { return dense_rows(s); }
 
 bool CudaExec::use_cudnn(const AttentionShape& c) {
   // Decided once per shape, so a forward and its backward always take the same path (their
-  // saved log-sum-exp must come from the same kernel).
-  const std::array<int64_t, 4> key{c.B, c.T, c.H, c.D};
+  // saved log-sum-exp must come from the same kernel). exec_context.h keys the decision by four
+  // numbers, (B, T, H, D); the k/v heads and k's row stride (strided_bf16_k), which change what
+  // cuDNN is asked, ride in the upper 32 bits of the last two (H, Hkv, D and ldk are far below
+  // 2^31: the kernels' grids and cuDNN's D <= 256 hold them there).
+  const int64_t Hkv = c.kv_heads();
+  KEEL_CHECK(c.H < (int64_t{1} << 31) && Hkv < (int64_t{1} << 31) && c.D < (int64_t{1} << 31) &&
+                 c.ldk < (int64_t{1} << 31),
+             kInternal, "CudaExec::use_cudnn: shape too large to key (H=", c.H, " Hkv=", Hkv,
+             " D=", c.D, " ldk=", c.ldk, ")");
+  const std::array<int64_t, 4> key{c.B, c.T, (Hkv << 32) | c.H, (c.ldk << 32) | c.D};
   auto it = cudnn_shapes_.find(key);
   if (it == cudnn_shapes_.end()) {
     std::string why;
     it = cudnn_shapes_.emplace(key, cudnn::sdpa_available(ctx_, c, &why)).first;
     attention_path_ =
         it->second ? "cuDNN fused SDPA" : "keel's fused attention (cuDNN: " + why + ")";
+    // Neither path takes the shape: one line naming the field, not the kernel's own error.
+    if (!it->second) require_head_dim(c, why);
   }
   return it->second;
 }
@@ -416,11 +458,10 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
                                   ActIn k, const float* v, const float* scale,
                                   float* /*workspace*/) {
-  require_one_kv_head_per_query_head(s);
   const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, "attention_backward", "dout");
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_backward", "out");
   const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_backward", "q");
-  const bool k_bf16 = dense_bf16(k, s.ldk, s, precision_, "attention_backward", "k");
+  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, "attention_backward");
   if (precision_ == Precision::kFp32) {
     cuda::attention_backward<float>(
         ctx_, s, dq, dk, dv, dscale, static_cast<const float*>(dout.data),
@@ -431,16 +472,19 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
   // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
   // to the same values (an fp32 out was widened from the forward's bf16 output), so the backward
   // sees what the forward computed.
-  // Staging holds v, dq, dk, dv and whichever of q, k, out, dout are fp32.
-  const int64_t BT = s.B * s.T, HD = s.H * s.D, n = align64(BT * HD);
-  StageSlots slots(stage(n * (4 + !q_bf16 + !k_bf16 + !out_bf16 + !dout_bf16)), n);
-  Bf16 *vb = slots.take(), *dqb = slots.take(), *dkb = slots.take(), *dvb = slots.take();
-  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(!q_bf16), BT, HD);
-  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(!k_bf16), BT, HD);
-  const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, slots.take(!out_bf16), BT, HD);
-  const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, slots.take(!dout_bf16), BT, HD);
-  to_bf16_rows(ctx_, vb, HD, v, s.ldv, BT, HD);
-  const AttentionShape c = dense_shape(s);
+  // Staging holds v, dq, dk, dv and whichever of q, k, out, dout are fp32. The kernels write dk
+  // at k's row stride (one ldk for both): Hkv * D, or a bf16 k's own (strided_bf16_k).
+  const AttentionShape c = bf16_shape(s, k_bf16);
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = s.kv_heads() * s.D;
+  const int64_t n = align64(BT * HD), nk = align64(BT * KD), ndk = align64(BT * c.ldk);
+  StageSlots slots(stage(n + 2 * nk + ndk + (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) +
+                         (out_bf16 ? 0 : n) + (dout_bf16 ? 0 : n)));
+  Bf16 *vb = slots.take(nk), *dqb = slots.take(n), *dkb = slots.take(ndk), *dvb = slots.take(nk);
+  const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(n, !q_bf16), BT, HD);
+  const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(nk, !k_bf16), BT, KD);
+  const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, slots.take(n, !out_bf16), BT, HD);
+  const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, slots.take(n, !dout_bf16), BT, HD);
+  to_bf16_rows(ctx_, vb, KD, v, s.ldv, BT, KD);
   if (use_cudnn(c)) {
     cudnn::sdpa_backward(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb, scale);
   } else {
@@ -448,8 +492,8 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
                                    scale);
   }
   from_bf16_rows(ctx_, dq, s.ldq, dqb, HD, BT, HD, /*accumulate=*/false);
-  from_bf16_rows(ctx_, dk, s.ldk, dkb, HD, BT, HD, /*accumulate=*/false);
-  from_bf16_rows(ctx_, dv, s.ldv, dvb, HD, BT, HD, /*accumulate=*/false);
+  from_bf16_rows(ctx_, dk, s.ldk, dkb, c.ldk, BT, KD, /*accumulate=*/false);
+  from_bf16_rows(ctx_, dv, s.ldv, dvb, KD, BT, KD, /*accumulate=*/false);
 }
 
 void CudaExec::attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,

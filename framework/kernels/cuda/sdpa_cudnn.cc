@@ -5,7 +5,11 @@
 //
 // cuDNN sees keel's [B, T, H, D] rows as (B, H, S, D) tensors with strides (T * ld, D, ld, 1), so
 // fused-qkv rows and separate arrays both go in without a copy; the softmax stats (lse) are
-// (B, H, T, 1) with strides (H * T, T, 1, 1).
+// (B, H, T, 1) with strides (H * T, T, 1, 1). Grouped-query attention: K, V, dK and dV are
+// (B, Hkv, S, D) with Hkv = s.kv_heads(), as in the frontend's samples/cpp/sdpa/fp16_fwd.cpp and
+// fp16_bwd.cpp (h_k, h_v below h_q); cuDNN shares k/v head h / (H / Hkv) among query heads, and its
+// backward sums dK, dV over each group (the frontend requires h_q % h_k == 0, which keel's config
+// validation already holds).
 #include "framework/kernels/cuda/sdpa_cudnn.h"
 
 #include <string>
@@ -49,9 +53,10 @@ namespace keel::kernels::cuda::cudnn {
 
 namespace {
 
+// Also the key of a shape's cached plans: every field a graph is built from.
 std::string shape_string(const AttentionShape& s) {
-  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " D=", s.D, " ldq=", s.ldq,
-                              " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
+  return keel::detail::concat("B=", s.B, " T=", s.T, " H=", s.H, " Hkv=", s.kv_heads(), " D=", s.D,
+                              " ldq=", s.ldq, " ldk=", s.ldk, " ldv=", s.ldv, " ldo=", s.ldo);
 }
 
 }  // namespace
@@ -181,8 +186,11 @@ State& state_locked(Context& ctx) {
   return *slot;
 }
 
-// (B, H, S, D) view of keel rows with row stride ld, and the (B, H, T, 1) lse.
-std::vector<int64_t> rows_dim(const AttentionShape& s) { return {s.B, s.H, s.T, s.D}; }
+// (B, heads, S, D) view of keel rows with row stride ld (heads: H for q, out and their gradients,
+// Hkv for k, v and theirs), and the (B, H, T, 1) lse.
+std::vector<int64_t> rows_dim(const AttentionShape& s, int64_t heads) {
+  return {s.B, heads, s.T, s.D};
+}
 std::vector<int64_t> rows_stride(const AttentionShape& s, int64_t ld) {
   return {s.T * ld, s.D, ld, 1};
 }
@@ -190,11 +198,11 @@ std::vector<int64_t> stats_dim(const AttentionShape& s) { return {s.B, s.H, s.T,
 std::vector<int64_t> stats_stride(const AttentionShape& s) { return {s.H * s.T, s.T, 1, 1}; }
 
 fe::graph::Tensor_attributes rows_tensor(const AttentionShape& s, const char* name, Uid uid,
-                                         int64_t ld) {
+                                         int64_t heads, int64_t ld) {
   return fe::graph::Tensor_attributes()
       .set_name(name)
       .set_uid(uid)
-      .set_dim(rows_dim(s))
+      .set_dim(rows_dim(s, heads))
       .set_stride(rows_stride(s, ld));
 }
 
@@ -209,9 +217,10 @@ std::shared_ptr<fe::graph::Graph> new_graph() {
 // The forward graph: q' (dense rows of H * D, Note [cudnn-sdpa-scale]), k, v -> out, lse.
 std::shared_ptr<fe::graph::Graph> forward_graph(const AttentionShape& s) {
   auto g = new_graph();
-  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H * s.D));
-  auto k = g->tensor(rows_tensor(s, "k", kK, s.ldk));
-  auto v = g->tensor(rows_tensor(s, "v", kV, s.ldv));
+  const int64_t Hkv = s.kv_heads();
+  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H, s.H * s.D));
+  auto k = g->tensor(rows_tensor(s, "k", kK, Hkv, s.ldk));
+  auto v = g->tensor(rows_tensor(s, "v", kV, Hkv, s.ldv));
   auto options = fe::graph::SDPA_attributes()
                      .set_name("sdpa_forward")
                      .set_generate_stats(true)
@@ -219,7 +228,7 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const AttentionShape& s) {
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0);  // causal: key j <= query t
   auto [o, stats] = g->sdpa(q, k, v, options);
-  o->set_output(true).set_uid(kO).set_dim(rows_dim(s)).set_stride(rows_stride(s, s.ldo));
+  o->set_output(true).set_uid(kO).set_dim(rows_dim(s, s.H)).set_stride(rows_stride(s, s.ldo));
   stats->set_output(true)
       .set_uid(kStats)
       .set_dim(stats_dim(s))
@@ -231,11 +240,12 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const AttentionShape& s) {
 // The backward graph: q', k, v, out, dout, lse -> dq' (written into dq), dk, dv.
 std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
   auto g = new_graph();
-  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H * s.D));
-  auto k = g->tensor(rows_tensor(s, "k", kK, s.ldk));
-  auto v = g->tensor(rows_tensor(s, "v", kV, s.ldv));
-  auto o = g->tensor(rows_tensor(s, "out", kO, s.ldo));
-  auto dout = g->tensor(rows_tensor(s, "dout", kDO, s.ldo));
+  const int64_t Hkv = s.kv_heads();
+  auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H, s.H * s.D));
+  auto k = g->tensor(rows_tensor(s, "k", kK, Hkv, s.ldk));
+  auto v = g->tensor(rows_tensor(s, "v", kV, Hkv, s.ldv));
+  auto o = g->tensor(rows_tensor(s, "out", kO, s.H, s.ldo));
+  auto dout = g->tensor(rows_tensor(s, "dout", kDO, s.H, s.ldo));
   auto stats = g->tensor(fe::graph::Tensor_attributes()
                              .set_name("lse")
                              .set_uid(kStats)
@@ -253,20 +263,31 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
-  for (const auto& [t, uid, ld] :
-       {std::tuple{dq, kDQ, s.ldq}, std::tuple{dk, kDK, s.ldk}, std::tuple{dv, kDV, s.ldv}}) {
-    t->set_output(true).set_uid(uid).set_dim(rows_dim(s)).set_stride(rows_stride(s, ld));
+  for (const auto& [t, uid, heads, ld] :
+       {std::tuple{dq, kDQ, s.H, s.ldq}, std::tuple{dk, kDK, Hkv, s.ldk},
+        std::tuple{dv, kDV, Hkv, s.ldv}}) {
+    t->set_output(true).set_uid(uid).set_dim(rows_dim(s, heads)).set_stride(rows_stride(s, ld));
   }
   return g;
 }
 
 // Shape limits checked before cuDNN is asked, with messages that name the field: cuDNN needs
-// 16-byte aligned rows (strides in multiples of 8 bf16) and head dims that are multiples of 8.
+// 16-byte aligned rows (strides in multiples of 8 bf16) and head dims that are multiples of 8, and
+// k/v heads that divide the query heads. Head dims up to 256: what cuDNN 9's bf16 SDPA takes
+// forward and backward on Hopper (the support matrix of
+// https://docs.nvidia.com/deeplearning/cudnn/frontend/latest/operations/Attention.html, Hopper
+// Prefill and Bprop rows: d <= 256; and the backward node's validation in the pinned frontend
+// 1.32, cudnn_frontend/node/scaled_dot_product_flash_attention.h: on sm_90 d_qk, d_v <= 256 and
+// multiples of 8, elsewhere <= 128). On Ampere/Ada the frontend refuses D > 128 when the plan is
+// built, and sdpa_available reports its words.
 std::string shape_problem(const AttentionShape& s) {
   if (s.B <= 0 || s.T <= 0 || s.H <= 0 || s.D <= 0) return "empty shape";
   if (s.D % 8 != 0 || s.D > 256) return "head dim D must be a multiple of 8 and at most 256";
-  const int64_t c = s.H * s.D;
-  if (s.ldq < c || s.ldk < c || s.ldv < c || s.ldo < c) return "a row stride is below H * D";
+  const int64_t Hkv = s.kv_heads();
+  if (Hkv <= 0 || s.H % Hkv != 0) return "k/v heads Hkv must divide the query heads H";
+  const int64_t c = s.H * s.D, kc = Hkv * s.D;
+  if (s.ldq < c || s.ldo < c) return "a q or out row stride is below H * D";
+  if (s.ldk < kc || s.ldv < kc) return "a k or v row stride is below Hkv * D";
   if (s.ldq % 8 != 0 || s.ldk % 8 != 0 || s.ldv % 8 != 0 || s.ldo % 8 != 0) {
     return "row strides must be multiples of 8 elements (16-byte rows)";
   }

@@ -3,8 +3,9 @@
 // the CPU kernel (framework/kernels/attention.h) and the CUDA backend's own fused kernel
 // (attention.h), which is the fallback where this one is unavailable: element (b, t, h, d) of q
 // lives at q[(b * T + t) * ldq + h * D + d], likewise k, v, out and the gradients with their row
-// strides; bf16 in and out, fp32 softmax and accumulation. Plain C++ header (no CUDA or cuDNN
-// headers), so callers compile without the frontend.
+// strides; grouped-query attention with k, v, dk, dv of s.kv_heads() heads (query head h reads
+// k/v head h / (H / Hkv)); bf16 in and out, fp32 softmax and accumulation. Plain C++ header (no
+// CUDA or cuDNN headers), so callers compile without the frontend.
 //
 // Note [cudnn-sdpa-scale]: cuDNN takes one scalar attn_scale for all heads, keel a per-head
 // scale[H] (1/sqrt(D), or the learned QK-norm scale) as a device array. The forward runs cuDNN on a
@@ -25,9 +26,11 @@ namespace keel::kernels::cuda::cudnn {
 
 // True when cuDNN runs this shape on ctx's device; false with the reason in *why (nullable)
 // otherwise: "built without the cuDNN frontend", a shape cuDNN does not take (D not a multiple of
-// 8 or above 256, row strides not multiples of 8), the frontend's own refusal when it builds
-// the forward and backward plans (which are then cached for the calls that follow), or a plan's
-// workspace above the limit (an eighth of the device's memory, or KEEL_CUDNN_WORKSPACE_LIMIT_MB).
+// 8 or above 256: cuDNN 9 on Hopper, bf16, forward and backward, see shape_problem in
+// sdpa_cudnn.cc; Hkv not dividing H; row strides not multiples of 8), the frontend's own refusal
+// (e.g. D above 128 before Hopper) when it builds the forward and backward plans (which are then
+// cached for the calls that follow), or a plan's workspace above the limit (an eighth of the
+// device's memory, or KEEL_CUDNN_WORKSPACE_LIMIT_MB).
 bool sdpa_available(Context& ctx, const AttentionShape& s, std::string* why);
 
 // out (=, stride ldo) = softmax(causal(scale[h] q.k)) v; lse[(b * H + h) * T + t] (=) is the
@@ -37,8 +40,9 @@ bool sdpa_available(Context& ctx, const AttentionShape& s, std::string* why);
 void sdpa_forward(Context& ctx, const AttentionShape& s, Bf16* out, float* lse, const Bf16* q,
                   const Bf16* k, const Bf16* v, const float* scale);
 
-// dq, dk, dv (=, strides ldq, ldk, ldv); dscale[H] (+=, device fp32, nullable); dout has stride
-// ldo; out and lse as the forward wrote them.
+// dq, dk, dv (=, strides ldq, ldk, ldv; dk, dv of the Hkv k/v heads, each summed over its group's
+// query heads); dscale[H] (+=, device fp32, nullable); dout has stride ldo; out and lse as the
+// forward wrote them.
 void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf16* dv,
                    float* dscale, const Bf16* dout, const Bf16* out, const float* lse,
                    const Bf16* q, const Bf16* k, const Bf16* v, const float* scale);
