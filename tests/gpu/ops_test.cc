@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -173,6 +174,60 @@ TEST_F(OpsTest, AdamWMatchesCpuWithHostAndDeviceGradScale) {
     EXPECT_TRUE(matches(get<float>(d_p, n), p, 1e-6)) << device_scale;
     EXPECT_TRUE(matches(get<float>(d_m, n), m, 1e-6)) << device_scale;
     EXPECT_TRUE(matches(get<float>(d_v, n), v, 1e-6)) << device_scale;
+  }
+}
+
+// The segmented AdamW (one launch per 128 segments) against adamw_update per segment: bitwise
+// equal (both run one device function per element). 150 segments (two launches) of 1 to 5000
+// elements (up to three 2048-element blocks each), empty ones, gaps between some that neither
+// writes, decay on every other one; with the host and with the device grad scale.
+TEST_F(OpsTest, AdamWSegmentsMatchPerTensorUpdateBitwise) {
+  std::vector<cuda::AdamWSegment> segs;
+  std::mt19937 gen(77);
+  int64_t total = 0;
+  for (int k = 0; k < 150; ++k) {
+    const int64_t n = k % 37 == 5 ? 0 : 1 + static_cast<int64_t>(gen() % (k % 3 == 0 ? 5000 : 300));
+    segs.push_back({total, n, k % 2 == 0});
+    total += n + (k % 4 == 1 ? 3 : 0);
+  }
+  const auto p0 = random_vec(total, -1, 1, 20), g = random_vec(total, -2, 2, 21);
+  const auto m0 = random_vec(total, -0.1f, 0.1f, 22), v0 = random_vec(total, 1e-4f, 1e-2f, 23);
+  const kernels::AdamWStep step{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 3};
+  for (bool device_scale : {false, true}) {
+    SCOPED_TRACE(device_scale ? "device grad scale" : "host grad scale");
+    kernels::AdamWStep s = step;
+    DeviceBuffer d_scale = ctx().alloc(sizeof(float));
+    if (device_scale) {
+      ctx().copy_to_device(d_scale.data(), &step.grad_scale, sizeof(float));
+      s.grad_scale = 1.0f;
+    }
+    const float* scale = device_scale ? d_scale.as<float>() : nullptr;
+    std::vector<float> want[3], got[3];
+    for (const bool segmented : {false, true}) {
+      DeviceBuffer d_p = cuda::upload(ctx(), p0), d_g = cuda::upload(ctx(), g);
+      DeviceBuffer d_m = cuda::upload(ctx(), m0), d_v = cuda::upload(ctx(), v0);
+      if (segmented) {
+        cuda::adamw_update_segments(ctx(), d_p.as<float>(), d_g.as<float>(), d_m.as<float>(),
+                                    d_v.as<float>(), segs.data(), static_cast<int64_t>(segs.size()),
+                                    s, scale);
+      } else {
+        for (const cuda::AdamWSegment& seg : segs) {
+          kernels::AdamWStep one = s;
+          one.weight_decay = seg.decay ? s.weight_decay : 0.0f;
+          cuda::adamw_update(ctx(), d_p.as<float>() + seg.offset, d_g.as<float>() + seg.offset,
+                             d_m.as<float>() + seg.offset, d_v.as<float>() + seg.offset, seg.n, one,
+                             scale);
+        }
+      }
+      std::vector<float>* out = segmented ? got : want;
+      out[0] = get<float>(d_p, total);
+      out[1] = get<float>(d_m, total);
+      out[2] = get<float>(d_v, total);
+    }
+    EXPECT_NE(want[0], p0) << "the reference changed nothing";
+    EXPECT_TRUE(identical(got[0], want[0])) << "param";
+    EXPECT_TRUE(identical(got[1], want[1])) << "m";
+    EXPECT_TRUE(identical(got[2], want[2])) << "v";
   }
 }
 

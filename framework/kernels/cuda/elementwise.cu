@@ -130,18 +130,60 @@ __global__ void clip_scale_kernel(const double* sum_sq, double max_norm, float* 
 }
 
 // ---- AdamW: the CPU's float expression order (framework/kernels/cpu/adamw.cc) ----
+// Element i's update, shared by the per-tensor and the segmented kernels, so both compute the
+// same bits.
+__device__ __forceinline__ void adamw_element(float* param, const float* grad, float* m, float* v,
+                                              int64_t i, float lr, float b1, float b2, float eps,
+                                              float wd, float scale, float c1, float c2) {
+  const float g = grad[i] * scale;
+  const float mi = b1 * m[i] + (1.0f - b1) * g;
+  const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  param[i] -= lr * ((mi * c1) / (sqrtf(vi * c2) + eps) + wd * param[i]);
+}
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
                              float lr, float b1, float b2, float eps, float wd, float gs,
                              const float* dev_gs, float c1, float c2) {
   const float scale = dev_gs != nullptr ? gs * *dev_gs : gs;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = grad[i] * scale;
-    const float mi = b1 * m[i] + (1.0f - b1) * g;
-    const float vi = b2 * v[i] + (1.0f - b2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    param[i] -= lr * ((mi * c1) / (sqrtf(vi * c2) + eps) + wd * param[i]);
+    adamw_element(param, grad, m, v, i, lr, b1, b2, eps, wd, scale, c1, c2);
+  }
+}
+// Segments of the flat arenas in one launch: the segments' table travels in the kernel's
+// parameters (no upload, so no host wait), at most kAdamWSegmentsPerLaunch a launch (the table is
+// 3 KiB of the 4 KiB parameter space). Segment k takes blocks [first_block[k], first_block[k + 1]),
+// each over kAdamWChunk of its elements.
+constexpr int kAdamWSegmentsPerLaunch = 128;
+constexpr int64_t kAdamWChunk = 8 * kThreads;  // elements per block
+struct AdamWTable {
+  int64_t offset[kAdamWSegmentsPerLaunch];
+  int64_t n[kAdamWSegmentsPerLaunch];
+  float weight_decay[kAdamWSegmentsPerLaunch];
+  unsigned first_block[kAdamWSegmentsPerLaunch + 1];
+  int count;
+};
+__global__ void adamw_segments_kernel(AdamWTable t, float* param, const float* grad, float* m,
+                                      float* v, float lr, float b1, float b2, float eps, float gs,
+                                      const float* dev_gs, float c1, float c2) {
+  // This block's segment: the last k with first_block[k] <= blockIdx.x (a binary search).
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.first_block[mid] <= blockIdx.x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const float scale = dev_gs != nullptr ? gs * *dev_gs : gs;
+  const int64_t begin = t.offset[lo] + int64_t{blockIdx.x - t.first_block[lo]} * kAdamWChunk;
+  const int64_t left = t.offset[lo] + t.n[lo] - begin;
+  const int64_t end = begin + (left < kAdamWChunk ? left : kAdamWChunk);
+  const float wd = t.weight_decay[lo];
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    adamw_element(param, grad, m, v, i, lr, b1, b2, eps, wd, scale, c1, c2);
   }
 }
 
@@ -341,6 +383,46 @@ void adamw_update(Context& ctx, float* param, const float* grad, float* m, float
       param, grad, m, v, n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.grad_scale,
       device_grad_scale, c1, c2);
   KEEL_CUDA_LAUNCH_CHECK("adamw_update", "n=", n, " t=", s.t);
+}
+
+void adamw_update_segments(Context& ctx, float* param, const float* grad, float* m, float* v,
+                           const AdamWSegment* segments, int64_t count, const AdamWStep& s,
+                           const float* device_grad_scale) {
+  KEEL_CHECK(count >= 0 && s.t >= 1, kUsage, "cuda adamw_update_segments: count=", count,
+             " t=", s.t);
+  const float c1 = 1.0f / (1.0f - std::pow(s.beta1, static_cast<float>(s.t)));
+  const float c2 = 1.0f / (1.0f - std::pow(s.beta2, static_cast<float>(s.t)));
+  AdamWTable t{};
+  int64_t blocks = 0;
+  auto launch = [&] {
+    if (t.count == 0) return;
+    t.first_block[t.count] = static_cast<unsigned>(blocks);
+    adamw_segments_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, ctx.stream()>>>(
+        t, param, grad, m, v, s.lr, s.beta1, s.beta2, s.eps, s.grad_scale, device_grad_scale, c1,
+        c2);
+    KEEL_CUDA_LAUNCH_CHECK("adamw_update_segments", "segments=", t.count, " blocks=", blocks,
+                           " t=", s.t);
+    t.count = 0;
+    blocks = 0;
+  };
+  constexpr int64_t kMaxBlocks = int64_t{1} << 31;  // gridDim.x's limit is 2^31 - 1
+  for (int64_t k = 0; k < count; ++k) {
+    const AdamWSegment& seg = segments[k];
+    KEEL_CHECK(seg.offset >= 0 && seg.n >= 0, kUsage, "cuda adamw_update_segments: segment ", k,
+               " offset=", seg.offset, " n=", seg.n);
+    if (seg.n == 0) continue;
+    const int64_t chunks = (seg.n + kAdamWChunk - 1) / kAdamWChunk;
+    KEEL_CHECK(chunks < kMaxBlocks, kUsage, "cuda adamw_update_segments: segment ", k, " n=", seg.n,
+               " exceeds a grid");
+    if (blocks + chunks >= kMaxBlocks) launch();
+    t.offset[t.count] = seg.offset;
+    t.n[t.count] = seg.n;
+    t.weight_decay[t.count] = seg.decay ? s.weight_decay : 0.0f;
+    t.first_block[t.count] = static_cast<unsigned>(blocks);
+    blocks += chunks;
+    if (++t.count == kAdamWSegmentsPerLaunch) launch();
+  }
+  launch();
 }
 
 void column_sum_add(Context& ctx, float* out, const float* x, int64_t N, int64_t C, int64_t ld) {

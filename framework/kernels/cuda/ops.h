@@ -71,6 +71,18 @@ void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_
 // device_grad_scale is not null, by *device_grad_scale (clipping computed on the device).
 void adamw_update(Context& ctx, float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWStep& step, const float* device_grad_scale = nullptr);
+// AdamW over segments of flat arenas (the optimizer's layout: a parameter's param, grad, m and v at
+// the same offset of four arrays) in one launch per 128 segments instead of one per tensor. Each
+// segment's elements get exactly adamw_update's arithmetic, with step.weight_decay where decay is
+// set and 0 elsewhere. Segments must not overlap; empty ones are skipped.
+struct AdamWSegment {
+  int64_t offset;  // first element in each arena
+  int64_t n;
+  bool decay;
+};
+void adamw_update_segments(Context& ctx, float* param, const float* grad, float* m, float* v,
+                           const AdamWSegment* segments, int64_t count, const AdamWStep& step,
+                           const float* device_grad_scale = nullptr);
 
 // ---- norms (framework/kernels/norm.h): LayerNorm / RMSNorm / L2 over grouped, strided rows ----
 // The Bf16 forms take bf16 activations (inp, out, dout, dinp; dinp += rounds once per element)
