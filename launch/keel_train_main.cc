@@ -198,13 +198,6 @@ keel::config::KeelConfig load_train_config(const keel::TrainArgs& args,
   return cfg;
 }
 
-int64_t count_logical_params(keel::GPT& model) {
-  int64_t n = 0;
-  const keel::ParamStore& ps = model.params();
-  for (int id = 0; id < ps.size(); ++id) n += keel::shape_numel(ps.info(id).spec.logical);
-  return n;
-}
-
 int run(int argc, char** argv, const keel::MpiEnv& mpi) {
   using namespace keel;
   const TrainArgs args = parse_train_args(argc, argv);
@@ -270,7 +263,7 @@ int run(int argc, char** argv, const keel::MpiEnv& mpi) {
     std::printf(
         "keel-train: %lld parameters (d_model %lld, %lld layers, %lld heads, qk_norm %s/%s, "
         "z_loss %g) | data %s (%lld train tokens) | %lld tokens/step\n",
-        static_cast<long long>(count_logical_params(trainer.model())), static_cast<long long>(d.C),
+        static_cast<long long>(GPT::count_parameters(cfg)), static_cast<long long>(d.C),
         static_cast<long long>(d.L), static_cast<long long>(d.H),
         config::QkNorm_Name(d.qk_norm).c_str(), config::QkNormScope_Name(d.qk_scope).c_str(),
         cfg.loss().z_loss(), trainer.dataset().train().describe().c_str(),

@@ -3,12 +3,14 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "framework/config/config.h"
 #include "framework/error.h"
 #include "framework/kernels/cuda/bf16.h"
+#include "parallel/communicator.h"
 
 namespace keel {
 
@@ -229,24 +231,7 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   ctx_.profiler = &profiler_;
   const ModelDims& d = ctx_.dims;
 
-  // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
-  wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
-  // RoPE encodes positions in attention: no position table.
-  if (d.position != config::ROPE) {
-    wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
-  }
-  for (int64_t l = 0; l < d.L; ++l) {
-    const int first = ps_.size();
-    blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
-    block_params_.emplace_back(first, ps_.size());
-  }
-  const int head_first = ps_.size();
-  ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
-  if (!d.tied) {
-    lm_head_ = ps_.add(
-        {"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
-  }
-  head_params_ = {head_first, ps_.size()};
+  declare_parameters();
   // The arena is padded to a multiple of dp so ZeRO-1 can split it evenly.
   ps_.allocate(topo.tp_rank, topo.tp, topo.dp, exec.device());
   if (d.position == config::ROPE) {
@@ -293,6 +278,50 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.dscale = ctx_.zeros({d.Hl});
   max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
   act_sq_ = ctx_.zeros({std::max<int64_t>(1, d.L)}, DType::kF64);
+}
+
+// The parameters in the order checkpoints and the arenas list them: wte (wpe), each block's, ln_f
+// (lm_head).
+void GPT::declare_parameters() {
+  const ModelDims& d = ctx_.dims;
+  // Vocab-parallel embedding: rows [v_begin, v_begin + Vl) of the logical [V, C] table.
+  wte_ = ps_.add({"wte", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
+  // RoPE encodes positions in attention: no position table.
+  if (d.position != config::ROPE) {
+    wpe_ = ps_.add({"wpe", {d.P, d.C}, -1, ParamInit::kNormal, d.init_std, true});
+  }
+  for (int64_t l = 0; l < d.L; ++l) {
+    const int first = ps_.size();
+    blocks_.push_back(std::make_unique<Block>("blocks." + std::to_string(l), ps_, ctx_));
+    block_params_.emplace_back(first, ps_.size());
+  }
+  const int head_first = ps_.size();
+  ln_f_ = std::make_unique<Norm>("ln_f", ps_, ctx_);
+  if (!d.tied) {
+    lm_head_ = ps_.add(
+        {"lm_head.weight", {d.Vp, d.C}, 0, ParamInit::kNormal, d.init_std, true, false, d.V});
+  }
+  head_params_ = {head_first, ps_.size()};
+}
+
+GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, DeclareOnly) {
+  ctx_.dims = ModelDims::from(cfg.model(), /*micro_batch=*/1, topo);
+  ctx_.topo = &topo;
+  declare_parameters();
+}
+
+int64_t GPT::count_parameters(const config::KeelConfig& cfg) {
+  std::unique_ptr<Communicator> self_tp, self_dp;
+  const Topology single = Topology::single(self_tp, self_dp);
+  const GPT declared(cfg, single, DeclareOnly{});
+  int64_t n = 0;
+  for (int id = 0; id < declared.ps_.size(); ++id) {
+    const ParamSpec& spec = declared.ps_.info(id).spec;
+    Shape shape = spec.logical;
+    if (spec.valid_rows > 0) shape[0] = spec.valid_rows;  // the vocabulary, unpadded
+    n += shape_numel(shape);
+  }
+  return n;
 }
 
 std::vector<float> GPT::logits_row(int64_t row) const {

@@ -132,6 +132,11 @@ class GPT {
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
+  // The number of parameters of cfg's model (validated): every logical tensor's elements with the
+  // vocabulary unpadded, what a published parameter count counts. The parameters are declared as
+  // the constructor declares them and never allocated, so any size costs microseconds.
+  static int64_t count_parameters(const config::KeelConfig& cfg);
+
   void init(uint64_t seed) { ps_.init(seed); }
   ParamStore& params() { return ps_; }
   const ModelDims& dims() const { return ctx_.dims; }
@@ -164,6 +169,11 @@ class GPT {
   void set_record_activation_norms(bool on) { record_act_ = on; }
 
  private:
+  struct DeclareOnly {};
+  // count_parameters: ctx_.dims and ctx_.topo set and the parameters declared, nothing allocated.
+  GPT(const config::KeelConfig& cfg, const Topology& topo, DeclareOnly);
+  void declare_parameters();  // wte (wpe), the blocks, ln_f (lm_head) into ps_
+
   float* head_weight();
   float* head_grad();
 
