@@ -293,11 +293,6 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(kv % tp == 0 || tp % kv == 0, kLayout, "model.n_kv_heads=", kv,
              " and parallel.tp=", tp,
              ": k/v heads must be a multiple of tp (sharded) or divide it (replicated)");
-  KEEL_CHECK(kv == heads || upper_ascii(cfg.train().device()) != "CUDA", kConfig,
-             "model.n_kv_heads=", kv,
-             " (grouped-query attention) runs on the CPU only so far; "
-             "train.device=CUDA needs model.n_kv_heads=0 or n_heads=",
-             heads);
   if (par.sequence_parallel() && tp > 1) {
     // Note [sequence parallel] (layers/gpt.h): each rank holds B x seq_len / tp token rows.
     const int64_t seq = cfg.model().seq_len();
