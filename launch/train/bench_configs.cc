@@ -68,12 +68,19 @@ double measure_cuda_peak_tflops(bool /*bf16*/, int64_t /*n*/) {
 #endif
 
 double flops_per_token(const config::KeelConfig& c) {
-  const double L = c.model().n_layers(), d = c.model().d_model(), T = c.model().seq_len();
-  const double f = c.model().d_ff() > 0 ? c.model().d_ff() : 4 * d, V = c.model().vocab_size();
+  const config::Model& m = c.model();
+  const double L = m.n_layers(), d = m.d_model(), T = m.seq_len(), V = m.vocab_size();
+  const double f = m.d_ff() > 0 ? m.d_ff() : 4 * d;
+  // Heads of head_dim D (model.head_dim, else d / H); grouped-query k and v have Hkv heads.
+  const double H = m.n_heads(), D = m.head_dim() > 0 ? m.head_dim() : d / H;
+  const double Hkv = m.n_kv_heads() > 0 ? m.n_kv_heads() : H;
   // Gated MLPs (SWIGLU, GEGLU) have three d x f matrices: gate, up and down.
-  const double mlp_mats = c.model().mlp() == config::GELU ? 2 : 3;
-  const double n_matmul = L * (4 * d * d + mlp_mats * d * f) + V * d;
-  return 6 * n_matmul + 12 * L * T * d;
+  const double mlp_mats = m.mlp() == config::GELU ? 2 : 3;
+  // q, k, v: d x (H + 2 Hkv) D; the output projection H D x d (4 d^2 for multi-head attention).
+  const double attn_mats = d * (H + 2 * Hkv) * D + H * D * d;
+  const double n_matmul = L * (attn_mats + mlp_mats * d * f) + V * d;
+  // QK^T and AV: 2 T H D multiply-adds per token and layer forward, twice that backward.
+  return 6 * n_matmul + 12 * L * T * H * D;
 }
 
 config::KeelConfig bench_job(const Named& named, int steps, int warmup) {

@@ -30,6 +30,9 @@ struct Named {
 // medium's, for one GPU.
 extern const Named kConfigs[4];
 
+// Training FLOPs per token (forward and backward, no recomputation): 6 x the matrix weights
+// (q, k, v of model.n_kv_heads and model.head_dim, the output projection, the MLP, the LM head)
+// plus 12 L T H D for attention, as launch/tools/plan_step_time.py counts them.
 double flops_per_token(const config::KeelConfig& c);
 
 // The named config merged over default_config() for a timed run of warmup + steps steps: no
