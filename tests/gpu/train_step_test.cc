@@ -131,10 +131,13 @@ TEST_F(TrainStepTest, OneTrainingStepMatchesTheCpu) {
       {"LEARNED + GEGLU, no qk_norm, 2 layers",
        {"model.n_layers=2", "model.position=LEARNED", "model.mlp=GEGLU", "model.qk_norm=NONE"}},
       // Grouped-query and multi-query attention (Note [gqa layouts] in layers/attention.h): the
-      // CUDA kernels' k/v head sharing and the dk, dv sums over each group.
-      {"grouped-query: 4 heads on 2 k/v heads, ROPE + SWIGLU, qk_norm L2 (per head), 2 layers",
-       {"model.n_layers=2", "model.n_kv_heads=2", "model.position=ROPE", "model.mlp=SWIGLU",
-        "model.qk_norm=L2", "model.qk_norm_scope=HEAD", "model.norm=RMSNORM", "model.bias=false"}},
+      // CUDA kernels' k/v head sharing and the dk, dv sums over each group; with a head_dim
+      // apart from d_model / n_heads (4 x 48 = 192 != 128).
+      {"grouped-query: 4 heads of 48 on 2 k/v heads, ROPE + SWIGLU, qk_norm L2 (per head), 2 "
+       "layers",
+       {"model.n_layers=2", "model.n_kv_heads=2", "model.head_dim=48", "model.position=ROPE",
+        "model.mlp=SWIGLU", "model.qk_norm=L2", "model.qk_norm_scope=HEAD", "model.norm=RMSNORM",
+        "model.bias=false"}},
       {"multi-query: 4 heads on 1 k/v head, LEARNED + GELU, no qk_norm, 2 layers",
        {"model.n_layers=2", "model.n_kv_heads=1", "model.position=LEARNED", "model.mlp=GELU",
         "model.qk_norm=NONE"}},
@@ -269,6 +272,47 @@ TEST_F(TrainStepTest, OneTrainingStepMatchesTheCpu) {
   }
 }
 
+// A head_dim keel's fused attention does not take (136 > 128) runs only where cuDNN takes it
+// (bf16): in FP32 the model is refused when it is built, and in BF16 without a cuDNN that takes the
+// shape (the emulator's stops at 128) at the first forward, each with one kConfig error naming
+// model.head_dim, not the kernel's internal limit. With a cuDNN that takes it, the step runs on
+// cuDNN's attention.
+TEST_F(TrainStepTest, HeadDimNoAttentionTakesIsRefusedNamingTheField) {
+  const Variant variant{"head_dim 136",
+                        {"model.n_layers=1", "model.seq_len=32", "model.n_kv_heads=2",
+                         "model.head_dim=136", "model.qk_norm=NONE"}};
+  const config::KeelConfig cfg = step_config(variant);
+  const int64_t B = 2, T = cfg.model().seq_len();
+  std::unique_ptr<Communicator> tp, dp;
+  const Topology topo = Topology::single(tp, dp);
+  auto expect_head_dim_error = [](const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kConfig) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.head_dim=136"), std::string::npos) << e.what();
+  };
+  {
+    cuda::CudaExec gexec(0);
+    gexec.set_precision(kernels::Precision::kFp32);
+    try {
+      GPT gpu(cfg, topo, B, gexec);
+      ADD_FAILURE() << "FP32 built a model with head_dim 136";
+    } catch (const Error& e) {
+      expect_head_dim_error(e);
+    }
+  }
+  cuda::CudaExec gexec(0);
+  gexec.set_precision(kernels::Precision::kBf16);
+  GPT gpu(cfg, topo, B, gexec);
+  gpu.init(cfg.train().seed());
+  std::vector<int32_t> tokens(B * T, 7), targets(B * T, 8);
+  try {
+    const LossStats l = gpu.forward(tokens.data(), targets.data(), B);
+    EXPECT_TRUE(std::isfinite(l.ce));
+    EXPECT_EQ(gexec.attention_path(), "cuDNN fused SDPA");
+  } catch (const Error& e) {
+    expect_head_dim_error(e);
+  }
+}
+
 // Note [recompute] (layers/gpt.h) on the GPU at its default precision (BF16: bf16 activations,
 // the fused attention's log-sum-exp, the fused loss gradient): a model that recomputes its blocks'
 // activations in backward (train.recompute_layers = n_layers, and fewer) gives the losses and
@@ -283,10 +327,12 @@ TEST_F(TrainStepTest, RecomputationChangesNoBit) {
         "model.qk_norm=RMS", "model.qk_norm_scope=PROJECTION", "model.norm=RMSNORM",
         "model.norm_placement=POST_SUBLAYER", "model.tie_embeddings=false", "model.bias=false",
         "train.recompute_layers=2"}},
-      // Grouped-query attention in BF16: bf16 QK-normalised k of Hkv heads read in place.
-      {"grouped-query, 4 heads on 2 k/v heads, ROPE, 2 layers, all recomputed",
-       {"model.n_layers=2", "model.seq_len=32", "model.n_kv_heads=2", "model.position=ROPE",
-        "model.qk_norm=RMS", "model.qk_norm_scope=HEAD", "train.recompute_layers=2"}},
+      // Grouped-query attention in BF16: bf16 QK-normalised k of Hkv heads read in place, with a
+      // head_dim apart from d_model / n_heads (4 x 40 = 160 != 128).
+      {"grouped-query, 4 heads of 40 on 2 k/v heads, ROPE, 2 layers, all recomputed",
+       {"model.n_layers=2", "model.seq_len=32", "model.n_kv_heads=2", "model.head_dim=40",
+        "model.position=ROPE", "model.qk_norm=RMS", "model.qk_norm_scope=HEAD",
+        "train.recompute_layers=2"}},
   };
   for (const Variant& variant : variants) {
     SCOPED_TRACE(variant.name);
