@@ -2,10 +2,10 @@
 // parses and validates, trains a few steps with the real keel-train on the built-in corpus with a
 // finite loss that falls, and its checkpoint exports as the architecture it claims:
 // gpt2_small as GPT-2, olmo2_small as OLMo 2, qwen3_small as Qwen3 (with config.json carrying the
-// preset's rope_theta), gemma3_small and default under keel's names (gemma3_small one option,
-// its GeGLU MLP, away from Qwen3). A preset added without an entry here fails, so each states
-// how it exports. The full 600-step runs and their losses are in each preset's header comment;
-// tests/launch/default_job_test trains default.pbtxt in full.
+// preset's rope_theta), gemma3_small and default under keel's names (gemma3_small two options,
+// its GeGLU MLP and sandwich norms, away from Qwen3). A preset added without an entry here fails,
+// so each states how it exports. The full 600-step runs and their losses are in each preset's
+// header comment; tests/launch/default_job_test trains default.pbtxt in full.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -35,9 +35,10 @@ constexpr int kSteps = 30;
 
 struct Expected {
   std::string naming;  // what keel-ckpt export calls the names: "GPT-2", "OLMo 2", "Qwen3", "keel"
-  std::string model_type;  // config.json's, for the Hugging Face ones
-  std::string rope_theta;  // config.json's, as written, for OLMo 2 and Qwen3
-  std::string not_qwen3;   // keel names: the "not Qwen3" line's reasons, when checked
+  std::string model_type;     // config.json's, for the Hugging Face ones
+  std::string rope_theta;     // config.json's, as written, for OLMo 2 and Qwen3
+  std::string not_qwen3;      // keel names: the "not Qwen3" line's reasons, when checked
+  std::string kv_heads = "";  // config.json's num_key_value_heads, when checked
 };
 
 const std::map<std::string, Expected>& expected() {
@@ -45,8 +46,11 @@ const std::map<std::string, Expected>& expected() {
       {"default", {"keel", "", "", ""}},
       {"gpt2_small", {"GPT-2", "gpt2", "", ""}},
       {"olmo2_small", {"OLMo 2", "olmo2", "500000.0", ""}},
-      {"qwen3_small", {"Qwen3", "qwen3", "1000000.0", ""}},
-      {"gemma3_small", {"keel", "", "", "model.mlp=GEGLU (Qwen3's MLP is SwiGLU)"}},
+      {"qwen3_small", {"Qwen3", "qwen3", "1000000.0", "", "2"}},  // grouped-query: 4 on 2
+      {"gemma3_small",
+       {"keel", "", "",
+        "model.mlp=GEGLU (Qwen3's MLP is SwiGLU); model.norm_placement=SANDWICH (Qwen3 "
+        "normalises each sublayer's input)"}},
       {"sweep", {"keel", "", "", ""}},  // launch/tools/keel-sweep's base config
   };
   return e;
@@ -125,6 +129,10 @@ TEST_P(PresetTest, TrainsAFewStepsWithFallingLossAndExportsAsItsArchitecture) {
     const std::string config = read_file(out + "/config.json");
     EXPECT_NE(config.find("\"model_type\": \"" + want.model_type + "\""), std::string::npos)
         << config;
+    if (!want.kv_heads.empty()) {
+      EXPECT_NE(config.find("\"num_key_value_heads\": " + want.kv_heads + ","), std::string::npos)
+          << config;
+    }
     if (!want.rope_theta.empty()) {
       EXPECT_NE(config.find("\"rope_theta\": " + want.rope_theta + ","), std::string::npos)
           << config;
