@@ -1,9 +1,10 @@
 // Whole training on the GPU against the CPU: one GPT training step (forward, backward, AdamW) on
 // CudaExec against the same model on cpu_exec() with the same seed and batch, for several model
-// shapes; 200 steps of the default job through the in-process Trainer on both devices, ending at
-// the same validation loss within 2%; and checkpoints moved between the devices (a GPU checkpoint
-// resumed on the CPU and a CPU one resumed on the GPU), loaded bit for bit and continued to the
-// losses of an uninterrupted run on the other device. Without a GPU every test skips.
+// shapes (grouped-query and multi-query attention among them); 200 steps of the default job through
+// the in-process Trainer on both devices, ending at the same validation loss within 2%; and
+// checkpoints moved between the devices (a GPU checkpoint resumed on the CPU and a CPU one resumed
+// on the GPU), loaded bit for bit and continued to the losses of an uninterrupted run on the other
+// device. Without a GPU every test skips.
 //
 // Bounds. Except in the default job's run at the default precision (BF16 matrix products on a
 // GPU, held to the same 2%), the GPU path here is fp32 (train.precision=FP32, and cuda::Context's
@@ -518,14 +519,18 @@ TEST_F(TrainStepTest, DefaultJob200StepsOnTheGpuAtDefaultPrecisionReachTheCpuVal
 // ---- checkpoints between the devices ----
 
 // A tiny byte-level job (2 layers, d_model 32, 16-token windows, batches of 8), 6 steps,
-// checkpoints every 2; fp32 on both devices.
-config::KeelConfig ckpt_config(const std::string& device) {
-  return load_config(
-      "", {"model.seq_len=16", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
-           "train.global_batch=8", "train.steps=6", "train.eval_every=0", "train.sample_chars=0",
-           "train.plot=false", "train.tensorboard=false", "data.builtin_bytes=60000",
-           "optim.warmup_steps=2", "checkpoint.every=2", "checkpoint.keep=10",
-           "train.precision=FP32", "train.device=" + device});
+// checkpoints every 2; fp32 on both devices. `sets` change the model (applied last).
+config::KeelConfig ckpt_config(const std::string& device,
+                               const std::vector<std::string>& sets = {}) {
+  std::vector<std::string> all = {
+      "model.seq_len=16",        "model.d_model=32",         "model.n_layers=2",
+      "model.n_heads=2",         "train.global_batch=8",     "train.steps=6",
+      "train.eval_every=0",      "train.sample_chars=0",     "train.plot=false",
+      "train.tensorboard=false", "data.builtin_bytes=60000", "optim.warmup_steps=2",
+      "checkpoint.every=2",      "checkpoint.keep=10",       "train.precision=FP32",
+      "train.device=" + device};
+  all.insert(all.end(), sets.begin(), sets.end());
+  return load_config("", all);
 }
 
 // Trains `from` for 4 of the job's 6 steps in a run directory (a stop signal after step 4, so the
@@ -533,7 +538,8 @@ config::KeelConfig ckpt_config(const std::string& device) {
 // parameters, AdamW moments, its step count and the data position load bit for bit; the resumed
 // steps 5 and 6 are compared with an uninterrupted 6-step run on `from`, within 1e-4 relative
 // (the devices differ by fp32 rounding from step 5 on).
-void check_resume_across_devices(const std::string& from, const std::string& to) {
+void check_resume_across_devices(const std::string& from, const std::string& to,
+                                 const std::vector<std::string>& sets = {}) {
   SCOPED_TRACE("checkpoint written on " + from + ", resumed on " + to);
   TempDir dir("keel_gpu_ckpt");
   const std::string run_dir = dir.file("run");
@@ -542,7 +548,7 @@ void check_resume_across_devices(const std::string& from, const std::string& to)
   uint64_t next_sample4 = 0;
   {
     int polls = 0;
-    TrainerRun run(ckpt_config(from), run_dir, [&] { return ++polls >= 4 ? SIGUSR1 : 0; });
+    TrainerRun run(ckpt_config(from, sets), run_dir, [&] { return ++polls >= 4 ? SIGUSR1 : 0; });
     run->run();
     ASSERT_EQ(run->steps_done(), 4);
     ASSERT_EQ(run->stopped_by_signal(), SIGUSR1);
@@ -560,12 +566,12 @@ void check_resume_across_devices(const std::string& from, const std::string& to)
   std::vector<StepResult> straight;
   std::vector<float> straight_params;
   {
-    TrainerRun run(ckpt_config(from));
+    TrainerRun run(ckpt_config(from, sets));
     for (int s = 1; s <= 6; ++s) straight.push_back(run->step());
     straight_params = run.params();
   }
 
-  TrainerRun resumed(ckpt_config(to), run_dir);
+  TrainerRun resumed(ckpt_config(to, sets), run_dir);
   ASSERT_EQ(resumed->resumed_from(), std::optional<int64_t>(4));
   EXPECT_EQ(resumed->exec().device(), to == "CPU" ? Device::kCpu : Device::kCuda);
   EXPECT_TRUE(same_bits(resumed.params(), params4)) << "parameters at load";
@@ -596,6 +602,12 @@ void check_resume_across_devices(const std::string& from, const std::string& to)
 TEST_F(TrainStepTest, GpuCheckpointResumesOnTheCpu) { check_resume_across_devices("CUDA", "CPU"); }
 
 TEST_F(TrainStepTest, CpuCheckpointResumesOnTheGpu) { check_resume_across_devices("CPU", "CUDA"); }
+
+// The Trainer with grouped-query attention (4 heads on 2 k/v heads): 4 steps on the GPU, resumed
+// on the CPU, against the uninterrupted GPU run, to the same bounds.
+TEST_F(TrainStepTest, GroupedQueryGpuCheckpointResumesOnTheCpu) {
+  check_resume_across_devices("CUDA", "CPU", {"model.n_heads=4", "model.n_kv_heads=2"});
+}
 
 }  // namespace
 }  // namespace keel::gpu_test

@@ -8,8 +8,8 @@
 // (B, H, T, 1) with strides (H * T, T, 1, 1). Grouped-query attention: K, V, dK and dV are
 // (B, Hkv, S, D) with Hkv = s.kv_heads(), as in the frontend's samples/cpp/sdpa/fp16_fwd.cpp and
 // fp16_bwd.cpp (h_k, h_v below h_q); cuDNN shares k/v head h / (H / Hkv) among query heads, and its
-// backward sums dK, dV over each group (the frontend requires h_q % h_k == 0, which keel's config
-// validation already holds).
+// backward sums dK, dV over each group (the frontend requires h_q % h_k == 0; shape_problem
+// checks it first).
 #include "framework/kernels/cuda/sdpa_cudnn.h"
 
 #include <string>
