@@ -4,7 +4,9 @@
 // of 64, B, H > 1, different per-head scales, and q, k, v (and their gradients) both as strided
 // views of one fused qkv buffer and as dense arrays, and grouped-query and multi-query attention
 // (H = 4 query heads on Hkv = 4, 2, 1 k/v heads: K, V, dK, dV of Hkv heads). Outputs are poisoned
-// with NaN first, and the fused rows' columns no view covers must stay untouched. Also the per-head
+// with NaN first, and the fused rows' columns no view covers must stay untouched. The execution
+// context's BF16 attention on a strided bf16 k (a TP rank's one k/v head of several) against the
+// same k given densely, bit for bit, on whichever path it takes. Also the per-head
 // scale fold's kernels against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips
 // without a GPU, and the cuDNN comparisons skip in a build without the cuDNN frontend.
 #include <gtest/gtest.h>
@@ -20,6 +22,7 @@
 
 #include "framework/error.h"
 #include "framework/kernels/attention.h"
+#include "framework/kernels/cuda/exec_context.h"
 #include "framework/kernels/cuda/sdpa_cudnn.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -328,6 +331,80 @@ TEST_F(SdpaTest, RefusesShapesCudnnCannotTakeNamingTheShape) {
       EXPECT_NE(std::string(e.what()).find(shape), std::string::npos) << e.what();
     }
   }
+}
+
+// The execution context's BF16 attention (cuDNN's where it takes the shape, else keel's) on a bf16
+// k read in place at a stride wider than its heads, as a TP rank that holds every k/v head reads
+// the one its query heads use (Note [gqa layouts]): 4 query heads on the second of two k/v heads.
+// Bit for bit the results of the same k given densely in fp32, which the context rounds to the same
+// bf16 values; dk lands in that head's columns of the wide rows only.
+TEST_F(SdpaTest, ExecContextReadsAStridedBf16KInPlace) {
+  const int64_t B = 2, T = 40, H = 4, D = 32, HD = H * D, BT = B * T, ldw = 2 * D;
+  const kernels::AttentionShape dense{B, T, H, D, HD, D, D, HD, 0, 1};
+  kernels::AttentionShape wide = dense;
+  wide.ldk = ldw;
+  cuda::CudaExec gexec(0);
+  gexec.set_precision(kernels::Precision::kBf16);
+  cuda::Context& c = gexec.context();  // every buffer on its stream
+  const auto q = random_vec(BT * HD, -1, 1, 801), v = random_vec(BT * D, -1, 1, 803);
+  const auto kw = bf16_rounded(random_vec(BT * ldw, -1, 1, 802));
+  const auto dout = random_vec(BT * HD, -1, 1, 804);
+  const std::vector<float> scale = {0.15f, 0.2f, 0.25f, 0.3f};
+  std::vector<float> kd(BT * D);  // the second k/v head, densely
+  for (int64_t n = 0; n < BT; ++n) {
+    for (int64_t d = 0; d < D; ++d) kd[n * D + d] = kw[n * ldw + D + d];
+  }
+  DeviceBuffer d_q = cuda::upload(c, q), d_v = cuda::upload(c, v), d_dout = cuda::upload(c, dout);
+  DeviceBuffer d_kd = cuda::upload(c, kd), d_kw = cuda::upload(c, to_bf16(kw));
+  DeviceBuffer d_scale = cuda::upload(c, scale);
+  auto nan_buffer = [&](int64_t n) {
+    DeviceBuffer b = c.alloc(static_cast<size_t>(n) * sizeof(float));
+    c.fill_bytes(b.data(), 0xFF, static_cast<size_t>(n) * sizeof(float));
+    return b;
+  };
+  auto read = [&](const DeviceBuffer& b, int64_t n) {
+    return cuda::download<float>(c, b.data(), static_cast<size_t>(n));
+  };
+  struct Result {
+    std::vector<float> out, saved, max_logit, dq, dk, dv, dscale;
+  };
+  auto run = [&](bool strided) {
+    const kernels::AttentionShape& s = strided ? wide : dense;
+    const kernels::ActIn k = strided ? kernels::ActIn(d_kw.as<Bf16>() + D, DType::kBF16)
+                                     : kernels::ActIn(d_kd.as<float>());
+    DeviceBuffer out = nan_buffer(BT * HD), saved = nan_buffer(gexec.attention_saved_elems(s));
+    DeviceBuffer mal = nan_buffer(1), dq = nan_buffer(BT * HD), dk = nan_buffer(BT * s.ldk);
+    DeviceBuffer dv = nan_buffer(BT * D), dscale = cuda::upload(c, std::vector<float>(H, 0.0f));
+    gexec.attention_forward(s, out.as<float>(), saved.as<float>(), d_q.as<float>(), k,
+                            d_v.as<float>(), d_scale.as<float>(), mal.as<float>());
+    gexec.attention_backward(s, dq.as<float>(), dk.as<float>() + (strided ? D : 0), dv.as<float>(),
+                             dscale.as<float>(), d_dout.as<float>(), out.as<float>(),
+                             saved.as<float>(), d_q.as<float>(), k, d_v.as<float>(),
+                             d_scale.as<float>(), nullptr);
+    Result r{read(out, BT * HD),   read(saved, B * H * T), read(mal, 1),   read(dq, BT * HD),
+             read(dk, BT * s.ldk), read(dv, BT * D),       read(dscale, H)};
+    if (strided) {  // the first head's columns untouched, the second's densely
+      std::vector<float> used(BT * D);
+      for (int64_t n = 0; n < BT; ++n) {
+        for (int64_t d = 0; d < D; ++d) {
+          EXPECT_TRUE(std::isnan(r.dk[n * ldw + d])) << "dk row " << n << " column " << d;
+          used[n * D + d] = r.dk[n * ldw + D + d];
+        }
+      }
+      r.dk = used;
+    }
+    return r;
+  };
+  const Result a = run(false), b = run(true);
+  std::cout << "[          ] attention: " << gexec.attention_path() << "\n";
+  EXPECT_TRUE(identical(b.out, a.out)) << "out";
+  EXPECT_TRUE(identical(b.saved, a.saved)) << "log-sum-exp";
+  EXPECT_TRUE(identical(b.max_logit, a.max_logit)) << "max |logit|";
+  EXPECT_TRUE(identical(b.dq, a.dq)) << "dq";
+  EXPECT_TRUE(identical(b.dk, a.dk)) << "dk";
+  EXPECT_TRUE(identical(b.dv, a.dv)) << "dv";
+  EXPECT_TRUE(identical(b.dscale, a.dscale)) << "dscale";
+  for (float x : a.dk) ASSERT_TRUE(std::isfinite(x)) << "an unwritten dk element";
 }
 
 TEST_F(SdpaTest, ScaleFoldAndUnfoldMatchHostArithmetic) {
