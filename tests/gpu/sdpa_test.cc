@@ -6,9 +6,9 @@
 // (H = 4 query heads on Hkv = 4, 2, 1 k/v heads: K, V, dK, dV of Hkv heads). Outputs are poisoned
 // with NaN first, and the fused rows' columns no view covers must stay untouched. The execution
 // context's BF16 attention on a strided bf16 k (a TP rank's one k/v head of several) against the
-// same k given densely, bit for bit, on whichever path it takes. Also the per-head
-// scale fold's kernels against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips
-// without a GPU, and the cuDNN comparisons skip in a build without the cuDNN frontend.
+// same k given densely, bit for bit, on whichever path it takes. Also the per-head scale fold's
+// kernels against host arithmetic, and the refusal of shapes cuDNN cannot take. Skips without a
+// GPU, and the cuDNN comparisons skip in a build without the cuDNN frontend.
 #include <gtest/gtest.h>
 
 #include <algorithm>
