@@ -10,7 +10,7 @@
 // takes the other tile's weights from its lanes by shuffles, in increasing row order.
 //
 // Grouped-query attention (AttentionShape::Hkv < H): query head h reads k/v head h / G, G = H /
-// Hkv, at row strides ldk, ldv of at least Hkv * D. Only the dK/dV kernel sees the groups.
+// Hkv, at row strides ldk, ldv of at least Hkv * D. Only the dK/dV kernel's grid is by k/v head.
 //
 // Forward: one block per (b, h, query tile), key tiles from 0 to the diagonal tile (the causal
 // mask skips the rest), online softmax (running max m, running sum l, output rescaled by
