@@ -46,6 +46,7 @@
 
 #include "tests/cuda_emu/counters.h"
 #include "tests/cuda_emu/emu.h"
+#include "tests/cuda_emu/roofline.h"
 
 namespace keel_emu {
 
@@ -978,9 +979,10 @@ void run_grid(const LaunchConfig& cfg, void (*body)(const void*), std::shared_pt
       return;
     }
   }
-  // The grid runs as a task of its stream (Note [cuda-emu-deferred]), with copies of what it needs.
-  submit(cfg.stream, [cfg, allowed, body, arg = std::move(arg)] {
-    execute_grid(cfg, allowed, body, arg.get());
+  // The grid runs as a task of its stream (Note [cuda-emu-deferred]), with copies of what it needs;
+  // in the roofline's estimate mode (roofline.h) with the bytes it touches counted.
+  submit(cfg.stream, [cfg, allowed, body, arg = std::move(arg), rec = roofline::start(cfg.name)] {
+    roofline::run_measured(rec.get(), [&] { execute_grid(cfg, allowed, body, arg.get()); });
   });
 }
 
@@ -1037,20 +1039,22 @@ cudaError_t sort_pairs_i32(void* temp, size_t& temp_bytes, const int32_t* keys_i
   counters::record_launch("cub::DeviceRadixSort::SortPairs", 0, 0, n);
   const uint32_t keymask =
       (end_bit == 32 ? 0xffffffffu : ((1u << end_bit) - 1u)) & ~((1u << begin_bit) - 1u);
-  submit(stream, [=] {
-    std::vector<int> order(static_cast<size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-      return (static_cast<uint32_t>(keys_in[a]) & keymask) <
-             (static_cast<uint32_t>(keys_in[b]) & keymask);
+  submit(stream, [=, rec = roofline::start("cub::DeviceRadixSort::SortPairs")] {
+    roofline::run_measured(rec.get(), [&] {
+      std::vector<int> order(static_cast<size_t>(n));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return (static_cast<uint32_t>(keys_in[a]) & keymask) <
+               (static_cast<uint32_t>(keys_in[b]) & keymask);
+      });
+      std::vector<int32_t> k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) {
+        k[static_cast<size_t>(i)] = keys_in[order[static_cast<size_t>(i)]];
+        v[static_cast<size_t>(i)] = values_in[order[static_cast<size_t>(i)]];
+      }
+      std::copy(k.begin(), k.end(), keys_out);
+      std::copy(v.begin(), v.end(), values_out);
     });
-    std::vector<int32_t> k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      k[static_cast<size_t>(i)] = keys_in[order[static_cast<size_t>(i)]];
-      v[static_cast<size_t>(i)] = values_in[order[static_cast<size_t>(i)]];
-    }
-    std::copy(k.begin(), k.end(), keys_out);
-    std::copy(v.begin(), v.end(), values_out);
   });
   return cudaSuccess;
 }
@@ -1168,6 +1172,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   char* user = guard - body;
   std::memset(user, 0xFF, body);  // NaN in fp32 and bf16: unwritten memory shows
   keel_emu::device_allocations()[user] = {base, length};
+  keel_emu::roofline::add_region(user, body);
   *ptr = user;
   return cudaSuccess;
 }
@@ -1201,6 +1206,7 @@ cudaError_t cudaFree(void* ptr) {
   if (it == keel_emu::device_allocations().end()) {
     return fail(cudaErrorInvalidValue, "cudaFree of a pointer cudaMalloc did not return");
   }
+  keel_emu::roofline::remove_region(ptr);
   munmap(it->second.base, it->second.length);  // later use faults
   keel_emu::device_allocations().erase(it);
   return cudaSuccess;
@@ -1253,7 +1259,11 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (bytes > 0 && (keel_emu::is_pageable(dst) || keel_emu::is_pageable(src))) {
     keel_emu::counters::record_sync("pageable cudaMemcpyAsync");
   }
-  if (bytes > 0) keel_emu::submit(stream, [=] { std::memmove(dst, src, bytes); });
+  if (bytes > 0) {
+    keel_emu::submit(stream, [=, rec = keel_emu::roofline::start("cudaMemcpyAsync")] {
+      keel_emu::roofline::run_measured(rec.get(), [=] { std::memmove(dst, src, bytes); });
+    });
+  }
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
@@ -1262,13 +1272,16 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   if (bytes > 0) std::memmove(dst, src, bytes);
   return keel_emu::take_async_error();
 }
-cudaError_t cudaMemset(void* dst, int value, size_t bytes) {  // asynchronous to the host
-  if (bytes > 0) keel_emu::submit(nullptr, [=] { std::memset(dst, value, bytes); });
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) {
+    keel_emu::submit(stream, [=, rec = keel_emu::roofline::start("cudaMemsetAsync")] {
+      keel_emu::roofline::run_measured(rec.get(), [=] { std::memset(dst, value, bytes); });
+    });
+  }
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream) {
-  if (bytes > 0) keel_emu::submit(stream, [=] { std::memset(dst, value, bytes); });
-  return cudaSuccess;
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {  // asynchronous to the host
+  return cudaMemsetAsync(dst, value, bytes, nullptr);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {

@@ -16,6 +16,7 @@
 #include "framework/kernels/cuda/attention.h"
 #include "framework/kernels/cuda/sdpa_cudnn.h"
 #include "tests/cuda_emu/emu.h"
+#include "tests/cuda_emu/roofline.h"
 
 namespace keel::kernels::cuda::cudnn {
 
@@ -85,6 +86,9 @@ void sdpa_forward(Context& ctx, const AttentionShape& s, Bf16* out, float* lse, 
   DeviceBuffer qs = ctx.alloc(static_cast<size_t>(s.B * s.T * s.H * s.D) * sizeof(Bf16));
   fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
   const DeviceBuffer ones = unit_scales(ctx, s.H);
+  // Priced as cuDNN's kernel (roofline.h): QK^T and PV, causal, 2 B H T^2 D flops.
+  const keel_emu::roofline::Label label("cuDNN SDPA forward", 0, 2.0 * s.B * s.H * s.T * s.T * s.D,
+                                        keel_emu::roofline::Peak::kTensorBf16);
   attention_forward<Bf16>(ctx, folded(s), out, lse, qs.as<Bf16>(), k, v, ones.as<float>(), nullptr);
 }
 
@@ -97,8 +101,15 @@ void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf
   DeviceBuffer dqs = ctx.alloc(static_cast<size_t>(rows * HD) * sizeof(Bf16));
   fold_head_scale(ctx, s, qs.as<Bf16>(), q, scale);
   const DeviceBuffer ones = unit_scales(ctx, s.H);
-  attention_backward<Bf16>(ctx, folded(s), dqs.as<Bf16>(), dk, dv, nullptr, dout, out, lse,
-                           qs.as<Bf16>(), k, v, ones.as<float>());
+  {
+    // Priced as cuDNN's backward (roofline.h): QK^T recomputed, dP, dV, dK and dQ, causal, 2.5x
+    // the forward's flops (FlashAttention-2's count).
+    const keel_emu::roofline::Label label("cuDNN SDPA backward", 0,
+                                          5.0 * s.B * s.H * s.T * s.T * s.D,
+                                          keel_emu::roofline::Peak::kTensorBf16);
+    attention_backward<Bf16>(ctx, folded(s), dqs.as<Bf16>(), dk, dv, nullptr, dout, out, lse,
+                             qs.as<Bf16>(), k, v, ones.as<float>());
+  }
   // dq' into dq's rows (stride ldq), a task of the stream: emulated device memory is host memory.
   keel_emu::submit(ctx.stream(), [dq, src = dqs.as<Bf16>(), rows, HD, ldq = s.ldq] {
     for (int64_t r = 0; r < rows; ++r) {

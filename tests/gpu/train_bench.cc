@@ -14,11 +14,20 @@
 //
 // Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] [--nccl]
 //                             [--profile] [--peak-n N] [--set path=value]...
+//                             [--estimate [--estimate-tokens N]]
 // --peak-n: the peak GEMM's size (default 8192); with --set shrinking the model, a smoke run of
 // the whole bench (the CUDA emulator's cuda_emu.train_bench_smoke test).
+//
+// --estimate (the CUDA emulator's build only; tests/cuda_emu/estimate.h): instead of timing, the
+// step's H200 roofline estimate for the config (124M by default): a per-kernel table of bytes
+// read and written, flops and estimated time, ending with "estimated H200 step: X ms, MFU Y% of
+// 989 TFLOP/s". The emulator measures steps of 1 and 2 layers at the real widths on one sequence
+// of --estimate-tokens tokens (default 512, capped at seq_len) and of half that, and scales them
+// to the config's layers and tokens (docs/gpu.md, "The roofline estimate").
 // Exit codes: 0 done, 77 no CUDA device (skipped), 2 bad arguments, 1 error.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -34,26 +43,92 @@
 #include "launch/train/nccl_tensor_comms.h"
 #include "launch/train/trainer.h"
 #include "parallel/communicator.h"
+#if KEEL_CUDA_EMULATOR
+#include "tests/cuda_emu/estimate.h"
+#include "tests/cuda_emu/roofline.h"
+#endif
 
 namespace keel {
 namespace {
 
+#if KEEL_CUDA_EMULATOR
+namespace roofline = keel_emu::roofline;
+
+// One measured step (after a warm-up step) of cfg at `layers` layers and one sequence of `seq`
+// tokens, the learned position table kept at `positions` rows as in the real config.
+std::vector<roofline::Record> measure_step(config::KeelConfig cfg, int layers, int64_t seq,
+                                           int64_t positions) {
+  cfg.mutable_model()->set_n_layers(layers);
+  cfg.mutable_model()->set_seq_len(static_cast<int32_t>(seq));
+  cfg.mutable_model()->set_max_positions(static_cast<int32_t>(positions));
+  cfg.mutable_train()->set_global_batch(1);
+  cfg.mutable_train()->set_micro_batch(0);
+  validate(cfg);
+  std::unique_ptr<Communicator> tp_holder, dp_holder;
+  const Topology topo = Topology::single(tp_holder, dp_holder);
+  TrainerOptions opts;
+  opts.progress = false;
+  Trainer trainer(cfg, topo, opts);
+  trainer.step();  // the first step's allocations and one-time work stay out
+  trainer.exec().synchronize();
+  roofline::take();
+  roofline::set_enabled(true);
+  trainer.step();
+  trainer.exec().synchronize();
+  roofline::set_enabled(false);
+  return roofline::take();
+}
+
+// --estimate: the H200 roofline estimate of one step of `cfg` (tests/cuda_emu/estimate.h).
+void estimate_step(const char* name, const config::KeelConfig& cfg, int64_t tokens) {
+  namespace estimate = keel_emu::estimate;
+  const int layers = cfg.model().n_layers();
+  const int64_t T = cfg.model().seq_len(), B = cfg.train().global_batch();
+  const int64_t positions = cfg.model().max_positions() > 0 ? cfg.model().max_positions() : T;
+  const int64_t t_b = std::min<int64_t>(T, tokens), t_a = std::max<int64_t>(1, t_b / 2);
+  const double n = static_cast<double>(B * T);
+  const auto at_tokens = [&](int l) {
+    const auto a = measure_step(cfg, l, t_a, positions);
+    const auto b = measure_step(cfg, l, t_b, positions);
+    return estimate::scale_tokens(a, b, static_cast<double>(t_a), static_cast<double>(t_b),
+                                  static_cast<double>(t_b), n, static_cast<double>(T));
+  };
+  const std::vector<estimate::Entry> one = at_tokens(1);
+  const std::vector<estimate::Entry> entries =
+      layers == 1 ? one : estimate::scale_layers(one, at_tokens(2), layers);
+  std::printf(
+      "config %s: H200 roofline estimate per step: max(bytes / 4.8 TB/s HBM3e, flops / peak "
+      "(989 TFLOP/s dense BF16 tensor cores, 494.5 TF32, 67 FP32 CUDA cores), 2.5 us a launch), "
+      "bytes as pages first touched (4 KiB), measured on %s at %lld and %lld tokens and scaled "
+      "to %d layers and %lld x %lld tokens:\n",
+      name, layers == 1 ? "1 layer" : "1 and 2 layers", static_cast<long long>(t_a),
+      static_cast<long long>(t_b), layers, static_cast<long long>(B), static_cast<long long>(T));
+  const double seconds = estimate::print_table(entries, stdout);
+  const double model_flops = bench::flops_per_token(cfg) * n;
+  std::printf("config %s: model FLOPs per step %.2f TFLOP (keel-bench's count)\n", name,
+              model_flops / 1e12);
+  std::printf("%s\n", roofline::summary_line(1e3 * seconds, model_flops).c_str());
+  std::fflush(stdout);
+}
+#endif
+
 int run(int argc, char** argv) {
   std::string which = "all";
-  int steps = 5, warmup = 2, peak_n = 8192;
+  int steps = 5, warmup = 2, peak_n = 8192, estimate_tokens = 512;
   std::vector<std::string> sets;
-  bool nccl = false, profile = false;
+  bool nccl = false, profile = false, estimate = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--nccl" || a == "--profile") {
-      (a == "--nccl" ? nccl : profile) = true;
+    if (a == "--nccl" || a == "--profile" || a == "--estimate") {
+      (a == "--nccl" ? nccl : a == "--profile" ? profile : estimate) = true;
       continue;
     }
-    KEEL_CHECK(
-        a == "--config" || a == "--steps" || a == "--warmup" || a == "--peak-n" || a == "--set",
-        kUsage, "unknown option ", a,
-        " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
-        "[--nccl] [--profile] [--peak-n N] [--set path=value]...)");
+    KEEL_CHECK(a == "--config" || a == "--steps" || a == "--warmup" || a == "--peak-n" ||
+                   a == "--set" || a == "--estimate-tokens",
+               kUsage, "unknown option ", a,
+               " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
+               "[--nccl] [--profile] [--peak-n N] [--set path=value]... [--estimate "
+               "[--estimate-tokens N]])");
     KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--config") {
@@ -64,7 +139,10 @@ int run(int argc, char** argv) {
       const int n = std::atoi(v.c_str());
       KEEL_CHECK(n >= (a == "--warmup" ? 0 : 1) && std::to_string(n) == v, kUsage, a,
                  ": not a valid count: ", v);
-      (a == "--steps" ? steps : a == "--warmup" ? warmup : peak_n) = n;
+      (a == "--steps"             ? steps
+       : a == "--warmup"          ? warmup
+       : a == "--estimate-tokens" ? estimate_tokens
+                                  : peak_n) = n;
     }
   }
   if (kernels::cuda::device_count() == 0) {
@@ -75,6 +153,25 @@ int run(int argc, char** argv) {
   bool known = which == "all";
   for (const bench::Named& n : bench::kConfigs) known = known || (n.gpu && which == n.name);
   KEEL_CHECK(known, kUsage, "--config ", which, ": no such GPU config (124M, 350M or all)");
+  if (estimate) {
+#if KEEL_CUDA_EMULATOR
+    // Attention as on an H200: cuDNN's fused SDPA (the emulated one), unless the caller says.
+    setenv("KEEL_CUDA_EMU_CUDNN", "1", /*overwrite=*/0);
+    for (const bench::Named& named : bench::kConfigs) {
+      // The 124M shapes unless a config is named.
+      if (!named.gpu || (which == "all" ? std::string(named.name) != "124M" : which != named.name))
+        continue;
+      config::KeelConfig cfg = bench::bench_job(named, 1, 1);
+      cfg.mutable_train()->set_device("CUDA");
+      for (const auto& s : sets) apply_set(s, cfg);
+      validate(cfg);
+      estimate_step(named.name, cfg, estimate_tokens);
+    }
+    return 0;
+#else
+    KEEL_FAIL(kUsage, "--estimate: only in the CUDA emulator's build (keel-gpu-train-bench-emu)");
+#endif
+  }
 
   config::KeelConfig probe = default_config();
   for (const auto& s : sets) apply_set(s, probe);
