@@ -76,6 +76,17 @@ inline std::string command_line(const std::string& program, const std::vector<st
   return line;
 }
 
+// The "loss" of every line of a metrics.jsonl's text, in order.
+inline std::vector<double> metric_losses(const std::string& metrics) {
+  std::vector<double> out;
+  std::istringstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("\"loss\": ");  // not "z_loss": the quote comes first
+    if (at != std::string::npos) out.push_back(std::strtod(line.c_str() + at + 8, nullptr));
+  }
+  return out;
+}
+
 #if defined(KEEL_TRAIN_BIN) && defined(KEEL_MPIEXEC)
 // keel-train with `args` as a shell command line: on `ranks` ranks under mpiexec (as root,
 // oversubscribed, unbound, with `mpi_opts`), or directly when ranks is 1.

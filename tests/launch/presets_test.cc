@@ -27,6 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::command_line;
 using testing::CommandResult;
+using testing::metric_losses;
 using testing::read_file;
 using testing::run_command;
 using testing::TempDir;
@@ -57,17 +58,6 @@ const std::map<std::string, Expected>& expected() {
 }
 
 std::string configs_dir() { return std::string(KEEL_SOURCE_DIR) + "/launch/configs"; }
-
-// The "loss" of every line of metrics.jsonl.
-std::vector<double> losses(const std::string& metrics) {
-  std::vector<double> out;
-  std::istringstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const size_t at = line.find("\"loss\": ");  // not "z_loss": the quote comes first
-    if (at != std::string::npos) out.push_back(std::strtod(line.c_str() + at + 8, nullptr));
-  }
-  return out;
-}
 
 double mean(const std::vector<double>& v, size_t begin, size_t end) {
   double s = 0;
@@ -109,7 +99,7 @@ TEST_P(PresetTest, TrainsAFewStepsWithFallingLossAndExportsAsItsArchitecture) {
       dir);
   ASSERT_EQ(t.exit_code, 0) << t.out << t.err;
 
-  const std::vector<double> loss = losses(read_file(run + "/metrics.jsonl"));
+  const std::vector<double> loss = metric_losses(read_file(run + "/metrics.jsonl"));
   ASSERT_EQ(loss.size(), static_cast<size_t>(kSteps));
   for (double l : loss) ASSERT_TRUE(std::isfinite(l)) << name;
   // From about ln(256) = 5.55 nats at step 1; still in warm-up (40 steps) at step 30.

@@ -31,6 +31,7 @@ namespace {
 
 using testing::command_line;
 using testing::CommandResult;
+using testing::metric_losses;
 using testing::read_file;
 using testing::run_command;
 using testing::TempDir;
@@ -128,17 +129,6 @@ TEST(PublishedPresets, StateTheirMemoryPerGpuAsEstimated) {
   }
 }
 
-// The "loss" of every line of metrics.jsonl.
-std::vector<double> losses(const std::string& metrics) {
-  std::vector<double> out;
-  std::istringstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const size_t at = line.find("\"loss\": ");  // not "z_loss": the quote comes first
-    if (at != std::string::npos) out.push_back(std::strtod(line.c_str() + at + 8, nullptr));
-  }
-  return out;
-}
-
 class PublishedPresetTest : public ::testing::TestWithParam<Published> {};
 
 TEST_P(PublishedPresetTest, TrainsAFewStepsOnTheCpu) {
@@ -177,7 +167,7 @@ TEST_P(PublishedPresetTest, TrainsAFewStepsOnTheCpu) {
   EXPECT_NE(t.out.find("keel-train: " + std::to_string(n) + " parameters"), std::string::npos)
       << t.out;
 
-  const std::vector<double> loss = losses(read_file(run + "/metrics.jsonl"));
+  const std::vector<double> loss = metric_losses(read_file(run + "/metrics.jsonl"));
   ASSERT_EQ(loss.size(), static_cast<size_t>(kSteps)) << t.out;
   for (double l : loss) ASSERT_TRUE(std::isfinite(l)) << p.name;
   const double ln_v = std::log(static_cast<double>(cfg.model().vocab_size()));
