@@ -157,6 +157,22 @@ class ExecContext {
   // *out (= or += per accumulate; device double) the sum of squares of x[n] in double, with a
   // fixed partition of x (bitwise reproducible run to run; the CPU's is the free function's).
   virtual void sum_squares(const float* x, int64_t n, double* out, bool accumulate) = 0;
+  // *out (=, device double) the sum of squares of x over segments[0..count) (x[offset, offset +
+  // n) each; adamw.h), for the global gradient norm in one call a step. This default is
+  // sum_squares per non-empty segment, accumulated in segment order (the CPU's result, bit for
+  // bit); with none, 0. A device context may sum in one fixed order of its own over all segments
+  // (CudaExec: Note [multi-tensor norm] in cuda/elementwise.cu, 2 launches instead of 2 per
+  // segment), equal to this to double rounding.
+  virtual void sum_squares_segments(const float* x, const NormSegment* segments, int64_t count,
+                                    double* out) {
+    bool any = false;
+    for (int64_t k = 0; k < count; ++k) {
+      if (segments[k].n == 0) continue;
+      sum_squares(x + segments[k].offset, segments[k].n, out, /*accumulate=*/any);
+      any = true;
+    }
+    if (!any) sum_squares(x, 0, out, /*accumulate=*/false);
+  }
 
   // ---- norm.h (the split forms serve a row sharded over TP ranks) ----
   // out: Note [act-dtype].
@@ -255,6 +271,21 @@ class ExecContext {
   // ---- adamw.h ----
   virtual void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                             const AdamWStep& step) = 0;
+  // adamw_update over each segment of the arenas param, grad, m and v (adamw.h's AdamWSegment),
+  // with step.weight_decay where the segment decays and 0 elsewhere: the optimizer's one call a
+  // step. This default calls adamw_update per segment in order (the CPU's path, unchanged); a
+  // device context may update many segments a launch with the same arithmetic per element
+  // (CudaExec: cuda::adamw_update_segments, bitwise equal). Segments must not overlap.
+  virtual void adamw_update_segments(float* param, const float* grad, float* m, float* v,
+                                     const AdamWSegment* segments, int64_t count,
+                                     const AdamWStep& step) {
+    AdamWStep s = step;
+    for (int64_t k = 0; k < count; ++k) {
+      const AdamWSegment& seg = segments[k];
+      s.weight_decay = seg.decay ? step.weight_decay : 0.0f;
+      adamw_update(param + seg.offset, grad + seg.offset, m + seg.offset, v + seg.offset, seg.n, s);
+    }
+  }
 
  protected:
   Precision precision_ = Precision::kFp32;

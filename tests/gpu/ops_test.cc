@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -138,6 +139,96 @@ TEST_F(OpsTest, SumSquaresMatchesCpuAndIsReproducible) {
   EXPECT_EQ(std::memcmp(&runs[0], &runs[1], sizeof(double)), 0) << "not bitwise reproducible";
 }
 
+// The exact sum of squares of x over the segments, to far below a double's rounding: squares
+// of floats are exact in double, summed pairwise in long double (64-bit mantissa).
+long double exact_sum_squares(const std::vector<float>& x,
+                              const std::vector<kernels::NormSegment>& segs) {
+  std::vector<long double> sq;
+  for (const kernels::NormSegment& s : segs) {
+    for (int64_t i = s.offset; i < s.offset + s.n; ++i) {
+      sq.push_back(static_cast<long double>(static_cast<double>(x[i]) * x[i]));
+    }
+  }
+  while (sq.size() > 1) {
+    std::vector<long double> half((sq.size() + 1) / 2, 0.0L);
+    for (size_t i = 0; i < sq.size(); ++i) half[i / 2] += sq[i];
+    sq.swap(half);
+  }
+  return sq.empty() ? 0.0L : sq[0];
+}
+
+// The multi-tensor norm (Note [multi-tensor norm], elementwise.cu) against sum_squares per
+// segment accumulated in segment order (the trainer's sum before it) and an exact reference, over
+// 300 segments (two table launches of 240 and 60) of 0 to 3000 elements (every 29th empty, every
+// 50th over 20000: three chunks of 8192 and a ragged tail), with gaps between some, filled with
+// 1e6 so that a gap summed shows. The two device orders differ, so the bound is each one's
+// addition tree's depth times 2^-53 relative to the exact sum (squares are exact in double, all
+// terms are positive): the multi-tensor tree is 32 (a thread's chunk elements) + 8 (block_sum of
+// 256) + 1 (a final thread's partials: about 300 chunks here, one each) + 10 (block_sum of 1024)
+// deep; the per-segment one 1 + 8 + 1 + 10 per segment and then 300 accumulations. Also: bitwise
+// reproducible, a segment cut at a multiple of 8192 into two table entries gives the same bits (the
+// chunks depend on the segments' lengths alone), and no segment, or only empty ones, write 0.
+TEST_F(OpsTest, SumSquaresSegmentsMatchesPerTensorSumWithinItsOrderBound) {
+  std::mt19937 gen(31);
+  std::vector<kernels::NormSegment> segs;
+  int64_t total = 0;
+  std::vector<int64_t> gaps;
+  for (int k = 0; k < 300; ++k) {
+    int64_t n = static_cast<int64_t>(gen() % 3001);
+    if (k % 29 == 3) n = 0;
+    if (k % 50 == 7) n = 20000 + static_cast<int64_t>(gen() % 5000);
+    segs.push_back({total, n});
+    total += n;
+    if (k % 7 == 2) {
+      for (int i = 0; i < 5; ++i) gaps.push_back(total + i);
+      total += 5;
+    }
+  }
+  auto x = random_vec(total, -2, 2, 32);
+  for (int64_t g : gaps) x[g] = 1e6f;
+  const long double exact = exact_sum_squares(x, segs);
+  DeviceBuffer d_x = cuda::upload(ctx(), x);
+  DeviceBuffer out = poisoned<double>(1);
+  const auto segmented = [&](const std::vector<kernels::NormSegment>& table) {
+    ctx().copy_to_device(out.data(), std::vector<double>{std::nan("")}.data(), sizeof(double));
+    cuda::sum_squares_segments(ctx(), d_x.as<float>(), table.data(),
+                               static_cast<int64_t>(table.size()), out.as<double>());
+    return get<double>(out, 1)[0];
+  };
+  const double multi = segmented(segs);
+  bool any = false;
+  for (const kernels::NormSegment& s : segs) {
+    if (s.n == 0) continue;
+    cuda::sum_squares(ctx(), d_x.as<float>() + s.offset, s.n, out.as<double>(), any);
+    any = true;
+  }
+  const double per_tensor = get<double>(out, 1)[0];
+  const double u = std::ldexp(1.0, -53);
+  const double multi_bound = (32 + 8 + 1 + 10) * u, per_tensor_bound = (20 + 300) * u;
+  const double rel_multi = std::abs(static_cast<double>((multi - exact) / exact));
+  const double rel_per = std::abs(static_cast<double>((per_tensor - exact) / exact));
+  std::printf("sum of squares %.17g: multi-tensor %.3g, per-tensor %.3g relative to exact\n",
+              static_cast<double>(exact), rel_multi, rel_per);
+  EXPECT_LE(rel_multi, multi_bound);
+  EXPECT_LE(rel_per, per_tensor_bound);
+  EXPECT_LE(std::abs(multi - per_tensor), (multi_bound + per_tensor_bound) * per_tensor);
+  EXPECT_LT(multi, 1e12) << "a gap between segments was summed";
+
+  const double again = segmented(segs);
+  EXPECT_EQ(std::memcmp(&multi, &again, sizeof(double)), 0) << "not bitwise reproducible";
+  // The long segment 7 cut after two chunks: the same chunks in the same order.
+  std::vector<kernels::NormSegment> cut = segs;
+  ASSERT_GT(cut[7].n, 2 * 8192);
+  cut.insert(cut.begin() + 8, {cut[7].offset + 2 * 8192, cut[7].n - 2 * 8192});
+  cut[7].n = 2 * 8192;
+  const double cut_sum = segmented(cut);
+  EXPECT_EQ(std::memcmp(&multi, &cut_sum, sizeof(double)), 0)
+      << "cutting a segment at a chunk boundary changed the sum";
+
+  EXPECT_EQ(segmented({}), 0.0) << "no segment";
+  EXPECT_EQ(segmented({{0, 0}, {5, 0}}), 0.0) << "only empty segments";
+}
+
 TEST_F(OpsTest, ClipScaleMatchesCpuFormula) {
   DeviceBuffer sum_sq = ctx().alloc(sizeof(double));
   DeviceBuffer scale = poisoned<float>(1);
@@ -182,7 +273,7 @@ TEST_F(OpsTest, AdamWMatchesCpuWithHostAndDeviceGradScale) {
 // elements (up to three 2048-element blocks each), empty ones, gaps between some that neither
 // writes, decay on every other one; with the host and with the device grad scale.
 TEST_F(OpsTest, AdamWSegmentsMatchPerTensorUpdateBitwise) {
-  std::vector<cuda::AdamWSegment> segs;
+  std::vector<kernels::AdamWSegment> segs;
   std::mt19937 gen(77);
   int64_t total = 0;
   for (int k = 0; k < 150; ++k) {
@@ -211,7 +302,7 @@ TEST_F(OpsTest, AdamWSegmentsMatchPerTensorUpdateBitwise) {
                                     d_v.as<float>(), segs.data(), static_cast<int64_t>(segs.size()),
                                     s, scale);
       } else {
-        for (const cuda::AdamWSegment& seg : segs) {
+        for (const kernels::AdamWSegment& seg : segs) {
           kernels::AdamWStep one = s;
           one.weight_decay = seg.decay ? s.weight_decay : 0.0f;
           cuda::adamw_update(ctx(), d_p.as<float>() + seg.offset, d_g.as<float>() + seg.offset,

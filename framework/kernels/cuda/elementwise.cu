@@ -3,6 +3,7 @@
 // headers' __host__ __device__ functions where they have one (gelu_scalar, philox_uniform).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "framework/error.h"
@@ -122,6 +123,60 @@ __global__ void sum_partials_kernel(const double* partial, int count, double* ou
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) *out = accumulate ? *out + acc : acc;
 }
+// ---- Note [multi-tensor norm] ----
+// The global gradient norm over the optimizer's segments (sum_squares_segments) in
+// ceil(segments / kNormSegmentsPerLaunch) + 1 launches, where sum_squares per tensor took two
+// launches a parameter. The order of the sum depends on the segments' lengths alone, not on how
+// many launches the table takes or how the GPU schedules the blocks:
+// - each segment is cut into chunks of kNormChunk elements from its start (the last one ragged),
+//   numbered in segment order, then chunk order;
+// - chunk j's block: thread i (of kThreads) adds the squares of the chunk's elements i, i +
+//   kThreads, ... in double, in ascending order; block_sum combines the threads' sums in its fixed
+//   tree; the result is partial[j] (no atomics);
+// - one block of kSumFinalThreads threads: thread i adds partial[i], partial[i + 1024], ... in
+//   ascending order, block_sum combines them into *out.
+// Every square is exact in double (a float's 24-bit mantissa squared), so the result is within
+// depth * 2^-53 of the exact sum, relatively, for an addition tree `depth` deep: here at most
+// kNormChunk / kThreads + 8 + chunks / 1024 + 10 (ops_test.cc checks the bound). sum_squares per
+// tensor then accumulated in parameter order is another tree, so the two differ in the last bits.
+// Long segments are split on the host at a multiple of kNormChunk (kNormPieceMax), which changes
+// no chunk, so a table entry's length fits 32 bits.
+constexpr int kNormSegmentsPerLaunch = 240;    // a 3848-byte table, in the 4 KiB of parameters
+constexpr int64_t kNormChunk = 32 * kThreads;  // elements per block
+constexpr int64_t kNormPieceMax = kNormChunk << 18;  // 2^31 elements
+constexpr int kSumFinalThreads = 1024;
+struct NormTable {
+  int64_t offset[kNormSegmentsPerLaunch];
+  unsigned n[kNormSegmentsPerLaunch];
+  unsigned first_block[kNormSegmentsPerLaunch + 1];
+  int count;
+};
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_segments_kernel(NormTable t, const float* x, double* partial) {
+  __shared__ double shared[32];
+  // This block's segment: the last k with first_block[k] <= blockIdx.x (a binary search).
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.first_block[mid] <= blockIdx.x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t chunk = blockIdx.x - t.first_block[lo];
+  const int64_t begin = t.offset[lo] + chunk * kNormChunk;
+  const int64_t left = int64_t{t.n[lo]} - chunk * kNormChunk;
+  const int64_t end = begin + (left < kNormChunk ? left : kNormChunk);
+  double acc = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const double v = x[i];
+    acc += v * v;
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
 __global__ void clip_scale_kernel(const double* sum_sq, double max_norm, float* scale) {
   // keel::clip_scale (framework/optim/optimizer.cc), on the device.
   const double norm = sqrt(*sum_sq);
@@ -364,6 +419,53 @@ void sum_squares(Context& ctx, const float* x, int64_t n, double* out, bool accu
   }
   sum_partials_kernel<<<1, 1024, 0, ctx.stream()>>>(partial, n == 0 ? 1 : blocks, out, accumulate);
   KEEL_CUDA_LAUNCH_CHECK("sum_squares_final", "n=", n, " blocks=", blocks);
+}
+
+void sum_squares_segments(Context& ctx, const float* x, const NormSegment* segments, int64_t count,
+                          double* out) {
+  KEEL_CHECK(count >= 0, kUsage, "cuda sum_squares_segments: count=", count);
+  int64_t chunks = 0;  // over all segments: the partials' count
+  for (int64_t k = 0; k < count; ++k) {
+    const NormSegment& seg = segments[k];
+    KEEL_CHECK(seg.offset >= 0 && seg.n >= 0, kUsage, "cuda sum_squares_segments: segment ", k,
+               " offset=", seg.offset, " n=", seg.n);
+    chunks += (seg.n + kNormChunk - 1) / kNormChunk;
+  }
+  KEEL_CHECK(chunks < (int64_t{1} << 31), kUsage, "cuda sum_squares_segments: ", chunks,
+             " chunks exceed a grid");
+  auto* partial = static_cast<double*>(ctx.scratch(sizeof(double) * (chunks > 0 ? chunks : 1)));
+  if (chunks == 0) {
+    KEEL_CUDA_CHECK(cudaMemsetAsync(partial, 0, sizeof(double), ctx.stream()),
+                    "sum_squares_segments (no elements)");
+  }
+  NormTable t{};
+  int64_t base = 0;    // partial index of this launch's first block
+  int64_t blocks = 0;  // this launch's
+  auto launch = [&] {
+    if (t.count == 0) return;
+    t.first_block[t.count] = static_cast<unsigned>(blocks);
+    sum_squares_segments_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, ctx.stream()>>>(
+        t, x, partial + base);
+    KEEL_CUDA_LAUNCH_CHECK("sum_squares_segments", "segments=", t.count, " blocks=", blocks);
+    base += blocks;
+    t.count = 0;
+    blocks = 0;
+  };
+  for (int64_t k = 0; k < count; ++k) {
+    // A segment longer than kNormPieceMax in pieces of it: the same chunks, in the same order.
+    for (int64_t at = 0; at < segments[k].n; at += kNormPieceMax) {
+      const int64_t n = std::min(kNormPieceMax, segments[k].n - at);
+      t.offset[t.count] = segments[k].offset + at;
+      t.n[t.count] = static_cast<unsigned>(n);
+      t.first_block[t.count] = static_cast<unsigned>(blocks);
+      blocks += (n + kNormChunk - 1) / kNormChunk;
+      if (++t.count == kNormSegmentsPerLaunch) launch();
+    }
+  }
+  launch();
+  sum_partials_kernel<<<1, kSumFinalThreads, 0, ctx.stream()>>>(
+      partial, static_cast<int>(chunks > 0 ? chunks : 1), out, /*accumulate=*/false);
+  KEEL_CUDA_LAUNCH_CHECK("sum_squares_segments (final)", "segments=", count, " chunks=", chunks);
 }
 
 void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_norm,

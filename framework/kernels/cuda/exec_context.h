@@ -63,6 +63,9 @@ class CudaExec final : public kernels::ExecContext {
                     const float* dout, const float* gate, const float* up, int64_t N,
                     int64_t C) override;
   void sum_squares(const float* x, int64_t n, double* out, bool accumulate) override;
+  // One multi-tensor sum in its own fixed order (Note [multi-tensor norm]); exec_optim.cc.
+  void sum_squares_segments(const float* x, const NormSegment* segments, int64_t count,
+                            double* out) override;
 
   void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                     const float* weight, const float* bias, float* mean, float* rstd,
@@ -126,6 +129,10 @@ class CudaExec final : public kernels::ExecContext {
 
   void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                     const AdamWStep& step) override;
+  // cuda::adamw_update_segments: one launch per 128 segments; exec_optim.cc.
+  void adamw_update_segments(float* param, const float* grad, float* m, float* v,
+                             const AdamWSegment* segments, int64_t count,
+                             const AdamWStep& step) override;
 
  private:
   // The device copy of a host RopeTable, uploaded on its first use (a synchronous copy: the

@@ -64,6 +64,14 @@ void glu_backward(Context& ctx, GluAct act, Bf16* dgate, Bf16* dup, float* dgate
 // fixed partition of x: bitwise reproducible run to run. Summing several tensors into one *out
 // and taking the square root gives the global gradient norm without a host round trip.
 void sum_squares(Context& ctx, const float* x, int64_t n, double* out, bool accumulate);
+// Sum of squares of x over segments[0..count) (kernels::NormSegment, adamw.h), into the device
+// double *out (=): the global gradient norm's square in ceil(count / 240) + 1 launches, where
+// sum_squares per tensor takes two each. Its order is fixed by the segments' lengths alone (Note
+// [multi-tensor norm] in elementwise.cu), so it is bitwise reproducible run to run, but it is not
+// sum_squares' order: the two agree to double rounding, not bitwise. Segments may be empty (no
+// segment, or only empty ones: *out = 0). Uses ctx's scratch.
+void sum_squares_segments(Context& ctx, const float* x, const NormSegment* segments, int64_t count,
+                          double* out);
 // *scale = keel::clip_scale(sqrt(*sum_sq), max_norm) (framework/optim/optimizer.h), on the device.
 void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_norm, float* scale);
 
@@ -71,15 +79,10 @@ void clip_scale_from_sum_squares(Context& ctx, const double* sum_sq, double max_
 // device_grad_scale is not null, by *device_grad_scale (clipping computed on the device).
 void adamw_update(Context& ctx, float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWStep& step, const float* device_grad_scale = nullptr);
-// AdamW over segments of flat arenas (the optimizer's layout: a parameter's param, grad, m and v at
-// the same offset of four arrays) in one launch per 128 segments instead of one per tensor. Each
-// segment's elements get exactly adamw_update's arithmetic, with step.weight_decay where decay is
-// set and 0 elsewhere. Segments must not overlap; empty ones are skipped.
-struct AdamWSegment {
-  int64_t offset;  // first element in each arena
-  int64_t n;
-  bool decay;
-};
+// AdamW over segments of flat arenas (kernels::AdamWSegment, adamw.h: the optimizer's layout) in
+// one launch per 128 segments instead of one per tensor. Each segment's elements get exactly
+// adamw_update's arithmetic, with step.weight_decay where decay is set and 0 elsewhere. Segments
+// must not overlap; empty ones are skipped.
 void adamw_update_segments(Context& ctx, float* param, const float* grad, float* m, float* v,
                            const AdamWSegment* segments, int64_t count, const AdamWStep& step,
                            const float* device_grad_scale = nullptr);
