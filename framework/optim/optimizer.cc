@@ -15,12 +15,11 @@ AdamW::AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSeg
 
 void AdamW::step(float* params, const float* grads, float lr, float grad_scale) {
   ++t_;
-  kernels::AdamWStep s{lr, cfg_.beta1(), cfg_.beta2(), cfg_.eps(), 0.0f, grad_scale, t_};
-  for (const ParamSegment& seg : segments_) {
-    s.weight_decay = seg.decay ? cfg_.weight_decay() : 0.0f;
-    exec_->adamw_update(params + seg.offset, grads + seg.offset, m_.f32() + seg.offset,
-                        v_.f32() + seg.offset, seg.n, s);
-  }
+  // weight_decay applies to the segments that decay (adamw_update_segments gives the others 0).
+  const kernels::AdamWStep s{
+      lr, cfg_.beta1(), cfg_.beta2(), cfg_.eps(), cfg_.weight_decay(), grad_scale, t_};
+  exec_->adamw_update_segments(params, grads, m_.f32(), v_.f32(), segments_.data(),
+                               static_cast<int64_t>(segments_.size()), s);
 }
 
 float learning_rate(const config::Optim& cfg, int64_t step, int64_t total_steps) {

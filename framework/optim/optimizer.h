@@ -7,16 +7,15 @@
 #include <vector>
 
 #include "framework/config/keel.pb.h"
+#include "framework/kernels/adamw.h"
 #include "framework/kernels/exec_context.h"
 #include "framework/tensor.h"
 
 namespace keel {
 
-struct ParamSegment {
-  int64_t offset;
-  int64_t n;
-  bool decay;
-};
+// A parameter's run of the arena (offset, n, decay?): the table the update takes whole, one
+// ExecContext::adamw_update_segments call a step (kernels/adamw.h).
+using ParamSegment = kernels::AdamWSegment;
 
 class AdamW {
  public:
@@ -24,7 +23,8 @@ class AdamW {
   AdamW(const config::Optim& cfg, int64_t total_elems, std::vector<ParamSegment> segments,
         kernels::ExecContext& exec = kernels::cpu_exec());
   // One update with learning rate lr; grads are multiplied by grad_scale first (clipping).
-  // params and grads are memory of exec's device.
+  // params and grads are memory of exec's device. One adamw_update_segments call over the whole
+  // table: on the CPU adamw_update per segment, as before; on a GPU a launch per 128 segments.
   void step(float* params, const float* grads, float lr, float grad_scale);
   int64_t t() const { return t_; }
   void set_t(int64_t t) { t_ = t; }  // restoring a checkpoint

@@ -169,18 +169,20 @@ double Trainer::grad_sum_squares(const float* grads, ArenaSlice range) const {
   // Global-norm contributions of this rank's moments slice (grads[0] is arena element
   // range.offset): a TP-sharded parameter counts on every TP rank (each holds a different
   // slice), a replicated one on TP rank 0 only.
-  // Summed on the device in parameter order, then one 8-byte read.
-  bool any = false;
+  // Summed on the device in one call over the table (the CPU: per tensor in parameter order, as
+  // before; a GPU: 2 launches, Note [multi-tensor norm]), then one 8-byte read. The table is a
+  // few hundred entries, built on the host each step.
+  std::vector<kernels::NormSegment> segments;
+  segments.reserve(state_->tensors().size());
   for (const StateParam& p : state_->tensors()) {
     if (!p.info->sharded() && topo_.tp_rank != 0) continue;
-    if (!p.moments.empty()) {
-      exec_->sum_squares(grads + (p.moments.offset - range.offset), p.moments.n, grad_sq_.f64(),
-                         /*accumulate=*/any);
-      any = true;
-    }
+    if (!p.moments.empty()) segments.push_back({p.moments.offset - range.offset, p.moments.n});
   }
   double sq = 0.0;
-  if (any) grad_sq_.copy_to_host(0, 1, &sq);
+  if (segments.empty()) return sq;
+  exec_->sum_squares_segments(grads, segments.data(), static_cast<int64_t>(segments.size()),
+                              grad_sq_.f64());
+  grad_sq_.copy_to_host(0, 1, &sq);
   return sq;
 }
 
