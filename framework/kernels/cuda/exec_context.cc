@@ -427,21 +427,11 @@ void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* sav
   }
 }
 
-// exec_context.h's "row strides H * D" is the multi-head case of dense_rows.
-AttentionShape CudaExec::dense_shape(const AttentionShape& s) { return dense_rows(s); }
-
 bool CudaExec::use_cudnn(const AttentionShape& c) {
   // Decided once per shape, so a forward and its backward always take the same path (their
-  // saved log-sum-exp must come from the same kernel). exec_context.h keys the decision by four
-  // numbers, (B, T, H, D); the k/v heads and k's row stride (strided_bf16_k), which change what
-  // cuDNN is asked, ride in the upper 32 bits of the last two (H, Hkv, D and ldk are far below
-  // 2^31: the kernels' grids and cuDNN's D <= 256 hold them there).
-  const int64_t Hkv = c.kv_heads();
-  KEEL_CHECK(c.H < (int64_t{1} << 31) && Hkv < (int64_t{1} << 31) && c.D < (int64_t{1} << 31) &&
-                 c.ldk < (int64_t{1} << 31),
-             kInternal, "CudaExec::use_cudnn: shape too large to key (H=", c.H, " Hkv=", Hkv,
-             " D=", c.D, " ldk=", c.ldk, ")");
-  const std::array<int64_t, 4> key{c.B, c.T, (Hkv << 32) | c.H, (c.ldk << 32) | c.D};
+  // saved log-sum-exp must come from the same kernel), keyed by all that changes what cuDNN is
+  // asked: the k/v heads and k's row stride (strided_bf16_k) too.
+  const std::array<int64_t, 6> key{c.B, c.T, c.H, c.kv_heads(), c.D, c.ldk};
   auto it = cudnn_shapes_.find(key);
   if (it == cudnn_shapes_.end()) {
     std::string why;

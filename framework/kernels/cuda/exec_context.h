@@ -146,7 +146,6 @@ class CudaExec final : public kernels::ExecContext {
   const DeviceRopeTable& device_rope_table(const RopeTable& table);
   // BF16: a staging buffer of at least `elems` bf16 values (valid until the next call).
   Bf16* stage(int64_t elems);
-  static AttentionShape dense_shape(const AttentionShape& s);  // row strides H * D
   bool use_cudnn(const AttentionShape& dense);
 
   Context ctx_;
@@ -154,7 +153,8 @@ class CudaExec final : public kernels::ExecContext {
   std::unordered_map<const RopeTable*, RopeEntry> rope_tables_;
   // After ctx_: returned to its allocator before the Context goes.
   DeviceBuffer stage_;
-  std::map<std::array<int64_t, 4>, bool> cudnn_shapes_;  // (B, T, H, D) -> cuDNN takes it
+  // (B, T, H, Hkv, D, ldk) -> whether cuDNN takes the shape (CudaExec::use_cudnn)
+  std::map<std::array<int64_t, 6>, bool> cudnn_shapes_;
   std::string attention_path_;
 };
 
