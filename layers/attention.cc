@@ -219,8 +219,11 @@ void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, flo
         Communicator& tp = ctx_.topo->tp_tensors();
         ctx_.exec->norm_partial_stats(sq, raw.q, q_stats_.f32());
         ctx_.exec->norm_partial_stats(sk, raw.k, k_stats_.f32());
-        tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
-        if (!d.kv_replicated) tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
+        {
+          CommGroup group(tp);  // one launch, one wait (Note [collective groups])
+          tp.all_reduce(q_stats_.f32(), 2 * BT, ReduceOp::kSum);
+          if (!d.kv_replicated) tp.all_reduce(k_stats_.f32(), 2 * BT, ReduceOp::kSum);
+        }
         ctx_.exec->norm_forward_from_stats(op, sq, d.H * d.D, q_stats_.f32(), normed, raw.q,
                                            w(q_norm_w_), w(q_norm_b_), q_mean_.f32(), q_rstd_.f32(),
                                            eps);
@@ -367,9 +370,12 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
                                         qp);
       ctx_.exec->norm_backward_partials(sk, dk, raw.k, w(k_norm_w_), k_mean_.f32(), k_rstd_.f32(),
                                         kp);
-      tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
-      // Replicated k heads: this rank's dk is a partial sum over TP already (linear in dk).
-      if (!d.kv_replicated) tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
+      {
+        CommGroup group(tp);  // one launch, one wait (Note [collective groups])
+        tp.all_reduce(qp, 2 * BT, ReduceOp::kSum);
+        // Replicated k heads: this rank's dk is a partial sum over TP already (linear in dk).
+        if (!d.kv_replicated) tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
+      }
       ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, draw.q, false, g(q_norm_w_),
                                              g(q_norm_b_), dq, raw.q, w(q_norm_w_), q_mean_.f32(),
                                              q_rstd_.f32());

@@ -27,7 +27,6 @@ TokenLoss VocabParallelLoss::forward(kernels::ActOut logits, const int32_t* targ
   float* lse = lse_.f32();
   float* tl = tl_.f32();
   ex.xent_target_logit(logits, targets, N, d.Vl, d.v_begin, tl);
-  tp.all_reduce(tl, N, ReduceOp::kSum);
   if (tp.size() == 1 && loss_weight.has_value()) {
     // The whole vocabulary on this rank and the weight known: the gradient in the same pass,
     // written over the logits (after their target logits were read).
@@ -39,7 +38,14 @@ TokenLoss VocabParallelLoss::forward(kernels::ActOut logits, const int32_t* targ
     ex.xent_row_max_sumexp(logits, N, d.Vl, d.v_valid, mx, lse);
   } else {
     ex.xent_row_max(logits, N, d.Vl, d.v_valid, mx);
-    tp.all_reduce(mx, N, ReduceOp::kMax);
+    {
+      // The target logits (one rank's shard holds each, the others 0) and the row maxima are
+      // independent: one group, one launch and one wait (Note [collective groups]); the sum-exp
+      // needs the global maxima, so its all-reduce follows on its own.
+      CommGroup group(tp);
+      tp.all_reduce(tl, N, ReduceOp::kSum);
+      tp.all_reduce(mx, N, ReduceOp::kMax);
+    }
     ex.xent_row_sumexp(logits, mx, N, d.Vl, d.v_valid, lse);
     tp.all_reduce(lse, N, ReduceOp::kSum);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 
 #include "framework/kernels/cuda/bf16.h"  // the Bf16 storage type only: no CUDA
@@ -55,6 +56,29 @@ class Communicator {
   // Non-blocking in-place sum; `data` must stay alive and untouched until wait().
   virtual std::unique_ptr<CommRequest> iall_reduce(float* data, int64_t n) = 0;
 
+  // Note [collective groups]: the blocking collectives called between group_start() and the
+  // matching group_end() (nested pairs count as one group; use CommGroup) may complete only at
+  // group_end(): NCCL launches them together (ncclGroupStart/End), one launch and one host wait
+  // for several small all-reduces; MPI completes each at its call. So inside a group nothing may
+  // read a collective's output or write its input, nor rely on one collective's result in the
+  // next. all_reduce_bf16 of fp32 memory, the non-blocking all-reduce and the untyped forms are
+  // not allowed inside a group on NCCL (kInternal there).
+  void group_start() {
+    if (group_depth_++ == 0) {
+      group_first_call_ = calls_;
+      begin_group();
+    }
+  }
+  void group_end() {
+    if (group_depth_ == 0) return;  // unbalanced: nothing to end
+    if (--group_depth_ > 0) return;
+    end_group();
+    if (calls_ > group_first_call_) ++groups_;
+  }
+  bool in_group() const { return group_depth_ > 0; }
+  // Groups that ended with at least one counted collective in them.
+  int64_t groups() const { return groups_; }
+
   // Payload bytes of every collective this communicator ran: n * sizeof(element) for
   // all-reduce and broadcast, size() * n * sizeof for all-gather and reduce-scatter (the full
   // logical buffer), 0 for a group of one (the byte forms count bytes as the elements). Independent
@@ -64,15 +88,51 @@ class Communicator {
   void reset_counters() {
     bytes_moved_ = 0;
     calls_ = 0;
+    groups_ = 0;
+    group_first_call_ = 0;
   }
 
  protected:
+  // What a transport does when the outermost group starts and ends (Note [collective groups]);
+  // nothing by default: each collective completes at its call.
+  virtual void begin_group() {}
+  virtual void end_group() {}
   void count(int64_t bytes) {
     bytes_moved_ += bytes;
     ++calls_;
   }
   int64_t bytes_moved_ = 0;
   int64_t calls_ = 0;
+
+ private:
+  int group_depth_ = 0;
+  int64_t group_first_call_ = 0;
+  int64_t groups_ = 0;
+};
+
+// A scope whose blocking collectives on `comm` form one group (Note [collective groups]): they
+// may complete only when it closes. Its destructor ends the group (an exception unwinding through
+// it ends it too, so the communicator is left outside any group).
+class CommGroup {
+ public:
+  explicit CommGroup(Communicator& comm) : comm_(comm) { comm_.group_start(); }
+  ~CommGroup() noexcept(false) {
+    if (std::uncaught_exceptions() > uncaught_) {
+      try {
+        comm_.group_end();
+      } catch (...) {
+        // The error already unwinding is the one reported.
+      }
+    } else {
+      comm_.group_end();
+    }
+  }
+  CommGroup(const CommGroup&) = delete;
+  CommGroup& operator=(const CommGroup&) = delete;
+
+ private:
+  Communicator& comm_;
+  int uncaught_ = std::uncaught_exceptions();
 };
 
 // ---- Note [bf16 wire] ----

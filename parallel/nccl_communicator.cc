@@ -17,6 +17,45 @@ namespace keel {
 
 static_assert(NcclCommunicator::kUniqueIdBytes == NCCL_UNIQUE_ID_BYTES);
 static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES);
+static_assert(NcclCommunicator::kNoColor == NCCL_SPLIT_NOCOLOR);
+
+// Note [nccl launch order]: the last collective enqueued by any communicator sharing this, as an
+// event on its stream; a collective on another stream waits for it first.
+class NcclLaunchOrder {
+ public:
+  NcclLaunchOrder() = default;
+  ~NcclLaunchOrder() {
+    if (done_ != nullptr) cudaEventDestroy(done_);
+  }
+  NcclLaunchOrder(const NcclLaunchOrder&) = delete;
+  NcclLaunchOrder& operator=(const NcclLaunchOrder&) = delete;
+
+  // Before a collective is enqueued on `stream`: it waits for the previous one when that ran on
+  // another stream (on the same stream, stream order serialises them already).
+  cudaError_t before(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (last_ == nullptr || last_ == stream) return cudaSuccess;
+    return cudaStreamWaitEvent(stream, done_, 0);
+  }
+  // After it was enqueued on `stream`: later collectives on other streams wait for it.
+  cudaError_t after(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ == nullptr) {
+      const cudaError_t rc = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+      if (rc != cudaSuccess) return rc;
+    }
+    // A wait already enqueued keeps the record it saw (CUDA's event semantics), so re-recording
+    // is safe.
+    const cudaError_t rc = cudaEventRecord(done_, stream);
+    if (rc == cudaSuccess) last_ = stream;
+    return rc;
+  }
+
+ private:
+  std::mutex mu_;
+  cudaEvent_t done_ = nullptr;
+  cudaStream_t last_ = nullptr;  // the stream of the last collective; null: none yet
+};
 
 namespace {
 
@@ -141,8 +180,14 @@ NcclCommunicator::UniqueId NcclCommunicator::make_unique_id() {
 }
 
 NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::string name,
-                                   kernels::cuda::Context& ctx, Watchdog* watchdog)
-    : name_(std::move(name)), ctx_(ctx), watchdog_(watchdog), rank_(rank), size_(size) {
+                                   kernels::cuda::Context& ctx, Watchdog* watchdog,
+                                   std::shared_ptr<NcclLaunchOrder> order)
+    : name_(std::move(name)),
+      ctx_(ctx),
+      watchdog_(watchdog),
+      rank_(rank),
+      size_(size),
+      order_(order ? std::move(order) : std::make_shared<NcclLaunchOrder>()) {
   KEEL_CHECK(size >= 1 && rank >= 0 && rank < size, kInternal, "NcclCommunicator ", name_,
              ": rank ", rank, " of ", size);
   KEEL_CUDA_CHECK(cudaSetDevice(ctx_.device()), "NcclCommunicator ", name_, " device ",
@@ -155,6 +200,23 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
     check(ncclCommInitRank(&comm, size_, nid, rank_), "ncclCommInitRank", -1);
     comm_ = comm;
   }
+  finish_setup();
+}
+
+NcclCommunicator::NcclCommunicator(Adopt, ncclComm* comm, int rank, int size, std::string name,
+                                   kernels::cuda::Context& ctx, Watchdog* watchdog,
+                                   std::shared_ptr<NcclLaunchOrder> order)
+    : name_(std::move(name)),
+      ctx_(ctx),
+      watchdog_(watchdog),
+      rank_(rank),
+      size_(size),
+      comm_(comm),
+      order_(std::move(order)) {
+  finish_setup();
+}
+
+void NcclCommunicator::finish_setup() {
   try {
     barrier_word_ = ctx_.alloc(sizeof(float));
     ctx_.fill_bytes(barrier_word_.data(), 0, sizeof(float));
@@ -168,6 +230,56 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
   // A collective that outlives parallel.timeout_s: the watchdog aborts this communicator (the
   // blocked NCCL call returns) before it ends the job (Note [abort hooks] in watchdog.h).
   if (watchdog_ != nullptr) abort_hook_ = watchdog_->add_abort_hook([this] { abort(); });
+}
+
+bool NcclCommunicator::split_supported() {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  // The header is new enough; the library loaded at run time must be too.
+  int version = 0;
+  return ncclGetVersion(&version) == ncclSuccess && version >= NCCL_VERSION(2, 18, 0);
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key, std::string name) {
+  KEEL_CHECK(split_supported(), kConfig, "splitting the ", name_, " NCCL communicator into the ",
+             name, " group needs ncclCommSplit (NCCL >= 2.18; built against ", NCCL_MAJOR, ".",
+             NCCL_MINOR, ")");
+  KEEL_CHECK(color >= 0 || color == kNoColor, kInternal, "split of ", name_, ": color ", color);
+  throw_if_aborted("ncclCommSplit", -1);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  ncclComm_t child = nullptr;
+  int status = ncclSuccess;
+  std::string last;
+  {
+    // Collective over this communicator's ranks: under the watchdog, as the bootstrap is.
+    Guard g(watchdog_, "ncclCommSplit", name_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.load() && comm_ != nullptr) {
+      status = ncclCommSplit(comm_, color, key, &child, nullptr);
+      if (status != ncclSuccess) {
+        const char* words = ncclGetLastError(comm_);
+        if (words != nullptr) last = words;
+      }
+    }
+  }
+  throw_if_aborted("ncclCommSplit", -1);
+  if (status != ncclSuccess) fail(status, "ncclCommSplit", -1, last);
+  if (child == nullptr) return nullptr;  // kNoColor
+  int rank = 0, size = 1;
+  ncclResult_t rc = ncclCommUserRank(child, &rank);
+  if (rc == ncclSuccess) rc = ncclCommCount(child, &size);
+  if (rc != ncclSuccess) {
+    ncclCommAbort(child);
+    fail(rc, "ncclCommUserRank/ncclCommCount", -1, "of the split-off " + name + " group");
+  }
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(Adopt{}, child, rank, size, std::move(name), ctx_, watchdog_, order_));
+#else
+  (void)key;
+  return nullptr;  // unreachable: split_supported() is false
+#endif
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -220,8 +332,9 @@ void NcclCommunicator::check(int status, const char* call, int64_t n) {
 void NcclCommunicator::throw_if_aborted(const char* op, int64_t n) {
   if (!aborted_.load()) return;
   const long long step = watchdog_ ? watchdog_->step() : 0;
-  KEEL_FAIL(kComm, op, " over the ", name_, " group (rank ", rank_, " of ", size_, ", ", n,
-            " elements)", step > 0 ? detail::concat(" at step ", step) : std::string(),
+  KEEL_FAIL(kComm, op, " over the ", name_, " group (rank ", rank_, " of ", size_,
+            n < 0 ? std::string() : detail::concat(", ", n, " elements"), ")",
+            step > 0 ? detail::concat(" at step ", step) : std::string(),
             " failed: the communicator was aborted (ncclCommAbort)");
 }
 
@@ -259,8 +372,8 @@ void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
     }
     if (rc != cudaErrorNotReady) {
       failed_ = true;
-      KEEL_CUDA_CHECK(rc, op, " over the ", name_, " group (rank ", rank_, " of ", size_, ", ", n,
-                      " elements)");
+      KEEL_CUDA_CHECK(rc, op, " over the ", name_, " group (rank ", rank_, " of ", size_,
+                      n < 0 ? std::string() : detail::concat(", ", n, " elements"), ")");
     }
     cudaGetLastError();  // "not ready" is not an error: clear the runtime's record of it
     throw_if_aborted(op, n);
@@ -270,27 +383,71 @@ void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
 }
 
 template <typename Enqueue>
-void NcclCommunicator::enqueue(Enqueue enqueue, const char* call, const char* op, int64_t n) {
+void NcclCommunicator::enqueue(Enqueue enqueue, CUstream_st* stream, const char* call,
+                               const char* op, int64_t n) {
   int status = ncclSuccess;
   std::string last;  // NCCL's words, copied while the communicator is alive
+  cudaError_t ordered = cudaSuccess;
   {
     // Under the watchdog too: a blocking communicator's first collective of an algorithm sets up
     // its connections inside the call (NCCL_RUNTIME_CONNECT), waiting for every peer.
     Guard g(watchdog_, call, name_);
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
-      status = enqueue(comm_);
-      if (status != ncclSuccess) {
-        const char* words = ncclGetLastError(comm_);
-        if (words != nullptr) last = words;
+      // Note [nccl launch order]: after the previous collective of the shared order when it ran
+      // on another stream; then this one is the previous.
+      ordered = order_->before(stream);
+      if (ordered == cudaSuccess) {
+        status = enqueue(comm_);
+        if (status != ncclSuccess) {
+          const char* words = ncclGetLastError(comm_);
+          if (words != nullptr) last = words;
+        } else if (!in_group()) {
+          // Grouped collectives launch at ncclGroupEnd: end_group() records the order then.
+          ordered = order_->after(stream);
+        }
       }
     }
   }
+  if (ordered != cudaSuccess) failed_ = true;
+  KEEL_CUDA_CHECK(ordered, call, " over the ", name_, " group: ordering it after the previous ",
+                  "collective (Note [nccl launch order]), n=", n);
   throw_if_aborted(op, n);
   if (status != ncclSuccess) fail(status, call, n, last);
 }
 
+void NcclCommunicator::begin_group() {
+  throw_if_aborted("ncclGroupStart", -1);
+  check(ncclGroupStart(), "ncclGroupStart", -1);
+}
+
+void NcclCommunicator::end_group() {
+  int status = ncclSuccess;
+  std::string last;
+  cudaError_t ordered = cudaSuccess;
+  {
+    // ncclGroupEnd launches the group's collectives (and may set up connections, as a first
+    // collective does: under the watchdog).
+    Guard g(watchdog_, "ncclGroupEnd", name_);
+    std::lock_guard<std::mutex> lock(mu_);
+    status = ncclGroupEnd();
+    if (status != ncclSuccess && comm_ != nullptr) {
+      const char* words = ncclGetLastError(comm_);
+      if (words != nullptr) last = words;
+    } else if (status == ncclSuccess && !aborted_.load()) {
+      ordered = order_->after(ctx_.stream());  // Note [nccl launch order]
+    }
+  }
+  if (ordered != cudaSuccess) failed_ = true;
+  KEEL_CUDA_CHECK(ordered, "ncclGroupEnd over the ", name_,
+                  " group: ordering it (Note [nccl launch order])");
+  throw_if_aborted("group", -1);
+  if (status != ncclSuccess) fail(status, "ncclGroupEnd", -1, last);
+  wait_stream("group", -1);
+}
+
 void NcclCommunicator::wait_stream(const char* op, int64_t n) {
+  if (in_group()) return;  // Note [collective groups]: end_group() waits once
   CUstream_st* stream = ctx_.stream();
   wait_until([stream] { return cudaStreamQuery(stream); }, op, n);
 }
@@ -304,7 +461,7 @@ void NcclCommunicator::all_reduce(float* data, int64_t n, ReduceOp op) {
         return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, nccl_op(op), c,
                              ctx_.stream());
       },
-      "ncclAllReduce", "all_reduce", n);
+      ctx_.stream(), "ncclAllReduce", "all_reduce", n);
   wait_stream("all_reduce", n);
 }
 
@@ -317,7 +474,7 @@ void NcclCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
         return ncclAllReduce(data, data, static_cast<size_t>(n), ncclDouble, nccl_op(op), c,
                              ctx_.stream());
       },
-      "ncclAllReduce", "all_reduce", n);
+      ctx_.stream(), "ncclAllReduce", "all_reduce", n);
   wait_stream("all_reduce", n);
 }
 
@@ -327,7 +484,7 @@ void NcclCommunicator::enqueue_bf16_sum(Bf16* data, int64_t n) {
         return ncclAllReduce(data, data, static_cast<size_t>(n), ncclBfloat16, ncclSum, c,
                              ctx_.stream());
       },
-      "ncclAllReduce (bf16)", "all_reduce (bf16)", n);
+      ctx_.stream(), "ncclAllReduce (bf16)", "all_reduce (bf16)", n);
 }
 
 void NcclCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
@@ -341,6 +498,9 @@ void NcclCommunicator::all_reduce_bf16(Bf16* data, int64_t n) {
 void NcclCommunicator::all_reduce_bf16(float* data, int64_t n) {
   throw_if_aborted("all_reduce (bf16)", n);
   if (size_ == 1 || n == 0) return;  // Note [bf16 wire]: nothing moves, nothing rounds
+  // The widening pass would be enqueued before the grouped sum it reads.
+  KEEL_CHECK(!in_group(), kInternal, "all_reduce_bf16 of fp32 memory over the ", name_,
+             " group inside a collective group (Note [collective groups])");
   count(n * static_cast<int64_t>(sizeof(Bf16)));
   // The wire buffer grows on the first step only; the caching allocator orders a replaced
   // block's reuse on ctx's stream, after the collective that reads it (Note [cuda-stream-order]).
@@ -361,7 +521,7 @@ void NcclCommunicator::all_gather(const float* send, float* recv, int64_t n) {
       [&](ncclComm_t c) {
         return ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, c, ctx_.stream());
       },
-      "ncclAllGather", "all_gather", n);
+      ctx_.stream(), "ncclAllGather", "all_gather", n);
   wait_stream("all_gather", n);
 }
 
@@ -374,7 +534,7 @@ void NcclCommunicator::reduce_scatter(const float* send, float* recv, int64_t n)
         return ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, c,
                                  ctx_.stream());
       },
-      "ncclReduceScatter", "reduce_scatter", n);
+      ctx_.stream(), "ncclReduceScatter", "reduce_scatter", n);
   wait_stream("reduce_scatter", n);
 }
 
@@ -388,7 +548,7 @@ void NcclCommunicator::broadcast(float* data, int64_t n, int root) {
       [&](ncclComm_t c) {
         return ncclBroadcast(data, data, static_cast<size_t>(n), ncclFloat, root, c, ctx_.stream());
       },
-      "ncclBroadcast", "broadcast", n);
+      ctx_.stream(), "ncclBroadcast", "broadcast", n);
   wait_stream("broadcast", n);
 }
 
@@ -400,7 +560,7 @@ void NcclCommunicator::all_gather_bytes(const void* send, void* recv, int64_t by
       [&](ncclComm_t c) {
         return ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, c, ctx_.stream());
       },
-      "ncclAllGather", "all_gather (bytes)", bytes);
+      ctx_.stream(), "ncclAllGather", "all_gather (bytes)", bytes);
   wait_stream("all_gather (bytes)", bytes);
 }
 
@@ -415,7 +575,7 @@ void NcclCommunicator::broadcast_bytes(void* data, int64_t bytes, int root) {
         return ncclBroadcast(data, data, static_cast<size_t>(bytes), ncclUint8, root, c,
                              ctx_.stream());
       },
-      "ncclBroadcast", "broadcast (bytes)", bytes);
+      ctx_.stream(), "ncclBroadcast", "broadcast (bytes)", bytes);
   wait_stream("broadcast (bytes)", bytes);
 }
 
@@ -426,12 +586,14 @@ void NcclCommunicator::barrier() {
         return ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclFloat, ncclSum, c,
                              ctx_.stream());
       },
-      "ncclAllReduce (barrier)", "barrier", 1);
+      ctx_.stream(), "ncclAllReduce (barrier)", "barrier", 1);
   wait_stream("barrier", 1);
 }
 
 std::unique_ptr<CommRequest> NcclCommunicator::iall_reduce(float* data, int64_t n) {
   throw_if_aborted("all_reduce (non-blocking)", n);
+  KEEL_CHECK(!in_group(), kInternal, "iall_reduce over the ", name_,
+             " group inside a collective group (Note [collective groups])");
   if (n == 0) return std::make_unique<DoneRequest>();
   if (size_ > 1) count(n * static_cast<int64_t>(sizeof(float)));
   // Note [nccl comm stream]: the bucket's gradients are complete once everything enqueued on
@@ -450,7 +612,7 @@ std::unique_ptr<CommRequest> NcclCommunicator::iall_reduce(float* data, int64_t 
         return ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, c,
                              comm_stream_);
       },
-      "ncclAllReduce (non-blocking)", "all_reduce (non-blocking)", n);
+      comm_stream_, "ncclAllReduce (non-blocking)", "all_reduce (non-blocking)", n);
   return std::make_unique<NcclRequest>(*this, n, comm_stream_);
 }
 

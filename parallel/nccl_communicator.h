@@ -15,6 +15,24 @@
 // path by design. A group of one still calls NCCL (a device copy at most), so a 1-rank job runs
 // the NCCL path.
 //
+// Note [nccl launch order]: NCCL does not guarantee that two communicators' collectives progress
+// when they are in flight on one GPU at once (each is a kernel that spins until its peers arrive;
+// two of them may not both be resident, and GPUs that run them in different orders deadlock:
+// NVIDIA/nccl issues 195 and 1174; the maintainers' advice is to complete every operation of one
+// communicator before launching one of the other). The trainer has two on each GPU: TP on ctx's
+// stream and DP's gradient buckets on the DP communicator's own stream. Communicators that share
+// a NcclLaunchOrder (the TP and DP ones split from one world communicator, nccl_mpi.h) therefore
+// run their collectives one at a time on the device, in the host's order, which is the same on
+// every rank (the same program issues them): a collective enqueued on a stream other than the
+// previous collective's first waits (cudaStreamWaitEvent) for that one to finish. Consecutive
+// buckets share the communication stream and queue behind each other; compute kernels are not
+// held up, so buckets still overlap backward's compute. What it costs: a TP collective issued
+// while a bucket is still reducing waits for that bucket on the device (the time the bucket
+// takes beyond the compute enqueued between them), where before they ran side by side and NCCL
+// merely made no promise. The CUDA emulator's NCCL fails a collective that starts while another
+// communicator's collective on another stream of the GPU is still in flight with nothing
+// ordering them (tests/cuda_emu/nccl.cc, README.md there).
+//
 // Note [nccl errors]: every NCCL call is checked; a failure throws kComm with one line naming the
 // call, the group, this rank, the element count and the step ("ncclAllReduce over the
 // tensor-parallel group (rank 3 of 8, 1048576 elements) at step 12 failed: ..."). While the host
@@ -53,6 +71,11 @@ struct ncclComm;  // ncclComm_t is ncclComm*
 
 namespace keel {
 
+// The collectives of every communicator sharing one of these run one at a time on the device, in
+// the order they were enqueued (Note [nccl launch order]). Thread-safe; made by the communicator
+// (NcclCommunicator::launch_order()).
+class NcclLaunchOrder;
+
 class NcclCommunicator final : public Communicator {
  public:
   static constexpr size_t kUniqueIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES (checked in the .cc)
@@ -64,8 +87,25 @@ class NcclCommunicator final : public Communicator {
   // Joins the group `id` names as `rank` of `size` (ncclCommInitRank on ctx's device; blocks,
   // under the watchdog, until all `size` ranks have joined). Collectives run on ctx's stream;
   // ctx must outlive the communicator. `name` labels messages ("tensor-parallel").
+  // `order`: the launch order to share (Note [nccl launch order]); null makes a new one.
   NcclCommunicator(const UniqueId& id, int rank, int size, std::string name,
-                   kernels::cuda::Context& ctx, Watchdog* watchdog);
+                   kernels::cuda::Context& ctx, Watchdog* watchdog,
+                   std::shared_ptr<NcclLaunchOrder> order = nullptr);
+  // ncclCommSplit (NCCL >= 2.18): collective over this communicator's ranks, each passing its
+  // color and key; the ranks of one color form a new communicator, ranked by key (ties by rank
+  // here), on the same Context and watchdog and sharing this one's launch order. kNoColor takes
+  // no part and returns null. Needs no unique id and no MPI: NCCL bootstraps over this
+  // communicator. Throws kConfig when split_supported() is false.
+  static constexpr int kNoColor = -1;  // NCCL_SPLIT_NOCOLOR (checked in the .cc)
+  std::unique_ptr<NcclCommunicator> split(int color, int key, std::string name);
+  // Whether keel was compiled against, and runs with, NCCL >= 2.18 (ncclCommSplit).
+  static bool split_supported();
+  const std::shared_ptr<NcclLaunchOrder>& launch_order() const { return order_; }
+  // Groups (Note [collective groups] in communicator.h): ncclGroupStart when the outermost
+  // group starts; its collectives are enqueued on ctx's stream without a host wait, and
+  // ncclGroupEnd launches them together, after which the host waits for the stream once.
+  // all_reduce_bf16 of fp32 memory and iall_reduce are not allowed inside (kInternal).
+  //
   // ncclCommDestroy; ncclCommAbort after a failure here or in another communicator of the
   // process, or during exception unwinding; nothing after abort().
   ~NcclCommunicator() override;
@@ -113,6 +153,14 @@ class NcclCommunicator final : public Communicator {
 
  private:
   friend class NcclRequest;
+  // Takes over `comm` (made by ncclCommSplit) as `rank` of `size`.
+  struct Adopt {};
+  NcclCommunicator(Adopt, ncclComm* comm, int rank, int size, std::string name,
+                   kernels::cuda::Context& ctx, Watchdog* watchdog,
+                   std::shared_ptr<NcclLaunchOrder> order);
+  void finish_setup();  // the barrier word, the communication stream, the abort hook
+  void begin_group() override;
+  void end_group() override;
   // Polls until `done()` (a stream or event query) says complete; throws on a CUDA error, an
   // asynchronous NCCL error or abort().
   template <typename Query>
@@ -126,8 +174,9 @@ class NcclCommunicator final : public Communicator {
   // communicator under it, and throws like check() on failure or like throw_if_aborted() when the
   // communicator was aborted before or during the call. (An enqueue that blocked while holding
   // mu_ would hold up abort(); the watchdog bounds every abort hook, so the job still ends.)
+  // `stream` is the one the collective is enqueued on (Note [nccl launch order]).
   template <typename Enqueue>
-  void enqueue(Enqueue enqueue, const char* call, const char* op, int64_t n);
+  void enqueue(Enqueue enqueue, CUstream_st* stream, const char* call, const char* op, int64_t n);
 
   std::string name_;
   kernels::cuda::Context& ctx_;
@@ -144,6 +193,7 @@ class NcclCommunicator final : public Communicator {
   // Note [nccl comm stream]: iall_reduce runs here, after an event on ctx's stream, so the DP
   // buckets reduce while backward's later kernels run on ctx's stream.
   CUstream_st* comm_stream_ = nullptr;
+  std::shared_ptr<NcclLaunchOrder> order_;
 };
 
 }  // namespace keel

@@ -12,14 +12,12 @@ std::function<TensorComms(kernels::ExecContext& exec, const Topology& topo)> ncc
     Distributed& dist) {
   return [&dist](kernels::ExecContext& exec, const Topology& topo) {
     kernels::cuda::Context& ctx = nccl_cuda_context(exec);
+    // One world communicator split into TP and DP, which share a launch order (nccl_mpi.h).
+    NcclTensorGroups groups = make_nccl_tensor_groups(
+        dist.world_mpi_comm(), dist.tp_mpi_comm(), dist.dp_mpi_comm(), topo, ctx, &dist.watchdog());
     TensorComms comms;
-    if (topo.tp > 1) {
-      comms.tp =
-          make_nccl_communicator(dist.tp_mpi_comm(), "tensor-parallel", ctx, &dist.watchdog());
-    }
-    if (topo.dp > 1) {
-      comms.dp = make_nccl_communicator(dist.dp_mpi_comm(), "data-parallel", ctx, &dist.watchdog());
-    }
+    comms.tp = std::move(groups.tp);
+    comms.dp = std::move(groups.dp);
     return comms;
   };
 }

@@ -13,6 +13,18 @@
 // MPI_THREAD_FUNNELED, so only the thread that made the communicator drives MPI; pending work
 // polled from another thread waits.
 //
+// Note [nccl launch order] (parallel/nccl_communicator.h) is checked here: a collective of one
+// communicator that starts while a collective of another communicator, enqueued on another
+// stream of this GPU, is still in flight, with nothing (no stream order, no event wait, no host
+// wait that saw it complete) ordering the two, is a schedule NCCL does not promise to progress:
+// a GPU may run them in either order, and GPUs that pick different orders deadlock. The
+// emulator's MPI requests would progress anyway, so it reports instead: the call fails
+// (ncclInvalidUsage, naming both), or with KEEL_CUDA_EMU_NCCL_ORDER=count when the communicator
+// was made, it only counts (keel_emu_nccl_unordered_starts(), for the negative control in
+// nccl_mpi_test.cc). "Still in flight" is the emulator's own record: a collective is complete
+// once something waited for it (a stream, event or host wait, or a stream wait on an event
+// recorded after it); deferred mode (KEEL_CUDA_EMU_DEFERRED=1) leaves the most in flight.
+//
 // A communicator of one rank needs no MPI (collectives are copies). Bootstrap for more: the
 // unique id names the root's MPI_COMM_WORLD rank and a serial number; every member sends its
 // world rank to the root, the root answers with the member list, and the members make their
@@ -25,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +49,8 @@
 
 struct ncclComm {
   int rank = 0, size = 1;
+  int64_t serial = 0;              // this process's number for it (Note [nccl launch order] check)
+  bool order_counts_only = false;  // KEEL_CUDA_EMU_NCCL_ORDER=count when it was made
   MPI_Comm mpi = MPI_COMM_NULL;
   std::thread::id owner;  // the thread that drives MPI (MPI_THREAD_FUNNELED)
   std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
@@ -82,14 +97,23 @@ bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
 
 class Collective : public keel_emu::Pending, public std::enable_shared_from_this<Collective> {
  public:
-  Collective(ncclComm* comm, std::vector<char> scratch, Range in, Range out)
-      : owner_(comm->owner),
+  Collective(ncclComm* comm, cudaStream_t stream, const char* call, std::vector<char> scratch,
+             Range in, Range out)
+      : comm_serial_(comm->serial),
+        stream_(stream),
+        call_(call),
+        owner_(comm->owner),
         aborted_(comm->aborted),
         scratch_(std::move(scratch)),
         in_(in),
         out_(out) {}
   MPI_Request* request() { return &request_; }
   const void* scratch() const { return scratch_.data(); }
+  int64_t comm_serial() const { return comm_serial_; }
+  cudaStream_t stream() const { return stream_; }
+  const char* call() const { return call_; }
+  // Whether something has seen it complete (or abandoned); never polls MPI.
+  bool seen_done() const { return done_.load(); }
 
   bool test() override {
     if (done_.load()) return true;
@@ -113,6 +137,9 @@ class Collective : public keel_emu::Pending, public std::enable_shared_from_this
   }
 
  private:
+  int64_t comm_serial_;
+  cudaStream_t stream_;
+  const char* call_;
   std::thread::id owner_;
   std::shared_ptr<std::atomic<bool>> aborted_;
   std::vector<char> scratch_;  // a copy of an input that overlaps the output
@@ -232,18 +259,81 @@ ncclResult_t copy_on_stream(cudaStream_t stream, const void* send, void* recv, s
   return ncclSuccess;
 }
 
+// The collectives of several ranks started on this GPU, for the launch-order check; the done
+// ones are dropped as it walks them.
+std::mutex g_flight_mu;
+std::vector<std::weak_ptr<Collective>> g_in_flight;
+std::atomic<int64_t> g_unordered{0};
+std::atomic<int64_t> g_comm_serial{1};
+
+// Note [nccl launch order]: "" when `call` of `comm` on `stream` may start now; otherwise why not.
+std::string unordered_with(ncclComm* comm, cudaStream_t stream, const char* call) {
+  std::lock_guard<std::mutex> lock(g_flight_mu);
+  std::string why;
+  std::vector<std::weak_ptr<Collective>> kept;
+  for (const auto& w : g_in_flight) {
+    const std::shared_ptr<Collective> c = w.lock();
+    if (c == nullptr || c->seen_done()) continue;
+    kept.push_back(c);
+    if (why.empty() && c->comm_serial() != comm->serial && c->stream() != stream) {
+      why = std::string(call) + " of communicator #" + std::to_string(comm->serial) + " (rank " +
+            std::to_string(comm->rank) + " of " + std::to_string(comm->size) + ") started while " +
+            c->call() + " of communicator #" + std::to_string(c->comm_serial()) +
+            " is in flight on another stream of this GPU, with nothing ordering the two: NCCL "
+            "does not guarantee that two communicators progress concurrently (Note [nccl launch "
+            "order] in parallel/nccl_communicator.h)";
+    }
+  }
+  g_in_flight = std::move(kept);
+  return why;
+}
+
 // Starts `start` (which issues one MPI non-blocking collective into the request) on `stream`.
 template <typename Start>
 ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scratch, Range in,
                      Range out, const char* call, Start start) {
   wait_for_buffers(stream, in, out);
-  auto c = std::make_shared<Collective>(comm, std::move(scratch), in, out);
+  if (const std::string why = unordered_with(comm, stream, call); !why.empty()) {
+    ++g_unordered;
+    if (!comm->order_counts_only) return error(comm, ncclInvalidUsage, why);
+  }
+  auto c = std::make_shared<Collective>(comm, stream, call, std::move(scratch), in, out);
   const int rc = start(c->scratch(), c->request());
   if (rc != MPI_SUCCESS) {
     return error(comm, ncclSystemError, std::string(call) + ": MPI error " + std::to_string(rc));
   }
+  {
+    std::lock_guard<std::mutex> lock(g_flight_mu);
+    g_in_flight.push_back(c);
+  }
   keel_emu::enqueue_pending(stream, std::move(c));
   return ncclSuccess;
+}
+
+// ncclGroupStart/End: the collectives called inside the outermost group are kept (their
+// arguments checked at the call, as NCCL does) and start at ncclGroupEnd, in call order, so a
+// stream, event or host wait inside the group does not see them. Per thread, as NCCL's group is.
+thread_local int t_group_depth = 0;
+thread_local std::vector<std::function<ncclResult_t()>> t_grouped;
+std::atomic<int64_t> g_groups{0};         // groups that started at least one collective
+std::atomic<int64_t> g_grouped_calls{0};  // collectives that started through a group
+
+// Inside a group: keeps `call` for ncclGroupEnd and returns true.
+template <typename Call>
+bool grouped(Call call) {
+  if (t_group_depth == 0) return false;
+  t_grouped.emplace_back(std::move(call));
+  return true;
+}
+
+// What a new communicator takes from the environment.
+void init_from_env(ncclComm* comm) {
+  comm->serial = g_comm_serial++;
+  comm->owner = std::this_thread::get_id();
+  const char* inject = std::getenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
+  comm->inject_async_error = inject != nullptr && std::strcmp(inject, "1") == 0;
+  const char* order = std::getenv("KEEL_CUDA_EMU_NCCL_ORDER");
+  comm->order_counts_only = order != nullptr && std::strcmp(order, "count") == 0;
 }
 
 }  // namespace
@@ -302,9 +392,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
   auto comm = std::make_unique<ncclComm>();
   comm->rank = rank;
   comm->size = nranks;
-  comm->owner = std::this_thread::get_id();
-  const char* inject = std::getenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
-  comm->inject_async_error = inject != nullptr && std::strcmp(inject, "1") == 0;
+  init_from_env(comm.get());
   if (nranks > 1) {
     int initialized = 0, world_rank = 0;
     MPI_Initialized(&initialized);
@@ -349,6 +437,58 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
   return ncclSuccess;
 }
 
+// As NCCL's: collective over `comm`'s ranks; those of one color form a communicator ranked by
+// key, ties broken by their rank in `comm` (MPI_Comm_split's order), NCCL_SPLIT_NOCOLOR takes no
+// part (null). `config` is not emulated (a blocking communicator either way).
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                           ncclConfig_t* /*config*/) {
+  *newcomm = nullptr;
+  if (comm == nullptr) return error(nullptr, ncclInvalidArgument, "ncclCommSplit: null comm");
+  if (comm->aborted->load()) {
+    return error(comm, ncclInvalidUsage, "ncclCommSplit of an aborted communicator");
+  }
+  if (color < 0 && color != NCCL_SPLIT_NOCOLOR) {
+    return error(comm, ncclInvalidArgument, "ncclCommSplit: negative color");
+  }
+  auto child = std::make_unique<ncclComm>();
+  if (comm->mpi == MPI_COMM_NULL) {  // a communicator of one rank
+    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+  } else {
+    if (std::this_thread::get_id() != comm->owner) {
+      return error(comm, ncclInvalidUsage,
+                   "ncclCommSplit from another thread (MPI_THREAD_FUNNELED)");
+    }
+    MPI_Comm split = MPI_COMM_NULL;
+    if (MPI_Comm_split(comm->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key,
+                       &split) != MPI_SUCCESS) {
+      return error(comm, ncclSystemError, "ncclCommSplit: MPI_Comm_split failed");
+    }
+    if (split == MPI_COMM_NULL) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
+    MPI_Comm_rank(split, &child->rank);
+    MPI_Comm_size(split, &child->size);
+    if (child->size > 1) {
+      child->mpi = split;
+    } else {
+      MPI_Comm_free(&split);  // a group of one copies, as ncclCommInitRank's does
+    }
+  }
+  init_from_env(child.get());
+  *newcomm = child.release();
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  if (comm == nullptr) return error(nullptr, ncclInvalidArgument, "ncclCommCount: null comm");
+  *count = comm->size;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  if (comm == nullptr) return error(nullptr, ncclInvalidArgument, "ncclCommUserRank: null comm");
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
 // As NCCL's (commDestroySync): waits for the other ranks before it frees anything (NCCL's is an
 // intra-node barrier before its proxy threads stop), so destroying while a peer still trains
 // blocks here as it would there; ncclCommAbort does not wait.
@@ -380,6 +520,9 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllReduce"); rc != ncclSuccess) return rc;
   if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  if (grouped([=] { return ncclAllReduce(send, recv, count, type, op, comm, stream); })) {
+    return ncclSuccess;
+  }
   const size_t bytes = count * type_size(type);
   if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
   if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
@@ -395,6 +538,9 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
                            int root, ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclBroadcast"); rc != ncclSuccess) return rc;
   if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
+  if (grouped([=] { return ncclBroadcast(send, recv, count, type, root, comm, stream); })) {
+    return ncclSuccess;
+  }
   const size_t bytes = count * type_size(type);
   if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
   if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
@@ -413,6 +559,9 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
     return rc;
   }
   if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
+  if (grouped([=] { return ncclReduceScatter(send, recv, recvcount, type, op, comm, stream); })) {
+    return ncclSuccess;
+  }
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (inject_failure(comm, stream, {send, all}, {recv, bytes})) return ncclSuccess;
@@ -441,6 +590,9 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
                            ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllGather"); rc != ncclSuccess) return rc;
+  if (grouped([=] { return ncclAllGather(send, recv, sendcount, type, comm, stream); })) {
+    return ncclSuccess;
+  }
   const size_t bytes = sendcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
   if (inject_failure(comm, stream, {send, bytes}, {recv, all})) return ncclSuccess;
@@ -462,5 +614,36 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
                        recv, static_cast<int>(sendcount), mpi_type(type), comm->mpi, req);
                  });
 }
+
+ncclResult_t ncclGroupStart() {
+  ++t_group_depth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+  if (t_group_depth == 0) {
+    return error(nullptr, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+  }
+  if (--t_group_depth > 0) return ncclSuccess;
+  std::vector<std::function<ncclResult_t()>> calls = std::move(t_grouped);
+  t_grouped.clear();
+  if (!calls.empty()) ++g_groups;
+  ncclResult_t first = ncclSuccess;
+  for (const auto& call : calls) {
+    ++g_grouped_calls;
+    const ncclResult_t rc = call();
+    if (rc != ncclSuccess && first == ncclSuccess) first = rc;
+  }
+  return first;
+}
+
+// The emulator's own: groups that started at least one collective, and the collectives started
+// through groups (nccl_mpi_test.cc).
+int64_t keel_emu_nccl_groups() { return g_groups.load(); }
+int64_t keel_emu_nccl_grouped_calls() { return g_grouped_calls.load(); }
+
+// The emulator's own: how many collectives of this process started unordered with another
+// communicator's (Note [nccl launch order] above), counted in both modes.
+int64_t keel_emu_nccl_unordered_starts() { return g_unordered.load(); }
 
 }  // extern "C"

@@ -129,7 +129,10 @@ run 1 one
 verdict one "rc == 0" "1 rank on $DEVICE (exit $rc, ${secs}s)"
 fp32=("2 tp2 --set parallel.tp=2" "2 dp2" "2 dp2_zero1 --set parallel.zero_stage=1"
   "2 tp2_sp --set parallel.tp=2 --set parallel.sequence_parallel=true")
-((ranks >= 4)) && fp32+=("4 tp2xdp2 --set parallel.tp=2")
+# TP2 x DP2 with buckets of a few parameters, so DP buckets reduce while backward's TP
+# all-reduces run: the emulated NCCL fails a collective that starts while the other
+# communicator's is in flight unordered (Note [nccl launch order] in parallel/nccl_communicator.h).
+((ranks >= 4)) && fp32+=("4 tp2xdp2 --set parallel.tp=2 --set parallel.bucket_mb=0.01")
 layouts one 1e-5 "${fp32[@]}"
 # Sequence parallelism (Note [sequence parallel] in layers/gpt.h): keel-train's banner says so.
 verdict tp2_sp "$(grep -c 'sequence parallel (TP all-gathers' "$work/tp2_sp.log")" \
