@@ -154,10 +154,21 @@ TEST(RooflineEstimate, ScalesTokensLinearlyAttentionByTSquaredAndLayersLinearly)
   EXPECT_DOUBLE_EQ(e[0].bytes_written, 20 * 16384.0);
   EXPECT_DOUBLE_EQ(e[0].flops, 100 * 16384.0 + 16384.0 * 1024);
   EXPECT_DOUBLE_EQ(e[0].launches, 1);
-  // Tasks that differ between the runs are refused.
+  // A kernel that ran in one run only is refused.
   const std::vector<roofline::Record> other{record("j", 1000, 0, 0, 0)};
   EXPECT_THROW(estimate::scale_tokens(at(256), other, 256, 512, 512, 16384, 1024),
                std::runtime_error);
+  // One launched once at 256 tokens and twice at 512 (launches that depend on the rows) is scaled
+  // whole: its bytes summed per run (3560 and 7120) and extrapolated, with the larger run's
+  // launches.
+  std::vector<roofline::Record> twice{record("k", 1000 + 10 * 256, 0, 0, 0)};
+  const std::vector<roofline::Record> more{record("k", 1000, 0, 0, 0),
+                                           record("k", 1000 + 10 * 512, 0, 0, 0)};
+  const auto w = estimate::scale_tokens(twice, more, 256, 512, 512, 16384, 1024);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_TRUE(w[0].whole);
+  EXPECT_DOUBLE_EQ(w[0].launches, 2);
+  EXPECT_DOUBLE_EQ(w[0].bytes_read, 3560 + (7120 - 3560) * (16384.0 - 256) / 256);
   // Layers: one + (L - 1)(two - one).
   estimate::Entry one{"k", 10, 100, 200, 300, 1.0}, two{"k", 16, 150, 300, 500, 1.5};
   const auto l = estimate::scale_layers({one}, {two}, 12);
