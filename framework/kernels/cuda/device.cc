@@ -235,6 +235,11 @@ Context::~Context() {
   // returning blocks to the allocator before it goes.
   unregister_memory_backend();
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (UploadSlot& slot : uploads_) {
+    if (slot.copied != nullptr) cudaEventDestroy(slot.copied);
+    if (slot.host != nullptr) cudaFreeHost(slot.host);
+  }
+  if (readback_ != nullptr) cudaFreeHost(readback_);
   plans_.clear();
   scratch_.reset();
   workspace_.reset();
@@ -258,8 +263,49 @@ void Context::copy_to_device(void* dst, const void* src, size_t bytes) {
   KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_), "copy_to_device bytes=", bytes);
 }
 
+void Context::upload_async(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  UploadSlot& slot = uploads_[next_upload_];
+  next_upload_ = (next_upload_ + 1) % kUploadSlots;
+  if (slot.pending) {
+    // Note [pinned uploads]: the slot's previous copy must have read it before it is rewritten.
+    const cudaError_t q = cudaEventQuery(slot.copied);
+    if (q == cudaErrorNotReady) {
+      KEEL_CUDA_CHECK(cudaEventSynchronize(slot.copied), "upload_async bytes=", bytes);
+    } else {
+      KEEL_CUDA_CHECK(q, "upload_async bytes=", bytes);
+    }
+    slot.pending = false;
+  }
+  if (slot.copied == nullptr) {
+    KEEL_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming), "upload_async");
+  }
+  if (bytes > slot.bytes) {
+    if (slot.host != nullptr) KEEL_CUDA_CHECK(cudaFreeHost(slot.host), "upload_async");
+    slot.host = nullptr;
+    slot.bytes = 0;
+    KEEL_CUDA_CHECK(cudaMallocHost(&slot.host, bytes), "upload_async pinned bytes=", bytes);
+    slot.bytes = bytes;
+  }
+  std::memcpy(slot.host, src, bytes);
+  KEEL_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, stream_),
+                  "upload_async bytes=", bytes);
+  KEEL_CUDA_CHECK(cudaEventRecord(slot.copied, stream_), "upload_async bytes=", bytes);
+  slot.pending = true;
+}
+
 void Context::copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
+  if (bytes <= kPinnedReadbackBytes) {
+    if (readback_ == nullptr) {
+      KEEL_CUDA_CHECK(cudaMallocHost(&readback_, kPinnedReadbackBytes), "copy_to_host");
+    }
+    KEEL_CUDA_CHECK(cudaMemcpyAsync(readback_, src, bytes, cudaMemcpyDeviceToHost, stream_),
+                    "copy_to_host bytes=", bytes);
+    KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_), "copy_to_host bytes=", bytes);
+    std::memcpy(dst, readback_, bytes);
+    return;
+  }
   KEEL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
                   "copy_to_host bytes=", bytes);
   KEEL_CUDA_CHECK(cudaStreamSynchronize(stream_), "copy_to_host bytes=", bytes);

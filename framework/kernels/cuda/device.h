@@ -10,6 +10,7 @@
 // caller before it is freed.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -23,6 +24,7 @@
 #include "framework/device_backend.h"
 
 struct CUstream_st;      // cudaStream_t is CUstream_st*
+struct CUevent_st;       // cudaEvent_t is CUevent_st*
 struct cublasLtContext;  // cublasLtHandle_t is cublasLtContext*
 
 namespace keel::kernels::cuda {
@@ -161,6 +163,20 @@ class Context {
   void copy_to_device(void* dst, const void* src, size_t bytes);
   void copy_to_host(void* dst, const void* src, size_t bytes);
   void copy_device_to_device(void* dst, const void* src, size_t bytes);  // stream-ordered
+  // Note [pinned uploads]: dst (device) = src (host), enqueued on the stream without a host wait.
+  // src is copied at once into one of kUploadSlots pinned staging slots (so the caller may rewrite
+  // it on return), and the slot's copy runs when the stream reaches it. A slot is rewritten only
+  // after the event recorded behind its previous copy has completed: a query, which by then has
+  // (a slot comes round again kUploadSlots uploads later, at least a step on in the trainer's
+  // two-per-micro-batch use, after the step's readbacks waited for the stream); if not, the one
+  // case that waits, cudaEventSynchronize. A slot grows (waiting for its copy, then a new pinned
+  // allocation) only when a larger upload first arrives, so the steady step allocates nothing.
+  void upload_async(void* dst, const void* src, size_t bytes);
+  static constexpr size_t kUploadSlots = 4;
+  // Readbacks of at most kPinnedReadbackBytes (a step's scalars, a few layers' maxima) go through
+  // a pinned buffer, so copy_to_host waits once (the stream) instead of twice (a pageable copy,
+  // which a GPU runs synchronously, then the stream).
+  static constexpr size_t kPinnedReadbackBytes = 4096;
   // Sets `bytes` bytes at dst to `value` (0xFF writes NaN into fp32 and bf16 buffers: the tests'
   // poison), stream-ordered.
   void fill_bytes(void* dst, uint8_t value, size_t bytes);
@@ -185,6 +201,15 @@ class Context {
   DeviceBuffer scratch_;
   Fp32Matmul fp32_matmul_ = Fp32Matmul::kExact;
   std::map<std::string, std::unique_ptr<GemmPlan>> plans_;
+  struct UploadSlot {
+    void* host = nullptr;  // pinned (cudaMallocHost)
+    size_t bytes = 0;
+    CUevent_st* copied = nullptr;  // recorded behind the slot's last copy
+    bool pending = false;          // copied was recorded and not yet seen complete
+  };
+  std::array<UploadSlot, kUploadSlots> uploads_;
+  size_t next_upload_ = 0;
+  void* readback_ = nullptr;  // pinned, kPinnedReadbackBytes, made on the first small readback
   std::shared_ptr<MemoryBackend> memory_backend_;                 // this Context as a backend
   std::shared_ptr<keel::DeviceBackend> replaced_memory_backend_;  // restored when it goes
 };

@@ -194,8 +194,11 @@ void CudaExec::linear_backward(ActOut dinp, bool accumulate_dinp, float* dweight
   }
 }
 
+// Note [pinned uploads] (device.h): the batch's ids go through pinned staging, enqueued without
+// a host wait; host_src may be rewritten on return (the trainer refills it each micro-batch).
 void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
-  cuda::load_tokens(ctx_, dst, host_src, n);
+  KEEL_CHECK(n >= 0, kUsage, "cuda load_tokens: negative n=", n);
+  ctx_.upload_async(dst, host_src, static_cast<size_t>(n) * sizeof(int32_t));
 }
 
 // ---- elementwise.h, glu.h ----
