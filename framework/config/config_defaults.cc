@@ -55,6 +55,7 @@ train {
   precision: "AUTO"
   recompute_layers: 0
   keep_denormals: false
+  deterministic: true
 }
 optim {
   lr: 3e-3

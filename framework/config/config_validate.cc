@@ -350,6 +350,21 @@ void validate(KeelConfig& cfg) {
   KEEL_CHECK(cfg.debug().inject_factor() > 0, kConfig,
              "debug.inject_factor=", cfg.debug().inject_factor(), " must be > 0");
   validate_spike(cfg.spike());
+  {
+    // Note [replay] (launch/train/forensics.h): a replay recomputes the step and compares it bit
+    // for bit, so a backward that is not repeatable would read as a hardware fault. Refused
+    // rather than a softer verdict, which would lose the replay's evidence of a bad GPU. On the
+    // CPU the flag changes nothing (its kernels are deterministic), so any value passes there.
+    const std::string dev = upper_ascii(cfg.train().device());
+    const bool replays = cfg.spike().replay() || cfg.spike().replay_every() > 0;
+    KEEL_CHECK(
+        cfg.train().deterministic() || !replays || dev == "CPU", kConfig,
+        "train.deterministic=false with spike.replay=", cfg.spike().replay() ? "true" : "false",
+        " spike.replay_every=", cfg.spike().replay_every(),
+        " on train.device=", dev.empty() ? "AUTO" : dev,
+        ": the spike guard's replay needs bitwise repeatable steps; set "
+        "train.deterministic=true, or spike.replay=false and spike.replay_every=0");
+  }
   KEEL_CHECK(cfg.alert().timeout_s() > 0 && cfg.alert().timeout_s() <= 3600, kConfig,
              "alert.timeout_s=", cfg.alert().timeout_s(),
              " must be in (0, 3600] seconds (a hook still running after it is killed)");

@@ -96,6 +96,13 @@ inline ActOut act(const Tensor& t) { return ActOut(t.raw(), t.dtype()); }
 const float* act_f32(ActIn a, const char* method, const char* arg);
 float* act_f32(ActOut a, const char* method, const char* arg);
 
+// train.deterministic: kBitwise (the default) keeps every step bitwise repeatable, which the
+// spike guard's replay needs (Note [replay] in launch/train/forensics.h); kFast lets a device
+// take a library's faster non-deterministic algorithm where it has one (a GPU: cuDNN's SDPA
+// backward, dQ accumulated with atomics). The CPU's kernels and the CUDA backend's own kernels are
+// deterministic either way, so the CPU context ignores it.
+enum class Determinism { kBitwise, kFast };
+
 class ExecContext {
  public:
   virtual ~ExecContext() = default;
@@ -104,6 +111,8 @@ class ExecContext {
   // Throws keel::Error (kConfig) naming train.precision for a precision this context has no
   // path for (the CPU computes in fp32 only).
   virtual void set_precision(Precision p);
+  Determinism determinism() const { return determinism_; }
+  virtual void set_determinism(Determinism d) { determinism_ = d; }
 
   // Note [act-dtype]: kBF16 under BF16 on a device, else kF32.
   virtual DType act_dtype() const { return DType::kF32; }
@@ -289,6 +298,7 @@ class ExecContext {
 
  protected:
   Precision precision_ = Precision::kFp32;
+  Determinism determinism_ = Determinism::kBitwise;
 };
 
 // The CPU context: the kernels of framework/kernels/*.h on host memory with the process's

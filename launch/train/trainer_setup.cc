@@ -48,6 +48,8 @@ void Trainer::setup_exec_and_comms() {
   const Device device = kernels::resolve_device(t.device());
   exec_ = kernels::make_exec(device, device == Device::kCpu ? 0 : opts_.device_index);
   exec_->set_precision(kernels::resolve_precision(t.precision(), device));
+  exec_->set_determinism(t.deterministic() ? kernels::Determinism::kBitwise
+                                           : kernels::Determinism::kFast);
   grad_sq_ = Tensor::zeros({1}, DType::kF64, device);
   if (device != Device::kCpu && (topo_.world_size > 1 || opts_.tensor_comms_for_one_rank)) {
     // The model's tensors live on the device: its TP and DP collectives need communicators

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <set>
@@ -35,6 +36,11 @@
 #include "launch/train/trainer.h"
 #include "parallel/communicator.h"
 #include "tests/cuda_emu/counters.h"
+
+namespace keel::kernels::cuda::cudnn {
+// tests/cuda_emu/sdpa.cc: the emulated cuDNN's backward calls per algorithm asked for.
+uint64_t emu_backward_calls(SdpaBackward algo);
+}  // namespace keel::kernels::cuda::cudnn
 
 namespace keel {
 namespace {
@@ -210,6 +216,46 @@ TEST_F(StepBudget, RowReductionsFillAnH200) {
   EXPECT_GE(seen, 10) << "the step's row reductions were not seen: renamed kernels?";
   EXPECT_EQ(violators, known_defects)
       << "a row reduction now fills an H200 (remove it from known_defects) or a new one does not";
+}
+
+// train.deterministic reaches cuDNN's SDPA backward (framework/kernels/cuda/sdpa_cudnn.cc):
+// through Trainer, ExecContext::set_determinism and the Context, whose algorithm the emulated
+// cuDNN records per backward. BF16 with KEEL_CUDA_EMU_CUDNN=1 takes the cuDNN path.
+void train_two_steps(bool deterministic) {
+  kernels::cuda::register_cuda_exec_factory();
+  const config::KeelConfig cfg = load_config(
+      "", {"model.vocab_size=256", "model.seq_len=32", "model.d_model=128", "model.n_heads=2",
+           "model.n_layers=1", "train.global_batch=2", "train.steps=2", "train.eval_every=0",
+           "train.sample_chars=0", "train.plot=false", "train.tensorboard=false",
+           "data.builtin_bytes=20000", "train.device=CUDA", "train.precision=BF16",
+           std::string("train.deterministic=") + (deterministic ? "true" : "false"),
+           "spike.replay=false", "spike.replay_every=0"});
+  std::unique_ptr<Communicator> tp, dp;
+  const Topology topo = Topology::single(tp, dp);
+  TrainerOptions opts;
+  opts.progress = false;
+  Trainer trainer(cfg, topo, opts);
+  trainer.step();
+  trainer.step();
+  EXPECT_EQ(trainer.exec().attention_path(), "cuDNN fused SDPA") << "the cuDNN path not taken";
+}
+
+TEST(CudnnBackward, TrainDeterministicReachesTheBackward) {
+  using kernels::cuda::SdpaBackward;
+  namespace cudnn = kernels::cuda::cudnn;
+  ASSERT_EQ(setenv("KEEL_CUDA_EMU_CUDNN", "1", 1), 0);
+  const uint64_t det0 = cudnn::emu_backward_calls(SdpaBackward::kDeterministic);
+  const uint64_t fast0 = cudnn::emu_backward_calls(SdpaBackward::kFast);
+  train_two_steps(true);  // the default
+  const uint64_t det1 = cudnn::emu_backward_calls(SdpaBackward::kDeterministic);
+  const uint64_t fast1 = cudnn::emu_backward_calls(SdpaBackward::kFast);
+  EXPECT_EQ(det1 - det0, 2u) << "one layer, two steps: two deterministic backwards";
+  EXPECT_EQ(fast1, fast0) << "train.deterministic=true ran cuDNN's fast backward";
+  train_two_steps(false);
+  EXPECT_EQ(cudnn::emu_backward_calls(SdpaBackward::kFast) - fast1, 2u)
+      << "train.deterministic=false did not reach cuDNN's backward";
+  EXPECT_EQ(cudnn::emu_backward_calls(SdpaBackward::kDeterministic), det1);
+  unsetenv("KEEL_CUDA_EMU_CUDNN");
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 // is: on q' = scale * q with unit scales, the log-sum-exp as its softmax stats, dk and dv of the
 // Hkv k/v heads summed over their groups. Without it, this build behaves as one without the cuDNN
 // frontend.
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -92,10 +94,17 @@ void sdpa_forward(Context& ctx, const AttentionShape& s, Bf16* out, float* lse, 
   attention_forward<Bf16>(ctx, folded(s), out, lse, qs.as<Bf16>(), k, v, ones.as<float>(), nullptr);
 }
 
+// The backwards run per algorithm asked for (train.deterministic reaches ctx), for tests; the
+// emulation itself is the same deterministic kernel for both.
+namespace {
+std::atomic<uint64_t> backward_calls[2];
+}  // namespace
+
 void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf16* dv,
                    float* dscale, const Bf16* dout, const Bf16* out, const float* lse,
                    const Bf16* q, const Bf16* k, const Bf16* v, const float* scale) {
   require(s, "sdpa_backward");
+  ++backward_calls[ctx.sdpa_backward() == SdpaBackward::kDeterministic ? 0 : 1];
   const int64_t HD = s.H * s.D, rows = s.B * s.T;
   DeviceBuffer qs = ctx.alloc(static_cast<size_t>(rows * HD) * sizeof(Bf16));
   DeviceBuffer dqs = ctx.alloc(static_cast<size_t>(rows * HD) * sizeof(Bf16));
@@ -117,6 +126,11 @@ void sdpa_backward(Context& ctx, const AttentionShape& s, Bf16* dq, Bf16* dk, Bf
     }
   });
   unfold_head_scale_grad(ctx, s, dq, dscale, q, scale);
+}
+
+// Declared by the tests that read it (tests/cuda_emu/budget_test.cc): not part of cuDNN's API.
+uint64_t emu_backward_calls(SdpaBackward algo) {
+  return backward_calls[algo == SdpaBackward::kDeterministic ? 0 : 1].load();
 }
 
 bool have_frontend() { return enabled(); }

@@ -59,12 +59,42 @@ TEST(Config, DefaultsValidateAndResolve) {
   EXPECT_EQ(cfg.spike().window(), 100);
   EXPECT_EQ(cfg.spike().patience(), 2);
   EXPECT_DOUBLE_EQ(cfg.alert().timeout_s(), 10.0);
+  EXPECT_TRUE(cfg.train().deterministic());  // bitwise repeatable steps, which replay needs
   // validate is idempotent.
   KeelConfig again = cfg;
   validate(again);
   EXPECT_EQ(again.SerializeAsString(), cfg.SerializeAsString());
   // load_config with no file and no overrides is the validated defaults.
   EXPECT_EQ(load_config("", {}).SerializeAsString(), cfg.SerializeAsString());
+}
+
+// train.deterministic=false lets a GPU's cuDNN backward use atomics, so its steps no longer
+// repeat bit for bit: refused with the spike guard's replay on a device that may be a GPU, in one
+// line naming both fields and the way out (a config error: exit 2); free on the CPU and without
+// replays.
+TEST(Config, NonDeterministicStepsAreRefusedWithReplayOnAGpu) {
+  for (const std::string device : {"CUDA", "AUTO"}) {
+    const std::string msg = error_of(ErrorKind::kConfig, [&] {
+      load_config("", {"train.deterministic=false", "train.device=" + device});
+    });
+    expect_contains(msg,
+                    {"train.deterministic=false", "spike.replay=true", "train.device=" + device,
+                     "bitwise repeatable", "set train.deterministic=true, or spike.replay=false"});
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_EQ(exit_code_for(ErrorKind::kConfig), 2);
+  }
+  expect_contains(error_of(ErrorKind::kConfig,
+                           [] {
+                             load_config("", {"train.deterministic=false", "spike.replay=false",
+                                              "spike.replay_every=10", "train.device=CUDA"});
+                           }),
+                  {"spike.replay_every=10"});
+  EXPECT_FALSE(
+      load_config("", {"train.deterministic=false", "train.device=CPU"}).train().deterministic());
+  EXPECT_FALSE(
+      load_config("", {"train.deterministic=false", "spike.replay=false", "train.device=CUDA"})
+          .train()
+          .deterministic());
 }
 
 TEST(Config, FileMergesOverDefaults) {

@@ -116,6 +116,12 @@ class DeviceBuffer {
 // fp32 rounding) or TF32 inputs (10-bit mantissa, ~8x the throughput on Hopper).
 enum class Fp32Matmul { kExact, kTf32 };
 
+// Which algorithm cuDNN's SDPA backward takes (train.deterministic, through
+// ExecContext::set_determinism): its deterministic one (bitwise repeatable; on Hopper a dP
+// workspace of B * H * T^2 * 2 bytes per call) or its default (dQ accumulated with atomics, no
+// such workspace, not bitwise repeatable). Part of the cuDNN plan cache's key (sdpa_cudnn.cc).
+enum class SdpaBackward { kDeterministic, kFast };
+
 struct GemmPlan;      // cached cuBLASLt descriptors and algorithm for one GEMM shape (gemm.cc)
 class MemoryBackend;  // the Context as keel's Device::kCuda memory backend (memory_backend.cc)
 class Context;
@@ -152,6 +158,8 @@ class Context {
   size_t cublas_workspace_bytes() const { return workspace_.bytes(); }
   Fp32Matmul fp32_matmul() const { return fp32_matmul_; }
   void set_fp32_matmul(Fp32Matmul mode) { fp32_matmul_ = mode; }
+  SdpaBackward sdpa_backward() const { return sdpa_backward_; }
+  void set_sdpa_backward(SdpaBackward algo) { sdpa_backward_ = algo; }
 
   DeviceBuffer alloc(size_t bytes) { return DeviceBuffer(*allocator_, bytes); }
   // Temporary device memory valid until the next scratch() call; stream-ordered, so a kernel may
@@ -200,6 +208,7 @@ class Context {
   DeviceBuffer workspace_;
   DeviceBuffer scratch_;
   Fp32Matmul fp32_matmul_ = Fp32Matmul::kExact;
+  SdpaBackward sdpa_backward_ = SdpaBackward::kDeterministic;
   std::map<std::string, std::unique_ptr<GemmPlan>> plans_;
   struct UploadSlot {
     void* host = nullptr;  // pinned (cudaMallocHost)

@@ -35,6 +35,13 @@ class CudaExec final : public kernels::ExecContext {
   Device device() const override { return Device::kCuda; }
   // FP32 or BF16 (Note [cuda-exec-bf16] in exec_context.cc).
   void set_precision(Precision p) override { precision_ = p; }
+  // kFast lets cuDNN's SDPA backward take its default (atomic) algorithm; keel's own attention
+  // kernel is deterministic either way.
+  void set_determinism(Determinism d) override {
+    determinism_ = d;
+    ctx_.set_sdpa_backward(d == Determinism::kBitwise ? SdpaBackward::kDeterministic
+                                                      : SdpaBackward::kFast);
+  }
   // Note [act-dtype]: bf16 under BF16.
   keel::DType act_dtype() const override {
     return precision_ == Precision::kBf16 ? keel::DType::kBF16 : keel::DType::kF32;

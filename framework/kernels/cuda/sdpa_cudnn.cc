@@ -136,7 +136,7 @@ struct Plan {
 // The cuDNN state of one Context: its handle and the plans built with it.
 struct State {
   cudnnHandle_t handle = nullptr;
-  std::map<std::string, Plan> plans;  // "fwd <shape>" / "bwd <shape>"
+  std::map<std::string, Plan> plans;  // "fwd <shape>" / "bwd deterministic|fast <shape>"
   int64_t workspace_limit = 0;        // bytes a plan's workspace may take (workspace_limit())
 };
 
@@ -238,7 +238,7 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const AttentionShape& s) {
 }
 
 // The backward graph: q', k, v, out, dout, lse -> dq' (written into dq), dk, dv.
-std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
+std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s, SdpaBackward algo) {
   auto g = new_graph();
   const int64_t Hkv = s.kv_heads();
   auto q = g->tensor(rows_tensor(s, "q_scaled", kQ, s.H, s.H * s.D));
@@ -252,13 +252,14 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionShape& s) {
                              .set_dim(stats_dim(s))
                              .set_stride(stats_stride(s))
                              .set_data_type(fe::DataType_t::FLOAT));
-  // Deterministic: with cuDNN 9 the frontend otherwise accumulates dq with atomics at every size,
-  // so gradients would not reproduce run to run. Asked for determinism on Hopper it takes its
-  // dP-workspace algorithm (B * H * T^2 * 2 bytes of workspace, tiles rounded up); keel allocates
-  // what the plan asks for, up to workspace_limit().
+  // Deterministic by default (train.deterministic): with cuDNN 9 the frontend otherwise
+  // accumulates dq with atomics at every size, so gradients would not reproduce run to run. Asked
+  // for determinism on Hopper it takes its dP-workspace algorithm (B * H * T^2 * 2 bytes of
+  // workspace, tiles rounded up) and serialises dq's accumulation; keel allocates what the plan
+  // asks for, up to workspace_limit(). SdpaBackward::kFast leaves cuDNN its default.
   auto options = fe::graph::SDPA_backward_attributes()
                      .set_name("sdpa_backward")
-                     .set_deterministic_algorithm(true)
+                     .set_deterministic_algorithm(algo == SdpaBackward::kDeterministic)
                      .set_attn_scale(1.0f)
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0);
@@ -295,16 +296,19 @@ std::string shape_problem(const AttentionShape& s) {
 }
 
 // The cached plan of one direction and shape, built on first use; its `error` says why not.
-Plan& plan_locked(State& st, const AttentionShape& s, bool backward) {
+// The backward's key names its algorithm (train.deterministic): the two are different graphs.
+Plan& plan_locked(State& st, const AttentionShape& s, bool backward, SdpaBackward algo) {
   const std::string shape = shape_string(s);
-  Plan& plan = st.plans[keel::detail::concat(backward ? "bwd " : "fwd ", shape)];
+  const bool det = algo == SdpaBackward::kDeterministic;
+  Plan& plan = st.plans[keel::detail::concat(
+      backward ? (det ? "bwd deterministic " : "bwd fast ") : "fwd ", shape)];
   if (plan.graph != nullptr || !plan.error.empty()) return plan;
   plan.error = shape_problem(s);
   if (!plan.error.empty()) return plan;
   const std::string where =
       keel::detail::concat(backward ? "sdpa_backward " : "sdpa_forward ", shape);
   try {
-    auto g = backward ? backward_graph(s) : forward_graph(s);
+    auto g = backward ? backward_graph(s, algo) : forward_graph(s);
     fe_check(g->validate(), "validate", where);
     fe_check(g->build_operation_graph(st.handle), "build_operation_graph", where);
     fe_check(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", where);
@@ -314,8 +318,8 @@ Plan& plan_locked(State& st, const AttentionShape& s, bool backward) {
     fe_check(g->get_workspace_size(ws), "get_workspace_size", where);
     if (ws > st.workspace_limit) {
       plan.error = keel::detail::concat(
-          "the ", backward ? "deterministic backward" : "forward", " needs ", ws >> 20,
-          " MiB of workspace, above the ", st.workspace_limit >> 20,
+          "the ", backward ? (det ? "deterministic backward" : "backward") : "forward", " needs ",
+          ws >> 20, " MiB of workspace, above the ", st.workspace_limit >> 20,
           " MiB limit (an eighth of the device's memory, or KEEL_CUDNN_WORKSPACE_LIMIT_MB) [",
           where, "]");
       return plan;
@@ -332,7 +336,7 @@ Plan& plan_locked(State& st, const AttentionShape& s, bool backward) {
 std::pair<cudnnHandle_t, const Plan*> ready(Context& ctx, const AttentionShape& s, bool backward) {
   std::lock_guard<std::mutex> lock(states_mu);
   State& st = state_locked(ctx);
-  const Plan& plan = plan_locked(st, s, backward);
+  const Plan& plan = plan_locked(st, s, backward, ctx.sdpa_backward());
   KEEL_CHECK(plan.graph != nullptr, kInternal, "cudnn ",
              backward ? "sdpa_backward" : "sdpa_forward", " unavailable [", shape_string(s),
              "]: ", plan.error);
@@ -359,7 +363,7 @@ bool sdpa_available(Context& ctx, const AttentionShape& s, std::string* why) {
   std::lock_guard<std::mutex> lock(states_mu);
   State& st = state_locked(ctx);
   for (bool backward : {false, true}) {
-    const Plan& plan = plan_locked(st, s, backward);
+    const Plan& plan = plan_locked(st, s, backward, ctx.sdpa_backward());
     if (plan.graph == nullptr) {
       if (why != nullptr) *why = plan.error;
       return false;
