@@ -96,6 +96,25 @@ class Backoff {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
+// Note [nccl non-blocking]: a config for a non-blocking communicator.
+ncclConfig_t non_blocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// Polls a communicator no other thread knows yet (being made) until it settles; its final state.
+ncclResult_t settle_new(ncclComm_t comm) {
+  Backoff backoff;
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &async);
+    if (rc != ncclSuccess) return rc;
+    if (async != ncclInProgress) return async;
+    backoff.pause();
+  }
+}
+
 }  // namespace
 
 // A non-blocking all-reduce: an event recorded after it on the communicator's stream.
@@ -195,9 +214,19 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
   ncclUniqueId nid;
   std::copy(id.begin(), id.end(), nid.internal);
   {
+    // Under the watchdog: the bootstrap waits for every rank (Note [nccl non-blocking]: polled).
     Guard g(watchdog_, "ncclCommInitRank", name_);
     ncclComm_t comm = nullptr;
-    check(ncclCommInitRank(&comm, size_, nid, rank_), "ncclCommInitRank", -1);
+    ncclConfig_t config = non_blocking_config();
+    ncclResult_t rc = ncclCommInitRankConfig(&comm, size_, nid, rank_, &config);
+    if (rc == ncclInProgress) rc = settle_new(comm);
+    if (rc != ncclSuccess) {
+      // NCCL's words, then the half-made communicator goes (no destructor runs for this object).
+      const char* words = ncclGetLastError(comm);
+      const std::string last = words != nullptr ? words : "";
+      if (comm != nullptr) ncclCommAbort(comm);
+      fail(rc, "ncclCommInitRankConfig", -1, last);
+    }
     comm_ = comm;
   }
   finish_setup();
@@ -257,14 +286,26 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key, st
     Guard g(watchdog_, "ncclCommSplit", name_);
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
-      status = ncclCommSplit(comm_, color, key, &child, nullptr);
-      if (status != ncclSuccess) {
+      ncclConfig_t config = non_blocking_config();  // Note [nccl non-blocking]
+      status = ncclCommSplit(comm_, color, key, &child, &config);
+      if (status != ncclSuccess && status != ncclInProgress) {
         const char* words = ncclGetLastError(comm_);
         if (words != nullptr) last = words;
       }
     }
   }
   throw_if_aborted("ncclCommSplit", -1);
+  if (status == ncclInProgress) {
+    settle("ncclCommSplit", -1);
+    Guard g(watchdog_, "ncclCommSplit", name_);
+    status = child != nullptr ? settle_new(child) : ncclSuccess;
+    if (status != ncclSuccess && child != nullptr) {
+      const char* words = ncclGetLastError(child);
+      if (words != nullptr) last = words;
+      ncclCommAbort(child);
+      child = nullptr;
+    }
+  }
   if (status != ncclSuccess) fail(status, "ncclCommSplit", -1, last);
   if (child == nullptr) return nullptr;  // kNoColor
   int rank = 0, size = 1;
@@ -399,12 +440,9 @@ void NcclCommunicator::enqueue(Enqueue enqueue, CUstream_st* stream, const char*
       ordered = order_->before(stream);
       if (ordered == cudaSuccess) {
         status = enqueue(comm_);
-        if (status != ncclSuccess) {
+        if (status != ncclSuccess && status != ncclInProgress) {
           const char* words = ncclGetLastError(comm_);
           if (words != nullptr) last = words;
-        } else if (!in_group()) {
-          // Grouped collectives launch at ncclGroupEnd: end_group() records the order then.
-          ordered = order_->after(stream);
         }
       }
     }
@@ -413,7 +451,47 @@ void NcclCommunicator::enqueue(Enqueue enqueue, CUstream_st* stream, const char*
   KEEL_CUDA_CHECK(ordered, call, " over the ", name_, " group: ordering it after the previous ",
                   "collective (Note [nccl launch order]), n=", n);
   throw_if_aborted(op, n);
+  if (status == ncclInProgress) {
+    settle(call, n);  // Note [nccl non-blocking]: enqueued once it settles
+    status = ncclSuccess;
+  }
   if (status != ncclSuccess) fail(status, call, n, last);
+  // Grouped collectives launch at ncclGroupEnd: end_group() records the order then.
+  if (in_group()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.load()) ordered = order_->after(stream);
+  }
+  if (ordered != cudaSuccess) failed_ = true;
+  KEEL_CUDA_CHECK(ordered, call, " over the ", name_, " group: ordering what follows after it ",
+                  "(Note [nccl launch order]), n=", n);
+}
+
+void NcclCommunicator::settle(const char* call, int64_t n) {
+  Guard g(watchdog_, call, name_);
+  Backoff backoff;
+  for (;;) {
+    ncclResult_t async = ncclSuccess, rc = ncclSuccess;
+    std::string last;
+    {
+      // Held for one poll only, so abort() (the watchdog's hook) gets it between polls.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_.load() || comm_ == nullptr) break;
+      rc = ncclCommGetAsyncError(comm_, &async);
+      if (rc == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+        const char* words = ncclGetLastError(comm_);
+        if (words != nullptr) last = words;
+      }
+    }
+    if (rc != ncclSuccess) fail(rc, "ncclCommGetAsyncError", n, "");
+    if (async == ncclSuccess) return;
+    if (async != ncclInProgress) {
+      check_async_error(call, n);  // aborts and throws naming the call
+      fail(async, call, n, last);
+    }
+    backoff.pause();
+  }
+  throw_if_aborted(call, n);
 }
 
 void NcclCommunicator::begin_group() {
@@ -431,18 +509,24 @@ void NcclCommunicator::end_group() {
     Guard g(watchdog_, "ncclGroupEnd", name_);
     std::lock_guard<std::mutex> lock(mu_);
     status = ncclGroupEnd();
-    if (status != ncclSuccess && comm_ != nullptr) {
+    if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
       const char* words = ncclGetLastError(comm_);
       if (words != nullptr) last = words;
-    } else if (status == ncclSuccess && !aborted_.load()) {
-      ordered = order_->after(ctx_.stream());  // Note [nccl launch order]
     }
+  }
+  throw_if_aborted("group", -1);
+  if (status == ncclInProgress) {
+    settle("ncclGroupEnd", -1);  // Note [nccl non-blocking]
+    status = ncclSuccess;
+  }
+  if (status != ncclSuccess) fail(status, "ncclGroupEnd", -1, last);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.load()) ordered = order_->after(ctx_.stream());  // Note [nccl launch order]
   }
   if (ordered != cudaSuccess) failed_ = true;
   KEEL_CUDA_CHECK(ordered, "ncclGroupEnd over the ", name_,
                   " group: ordering it (Note [nccl launch order])");
-  throw_if_aborted("group", -1);
-  if (status != ncclSuccess) fail(status, "ncclGroupEnd", -1, last);
   wait_stream("group", -1);
 }
 

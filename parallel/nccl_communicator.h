@@ -47,13 +47,23 @@
 // run under the Watchdog (begin/end, as MPI collectives do), so a stalled peer ends the job within
 // parallel.timeout_s.
 //
+// Note [nccl non-blocking]: every communicator is non-blocking (ncclConfig_t::blocking = 0, made
+// by ncclCommInitRankConfig and ncclCommSplit): an NCCL call returns at once, ncclInProgress while
+// NCCL finishes it on its own threads (the bootstrap, a first collective's connection set-up),
+// and the host polls ncclCommGetAsyncError until it settles before the next call, holding the
+// communicator's mutex only for each poll. So no NCCL call blocks while holding it, and the
+// watchdog's abort hook (abort(): ncclCommAbort) ends a stalled bootstrap, connection set-up or
+// enqueue as it ends a stalled kernel, instead of being abandoned behind a blocked call. The
+// emulated NCCL reports ncclInProgress too, and fails a call made before the previous one settled.
+//
 // Abort path: abort() may be called from any thread, once or more (e.g. by the watchdog's thread
 // when a collective outlives the timeout, before it ends the process): it calls ncclCommAbort,
 // which makes NCCL's device kernels give up so the stream and a host thread polling it are
 // released; the waiting call then throws kComm ("... aborted"), and every later call throws
 // too. The poll loop and abort() share a mutex, so the handle is never used after it was freed;
 // an NCCL call that blocks inside NCCL itself (connection set-up on a first collective) is not
-// protected by it: after aborting, the watchdog ends the process, as it does for MPI.
+// protected by it (Note [nccl non-blocking]: none does on a non-blocking communicator): after
+// aborting, the watchdog ends the process, as it does for MPI.
 #pragma once
 
 #include <array>
@@ -170,6 +180,9 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(int status, const char* call, int64_t n, const std::string& detail);
   void check(int status, const char* call, int64_t n);
   void throw_if_aborted(const char* op, int64_t n);
+  // Note [nccl non-blocking]: polls ncclCommGetAsyncError until `call` is no longer in progress;
+  // throws like fail() on an error, like throw_if_aborted() once aborted.
+  void settle(const char* call, int64_t n);
   // Runs `enqueue(comm_)` (an NCCL collective call) under mu_, so abort() never frees the
   // communicator under it, and throws like check() on failure or like throw_if_aborted() when the
   // communicator was aborted before or during the call. (An enqueue that blocked while holding

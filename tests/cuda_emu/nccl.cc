@@ -25,6 +25,13 @@
 // once something waited for it (a stream, event or host wait, or a stream wait on an event
 // recorded after it); deferred mode (KEEL_CUDA_EMU_DEFERRED=1) leaves the most in flight.
 //
+// Non-blocking communicators (ncclConfig_t::blocking = 0, Note [nccl non-blocking] in
+// parallel/nccl_communicator.h): ncclCommInitRankConfig, ncclCommSplit and every collective
+// outside a group (ncclGroupEnd for a group) return ncclInProgress, and ncclCommGetAsyncError
+// reports ncclInProgress once before ncclSuccess, as NCCL's do while its threads finish a call;
+// a call made on the communicator before that poll is an error (ncclInvalidUsage), as NCCL
+// requires the previous call to have settled.
+//
 // A communicator of one rank needs no MPI (collectives are copies). Bootstrap for more: the
 // unique id names the root's MPI_COMM_WORLD rank and a serial number; every member sends its
 // world rank to the root, the root answers with the member list, and the members make their
@@ -59,7 +66,13 @@ struct ncclComm {
   // and report ncclRemoteError through ncclCommGetAsyncError, as a peer's failure seen by NCCL's
   // proxy thread does (the path keel's communicator polls while it waits).
   bool inject_async_error = false;
+  // KEEL_CUDA_EMU_NCCL_ASYNC_ERROR=in_progress when it was made (a non-blocking communicator):
+  // its collectives stay ncclInProgress for ever, as a call NCCL's threads never finish (a peer
+  // that never connects) does, until ncclCommAbort.
+  bool inject_in_progress = false;
+  std::atomic<bool> stuck{false};
   std::atomic<ncclResult_t> async_error{ncclSuccess};
+  bool nonblocking = false;  // made with ncclConfig_t::blocking = 0
 };
 
 namespace {
@@ -165,6 +178,12 @@ class Stuck : public keel_emu::Pending {
 
 // The injected failure (ncclComm::inject_async_error): true when it took the call.
 bool inject_failure(ncclComm* comm, cudaStream_t stream, Range in, Range out) {
+  if (comm->inject_in_progress && comm->nonblocking) {
+    keel_emu::enqueue_pending(stream, std::make_shared<Stuck>(comm, in, out));
+    comm->stuck = true;
+    comm->async_error = ncclInProgress;
+    return true;
+  }
   if (!comm->inject_async_error) return false;
   keel_emu::enqueue_pending(stream, std::make_shared<Stuck>(comm, in, out));
   {
@@ -223,12 +242,30 @@ MPI_Op mpi_op(ncclRedOp_t op, ncclDataType_t type) {
   }
 }
 
+thread_local bool t_in_group_end = false;  // ncclGroupEnd is starting its collectives
+
+// What a call on a non-blocking communicator returns once it has started: ncclInProgress until
+// ncclCommGetAsyncError has been polled (an injected error stays as it is). Inside ncclGroupEnd,
+// ncclSuccess: the group's end reports for it.
+ncclResult_t started(ncclComm* comm) {
+  if (!comm->nonblocking || t_in_group_end) return ncclSuccess;
+  ncclResult_t none = ncclSuccess;
+  comm->async_error.compare_exchange_strong(none, ncclInProgress);
+  return ncclInProgress;
+}
+
 // Checks common to every collective; nullptr when it may proceed.
 ncclResult_t check_call(ncclComm* comm, ncclDataType_t type, const char* call) {
   if (comm == nullptr)
     return error(nullptr, ncclInvalidArgument, std::string(call) + ": null comm");
   if (comm->aborted->load()) {
     return error(comm, ncclInvalidUsage, std::string(call) + " on an aborted communicator");
+  }
+  if (comm->async_error.load() == ncclInProgress && !t_in_group_end) {
+    return error(comm, ncclInvalidUsage,
+                 std::string(call) +
+                     " on a non-blocking communicator whose previous call is still in progress "
+                     "(poll ncclCommGetAsyncError until it settles)");
   }
   if (mpi_type(type) == MPI_DATATYPE_NULL) {
     return error(comm, ncclInvalidArgument, std::string(call) + ": data type not emulated");
@@ -252,11 +289,12 @@ void wait_for_buffers(cudaStream_t stream, Range in, Range out) {
 }
 
 // A collective of one rank: a copy, queued on the stream as NCCL's kernel would be.
-ncclResult_t copy_on_stream(cudaStream_t stream, const void* send, void* recv, size_t bytes) {
+ncclResult_t copy_on_stream(ncclComm* comm, cudaStream_t stream, const void* send, void* recv,
+                            size_t bytes) {
   if (send != recv && bytes > 0) {
     keel_emu::submit(stream, [=] { std::memmove(recv, send, bytes); });
   }
-  return ncclSuccess;
+  return started(comm);
 }
 
 // The collectives of several ranks started on this GPU, for the launch-order check; the done
@@ -307,22 +345,22 @@ ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scra
     g_in_flight.push_back(c);
   }
   keel_emu::enqueue_pending(stream, std::move(c));
-  return ncclSuccess;
+  return started(comm);
 }
 
 // ncclGroupStart/End: the collectives called inside the outermost group are kept (their
 // arguments checked at the call, as NCCL does) and start at ncclGroupEnd, in call order, so a
 // stream, event or host wait inside the group does not see them. Per thread, as NCCL's group is.
 thread_local int t_group_depth = 0;
-thread_local std::vector<std::function<ncclResult_t()>> t_grouped;
+thread_local std::vector<std::pair<ncclComm*, std::function<ncclResult_t()>>> t_grouped;
 std::atomic<int64_t> g_groups{0};         // groups that started at least one collective
 std::atomic<int64_t> g_grouped_calls{0};  // collectives that started through a group
 
 // Inside a group: keeps `call` for ncclGroupEnd and returns true.
 template <typename Call>
-bool grouped(Call call) {
+bool grouped(ncclComm* comm, Call call) {
   if (t_group_depth == 0) return false;
-  t_grouped.emplace_back(std::move(call));
+  t_grouped.emplace_back(comm, std::move(call));
   return true;
 }
 
@@ -332,6 +370,7 @@ void init_from_env(ncclComm* comm) {
   comm->owner = std::this_thread::get_id();
   const char* inject = std::getenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
   comm->inject_async_error = inject != nullptr && std::strcmp(inject, "1") == 0;
+  comm->inject_in_progress = inject != nullptr && std::strcmp(inject, "in_progress") == 0;
   const char* order = std::getenv("KEEL_CUDA_EMU_NCCL_ORDER");
   comm->order_counts_only = order != nullptr && std::strcmp(order, "count") == 0;
 }
@@ -437,11 +476,20 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
   return ncclSuccess;
 }
 
+// ncclCommInitRank, non-blocking when config->blocking is 0 (returns ncclInProgress).
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config) {
+  const ncclResult_t rc = ncclCommInitRank(out, nranks, id, rank);
+  if (rc != ncclSuccess || config == nullptr || config->blocking != 0) return rc;
+  (*out)->nonblocking = true;
+  return started(*out);
+}
+
 // As NCCL's: collective over `comm`'s ranks; those of one color form a communicator ranked by
 // key, ties broken by their rank in `comm` (MPI_Comm_split's order), NCCL_SPLIT_NOCOLOR takes no
-// part (null). `config` is not emulated (a blocking communicator either way).
+// part (null). Of `config`, only `blocking` is emulated (non-blocking when 0).
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
-                           ncclConfig_t* /*config*/) {
+                           ncclConfig_t* config) {
   *newcomm = nullptr;
   if (comm == nullptr) return error(nullptr, ncclInvalidArgument, "ncclCommSplit: null comm");
   if (comm->aborted->load()) {
@@ -473,8 +521,9 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     }
   }
   init_from_env(child.get());
+  child->nonblocking = config != nullptr && config->blocking == 0;
   *newcomm = child.release();
-  return ncclSuccess;
+  return started(*newcomm);
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
@@ -512,20 +561,27 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async) {
-  *async = comm != nullptr ? comm->async_error.load() : ncclSuccess;
-  return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
+  if (comm == nullptr) return ncclInvalidArgument;
+  *async = comm->async_error.load();
+  if (*async == ncclInProgress && !comm->stuck.load()) {
+    // Reported once, then settled (an error injected meanwhile stays).
+    ncclResult_t in_progress = ncclInProgress;
+    comm->async_error.compare_exchange_strong(in_progress, ncclSuccess);
+  }
+  return ncclSuccess;
 }
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllReduce"); rc != ncclSuccess) return rc;
   if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
-  if (grouped([=] { return ncclAllReduce(send, recv, count, type, op, comm, stream); })) {
+  if (grouped(comm, [=] { return ncclAllReduce(send, recv, count, type, op, comm, stream); })) {
     return ncclSuccess;
   }
   const size_t bytes = count * type_size(type);
-  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
-  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes}))
+    return comm->stuck ? ncclInProgress : ncclSuccess;
+  if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclAllReduce",
                  [&](const void*, MPI_Request* req) {
                    return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv,
@@ -538,12 +594,13 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
                            int root, ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclBroadcast"); rc != ncclSuccess) return rc;
   if (root < 0 || root >= comm->size) return error(comm, ncclInvalidArgument, "bad root");
-  if (grouped([=] { return ncclBroadcast(send, recv, count, type, root, comm, stream); })) {
+  if (grouped(comm, [=] { return ncclBroadcast(send, recv, count, type, root, comm, stream); })) {
     return ncclSuccess;
   }
   const size_t bytes = count * type_size(type);
-  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes})) return ncclSuccess;
-  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, bytes}))
+    return comm->stuck ? ncclInProgress : ncclSuccess;
+  if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   wait_for_buffers(stream, {send, bytes}, {recv, bytes});
   if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclBroadcast",
@@ -559,13 +616,15 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
     return rc;
   }
   if (mpi_op(op, type) == MPI_OP_NULL) return error(comm, ncclInvalidArgument, "op not emulated");
-  if (grouped([=] { return ncclReduceScatter(send, recv, recvcount, type, op, comm, stream); })) {
+  if (grouped(comm,
+              [=] { return ncclReduceScatter(send, recv, recvcount, type, op, comm, stream); })) {
     return ncclSuccess;
   }
   const size_t bytes = recvcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
-  if (inject_failure(comm, stream, {send, all}, {recv, bytes})) return ncclSuccess;
-  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
+  if (inject_failure(comm, stream, {send, all}, {recv, bytes}))
+    return comm->stuck ? ncclInProgress : ncclSuccess;
+  if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   wait_for_buffers(stream, {send, all}, {recv, bytes});
   std::vector<char> copy;
   if (overlaps(send, all, recv, bytes)) {
@@ -590,13 +649,14 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
                            ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t rc = check_call(comm, type, "ncclAllGather"); rc != ncclSuccess) return rc;
-  if (grouped([=] { return ncclAllGather(send, recv, sendcount, type, comm, stream); })) {
+  if (grouped(comm, [=] { return ncclAllGather(send, recv, sendcount, type, comm, stream); })) {
     return ncclSuccess;
   }
   const size_t bytes = sendcount * type_size(type);
   const size_t all = bytes * static_cast<size_t>(comm->size);
-  if (inject_failure(comm, stream, {send, bytes}, {recv, all})) return ncclSuccess;
-  if (comm->size == 1) return copy_on_stream(stream, send, recv, bytes);
+  if (inject_failure(comm, stream, {send, bytes}, {recv, all}))
+    return comm->stuck ? ncclInProgress : ncclSuccess;
+  if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   wait_for_buffers(stream, {send, bytes}, {recv, all});
   // In place when send is this rank's block of recv (NCCL's in-place form).
   const bool in_place = static_cast<const char*>(send) ==
@@ -625,16 +685,24 @@ ncclResult_t ncclGroupEnd() {
     return error(nullptr, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
   }
   if (--t_group_depth > 0) return ncclSuccess;
-  std::vector<std::function<ncclResult_t()>> calls = std::move(t_grouped);
+  std::vector<std::pair<ncclComm*, std::function<ncclResult_t()>>> calls = std::move(t_grouped);
   t_grouped.clear();
   if (!calls.empty()) ++g_groups;
   ncclResult_t first = ncclSuccess;
+  t_in_group_end = true;
   for (const auto& call : calls) {
     ++g_grouped_calls;
-    const ncclResult_t rc = call();
+    const ncclResult_t rc = call.second();
     if (rc != ncclSuccess && first == ncclSuccess) first = rc;
   }
-  return first;
+  t_in_group_end = false;
+  if (first != ncclSuccess) return first;
+  // Non-blocking communicators: the group is in progress until each is polled.
+  ncclResult_t out = ncclSuccess;
+  for (const auto& call : calls) {
+    if (started(call.first) == ncclInProgress) out = ncclInProgress;
+  }
+  return out;
 }
 
 // The emulator's own: groups that started at least one collective, and the collectives started

@@ -11,9 +11,11 @@
 // why there is nothing to run.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/error.h"
@@ -187,6 +189,45 @@ TEST_F(NcclTest, AnAsynchronousErrorAbortsAndNamesTheCollective) {
   }
   EXPECT_TRUE(failing.aborted());
   // The abort stopped the collective: the stream drains, and the test's own communicator works.
+  ctx().synchronize();
+  comm().all_reduce(d.as<float>(), 8, ReduceOp::kSum);
+#endif
+}
+
+// Note [nccl non-blocking]: a collective NCCL never finishes (a peer that never connects: it
+// stays ncclInProgress) holds nothing the abort path needs, so abort() from another thread, which
+// is what the watchdog's hook does, ends it and the waiting call throws instead of hanging. On the
+// emulator, whose NCCL keeps such a call in progress (KEEL_CUDA_EMU_NCCL_ASYNC_ERROR=in_progress).
+// A watchdog with a long timeout guards the test: a call the abort did not end would end the
+// process with its line rather than hang.
+TEST_F(NcclTest, AbortFromAnotherThreadEndsACallInProgress) {
+#if !KEEL_CUDA_EMULATOR
+  GTEST_SKIP() << "needs a collective NCCL never finishes, which the emulated NCCL injects "
+                  "(KEEL_CUDA_EMU_NCCL_ASYNC_ERROR=in_progress)";
+#else
+  Watchdog guard(120.0, 0);
+  setenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR", "in_progress", 1);
+  NcclCommunicator stuck(NcclCommunicator::make_unique_id(), 0, 1, "data-parallel", ctx(), &guard);
+  unsetenv("KEEL_CUDA_EMU_NCCL_ASYNC_ERROR");
+  cuda::DeviceBuffer d = cuda::upload(ctx(), random_vec(8, -1, 1, 71));
+  std::thread aborter([&stuck] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    stuck.abort();
+  });
+  try {
+    stuck.all_reduce(d.as<float>(), 8, ReduceOp::kSum);
+    FAIL() << "a collective that never finished returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kComm);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("ncclAllReduce over the data-parallel group (rank 0 of 1, 8 elements)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("aborted (ncclCommAbort)"), std::string::npos) << m;
+  }
+  aborter.join();
+  EXPECT_TRUE(stuck.aborted());
+  // The abort abandoned the collective: the stream drains, and the test's own communicator works.
   ctx().synchronize();
   comm().all_reduce(d.as<float>(), 8, ReduceOp::kSum);
 #endif
