@@ -146,8 +146,8 @@ TEST_F(ExecContextTest, LoadTokensCopiesTheHostBatch) {
 // ---- elementwise.h, glu.h ----
 
 TEST_F(ExecContextTest, ElementwiseAndGluMatchCpu) {
-  // [N, C] for the backward forms' bias sums: 5 row chunks (the last one short) and a partial
-  // 32-column strip (Note [fused-bias-grad]).
+  // [N, C] for the backward forms' bias sums: several row chunks (GLU's 5, GELU's 19; the last one
+  // short) and a partial 32-column strip (Note [fused-bias-grad]).
   const int64_t N = 300, C = 37, n = N * C;
   const auto a = random_vec(n, -3, 3, 10), b = random_vec(n, -3, 3, 11);
   const auto dout = random_vec(n, -1, 1, 12), bias0 = random_vec(C, -1, 1, 13);
