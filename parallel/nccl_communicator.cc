@@ -379,19 +379,28 @@ void NcclCommunicator::throw_if_aborted(const char* op, int64_t n) {
             " failed: the communicator was aborted (ncclCommAbort)");
 }
 
-void NcclCommunicator::check_async_error(const char* op, int64_t n) {
-  ncclResult_t async = ncclSuccess, rc = ncclSuccess;
-  std::string last;  // NCCL's words, copied before the abort frees the communicator
+bool NcclCommunicator::poll_async(int* async_out, std::string* last, int64_t n) {
+  ncclResult_t rc = ncclSuccess, async = ncclSuccess;
   {
+    // Held for one poll only, so abort() (the watchdog's hook) gets it between polls.
     std::lock_guard<std::mutex> lock(mu_);
-    if (aborted_.load() || comm_ == nullptr) return;
+    if (aborted_.load() || comm_ == nullptr) return false;
     rc = ncclCommGetAsyncError(comm_, &async);
     if (rc == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
       const char* words = ncclGetLastError(comm_);
-      if (words != nullptr) last = words;
+      if (words != nullptr) *last = words;
     }
   }
   if (rc != ncclSuccess) fail(rc, "ncclCommGetAsyncError", n, "");
+  *async_out = async;
+  return true;
+}
+
+void NcclCommunicator::check_async_error(const char* op, int64_t n) {
+  int polled = ncclSuccess;
+  std::string last;  // NCCL's words, copied before the abort frees the communicator
+  if (!poll_async(&polled, &last, n)) return;
+  const auto async = static_cast<ncclResult_t>(polled);
   if (async == ncclSuccess || async == ncclInProgress) return;
   const std::string detail = detail::concat("asynchronous NCCL error; communicator aborted",
                                             last.empty() ? std::string() : ": " + last);
@@ -471,19 +480,10 @@ void NcclCommunicator::settle(const char* call, int64_t n) {
   Guard g(watchdog_, call, name_);
   Backoff backoff;
   for (;;) {
-    ncclResult_t async = ncclSuccess, rc = ncclSuccess;
+    int polled = ncclSuccess;
     std::string last;
-    {
-      // Held for one poll only, so abort() (the watchdog's hook) gets it between polls.
-      std::lock_guard<std::mutex> lock(mu_);
-      if (aborted_.load() || comm_ == nullptr) break;
-      rc = ncclCommGetAsyncError(comm_, &async);
-      if (rc == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
-        const char* words = ncclGetLastError(comm_);
-        if (words != nullptr) last = words;
-      }
-    }
-    if (rc != ncclSuccess) fail(rc, "ncclCommGetAsyncError", n, "");
+    if (!poll_async(&polled, &last, n)) break;
+    const auto async = static_cast<ncclResult_t>(polled);
     if (async == ncclSuccess) return;
     if (async != ncclInProgress) {
       check_async_error(call, n);  // aborts and throws naming the call

@@ -155,6 +155,10 @@ class NcclCommunicator final : public Communicator {
   // collective being waited for. Called by the waits; public for a caller that polls between
   // steps.
   void check_async_error(const char* op, int64_t n);
+  // One poll of the asynchronous state under mu_: false when aborted or destroyed; else *async
+  // (an ncclResult_t), with NCCL's last-error words in *last when it reports an error (throws if
+  // the poll fails).
+  bool poll_async(int* async, std::string* last, int64_t n);
 
   // The one-line message of Note [nccl errors] (public so it is tested without a GPU); n < 0
   // leaves the element count out (set-up calls).
