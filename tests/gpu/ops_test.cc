@@ -522,7 +522,7 @@ std::vector<int32_t> make_tokens(int64_t N, int64_t vocab, uint32_t seed) {
   return t;
 }
 
-TEST_F(OpsTest, EmbeddingsMatchCpuExactly) {
+TEST_F(OpsTest, EmbeddingsMatchCpu) {
   // A vocab shard [v_begin, v_begin + V_local) of a 500-token vocabulary: tokens outside it give
   // zero rows forward and nothing backward.
   const int64_t B = 4, T = 33, N = B * T, C = 200, v_begin = 8, V_local = 300, vocab = 500;
@@ -544,14 +544,20 @@ TEST_F(OpsTest, EmbeddingsMatchCpuExactly) {
                           v_begin, V_local, C);
   cuda::position_forward(ctx(), d_out.as<float>(), d_wpe.as<float>(), B, T, C);
   EXPECT_TRUE(identical(get<float>(d_out, out.size()), out));
-  // The backward adds in the CPU's order (sorted stably by row): bit-identical; twice, to show
-  // the result does not depend on the run.
+  // The token backward sums a run of up to 8 rows in the CPU's order and longer ones in segments
+  // (Note [embedding-backward-segments]): within the fp32 bound, and the same bits twice, so the
+  // result does not depend on the run. The position backward adds in the CPU's order:
+  // bit-identical.
+  std::vector<float> first;
   for (int rep = 0; rep < 2; ++rep) {
     DeviceBuffer d_dwte = cuda::upload(ctx(), dwte0), d_dwpe = cuda::upload(ctx(), dwpe0);
     cuda::embedding_backward(ctx(), d_dwte.as<float>(), d_dout.as<float>(), d_tok.as<int32_t>(), N,
                              v_begin, V_local, C);
     cuda::position_backward(ctx(), d_dwpe.as<float>(), d_dout.as<float>(), B, T, C);
-    EXPECT_TRUE(identical(get<float>(d_dwte, dwte.size()), dwte)) << "rep " << rep;
+    const auto got = get<float>(d_dwte, dwte.size());
+    EXPECT_TRUE(matches(got, dwte, f32_rtol(N))) << "rep " << rep;
+    if (rep == 0) first = got;
+    EXPECT_TRUE(identical(got, first)) << "rep " << rep;
     EXPECT_TRUE(identical(get<float>(d_dwpe, dwpe.size()), dwpe)) << "rep " << rep;
   }
 }
@@ -577,12 +583,13 @@ TEST_F(OpsTest, EmbeddingsBf16MatchCpuOnRoundedValues) {
                           V_local, C);
   cuda::position_forward(ctx(), d_out.as<Bf16>(), d_wpe.as<Bf16>(), B, T, C);
   EXPECT_TRUE(matches(from_bf16(get<Bf16>(d_out, out.size())), out, kBf16Rtol));
-  // fp32 gradients from bf16 dout: the same fp32 additions as the CPU on the rounded values.
+  // fp32 gradients from bf16 dout: the CPU's fp32 additions on the rounded values for a run of up
+  // to 8 rows, segments for longer ones (Note [embedding-backward-segments]): the fp32 bound.
   DeviceBuffer d_dwte = cuda::upload(ctx(), dwte0), d_dwpe = cuda::upload(ctx(), dwpe0);
   cuda::embedding_backward(ctx(), d_dwte.as<float>(), d_dout.as<Bf16>(), d_tok.as<int32_t>(), N, 0,
                            V_local, C);
   cuda::position_backward(ctx(), d_dwpe.as<float>(), d_dout.as<Bf16>(), B, T, C);
-  EXPECT_TRUE(identical(get<float>(d_dwte, dwte.size()), dwte));
+  EXPECT_TRUE(matches(get<float>(d_dwte, dwte.size()), dwte, f32_rtol(N)));
   EXPECT_TRUE(identical(get<float>(d_dwpe, dwpe.size()), dwpe));
 }
 

@@ -1,9 +1,8 @@
 // CUDA token and position embeddings (framework/kernels/embedding.h).
 //
 // The token gradient is a scatter-add with repeated rows. Atomics would make it depend on thread
-// timing; instead the (row, n) pairs are sorted by row with CUB's stable radix sort, and each
-// (row, channel) is summed by one thread over its tokens in increasing n, starting from the
-// existing gradient: the CPU kernel's exact order, so the two agree bit for bit.
+// timing; instead the (row, n) pairs are sorted by row with CUB's stable radix sort and summed in
+// a fixed order, Note [embedding-backward-segments] below.
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -41,19 +40,99 @@ __global__ void embedding_keys_kernel(const int32_t* tokens, int64_t N, int64_t 
   positions[n] = static_cast<int32_t>(n);
 }
 
-// Block (i, channel chunk): when sorted entry i starts a run of equal rows, sum the run in order.
+// ---- Note [embedding-backward-segments] ----
+// After the sort, a token's rows are a run of equal keys (about 10^3 rows on real text, the whole
+// batch for a repeated token), too long for one thread to sum. Each run is cut into segments of R
+// rows from its start (R a power of two in [8, 64], a function of N and C alone: embedding_rows),
+// and the sorted array into windows of R entries; a block of kEmbCols threads (one per column)
+// takes a (window, column strip).
+// - Pass 1 (embedding_backward_kernel): the block sums each segment that starts in its window, in
+//   increasing sorted position (n increasing): a run's first segment from the existing dwte row,
+//   written back to dwte; a later segment from 0 into partial[window, C]. A window holds at most
+//   one later segment's start (two would need a run to end inside the window that began before
+//   it, and another to begin there and already have run R rows), so the slot is unique.
+// - Pass 2 (embedding_runs_kernel): for each run longer than R (at most one starts per window),
+// dwte
+//   row += its later segments' partials, one at a time in segment order.
+// The order is a function of the tokens and R alone: bitwise reproducible run to run; a run of at
+// most R rows is the CPU's exact order (dwte + row, + row, ...), a longer one differs from it only
+// in the grouping of its fp32 additions (depth at most R + run / R, not run).
+constexpr int kEmbCols = 64;
+
+// Rows per segment and window: the smallest power of two in [8, 64] at which windows x strips
+// comes to about an H200's resident blocks (132 SMs x 2048 threads / 256 = 1056; ctest
+// cuda_emu.StepBudget's RowReductionsFillAnH200 holds the pass to 132 blocks).
+int embedding_rows_log2(int64_t N, int64_t C) {
+  const int64_t strips = (C + kEmbCols - 1) / kEmbCols;
+  const int64_t want = (1056 + strips - 1) / strips;  // windows
+  int log_rows = 3;
+  while (log_rows < 6 && N > (want << log_rows)) ++log_rows;
+  return log_rows;
+}
+
 template <typename T>
-__global__ void embedding_backward_kernel(float* dwte, const T* dout, const int32_t* keys,
-                                          const int32_t* positions, int64_t N, int64_t V_local,
-                                          int64_t C) {
-  const int64_t i = blockIdx.x;
-  const int64_t c = blockIdx.y * int64_t{blockDim.x} + threadIdx.x;
+__global__ void embedding_backward_kernel(float* dwte, float* partial, const T* dout,
+                                          const int32_t* keys, const int32_t* positions, int N,
+                                          int V_local, int C, int log_rows) {
+  const int R = 1 << log_rows;
+  const int c = static_cast<int>(blockIdx.y) * kEmbCols + static_cast<int>(threadIdx.x);
   if (c >= C) return;
-  const int32_t key = keys[i];
-  if (key >= V_local || (i > 0 && keys[i - 1] == key)) return;
-  float acc = dwte[key * C + c];
-  for (int64_t j = i; j < N && keys[j] == key; ++j) acc += to_f(dout[positions[j] * C + c]);
-  dwte[key * C + c] = acc;
+  const int w0 = static_cast<int>(blockIdx.x) << log_rows, w1 = w0 + R < N ? w0 + R : N;
+  int key = keys[w0];
+  if (key >= V_local) return;  // out-of-shard tokens sort last
+  int start = 0;               // the run of keys[w0] starts at the lower bound of key in [0, w0]
+  for (int hi = w0; start < hi;) {
+    const int mid = start + (hi - start) / 2;
+    if (keys[mid] < key) {
+      start = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  for (int i = w0; i < w1;) {
+    const int k = keys[i];
+    if (k >= V_local) break;
+    if (k != key) {
+      key = k;
+      start = i;
+    }
+    if (((i - start) & (R - 1)) != 0) {  // inside a segment that started in an earlier window
+      ++i;
+      continue;
+    }
+    const int64_t at = static_cast<int64_t>(key) * C + c;
+    const int end = i + R < N ? i + R : N;
+    float acc = i == start ? dwte[at] : 0.0f;
+    int j = i;
+    for (; j < end && keys[j] == key; ++j)
+      acc += to_f(dout[static_cast<int64_t>(positions[j]) * C + c]);
+    if (i == start) {
+      dwte[at] = acc;
+    } else {
+      partial[static_cast<int64_t>(blockIdx.x) * C + c] = acc;
+    }
+    i = j;  // the next segment's start: a new run, or i + R (past this window)
+  }
+}
+
+__global__ void embedding_runs_kernel(float* dwte, const float* partial, const int32_t* keys, int N,
+                                      int V_local, int C, int log_rows) {
+  const int R = 1 << log_rows;
+  const int c = static_cast<int>(blockIdx.y) * kEmbCols + static_cast<int>(threadIdx.x);
+  if (c >= C) return;
+  const int w0 = static_cast<int>(blockIdx.x) << log_rows, w1 = w0 + R < N ? w0 + R : N;
+  for (int i = w0; i < w1; ++i) {
+    const int key = keys[i];
+    if (key >= V_local) return;
+    if ((i > 0 && keys[i - 1] == key) || i + R >= N || keys[i + R] != key) continue;
+    const int64_t at = static_cast<int64_t>(key) * C + c;
+    float acc = dwte[at];
+    for (int h = i + R; h < N && keys[h] == key; h += R) {
+      acc += partial[static_cast<int64_t>(h >> log_rows) * C + c];
+    }
+    dwte[at] = acc;
+    return;  // a run longer than R covers the rest of the window
+  }
 }
 
 template <typename T>
@@ -102,6 +181,10 @@ void embedding_backward_impl(Context& ctx, float* dwte, const T* dout, const int
                              int64_t N, int64_t v_begin, int64_t V_local, int64_t C) {
   check_embedding(N, V_local, C, "embedding_backward");
   if (N == 0 || C == 0) return;
+  KEEL_CHECK(N <= kMaxIndex32 && C <= int64_t{65535} * kEmbCols, kUsage,
+             "cuda embedding_backward: N=", N, " or C=", C,
+             " past the kernel's 32-bit indices or grid (N <= ", kMaxIndex32,
+             ", C <= ", int64_t{65535} * kEmbCols, ")");
   const int n = static_cast<int>(N);
   int end_bit = 1;  // keys are in [0, V_local]
   while (end_bit < 31 && (int64_t{1} << end_bit) <= V_local) ++end_bit;
@@ -112,22 +195,31 @@ void embedding_backward_impl(Context& ctx, float* dwte, const T* dout, const int
                       static_cast<int32_t*>(nullptr), n, 0, end_bit, ctx.stream()),
                   "embedding_backward sort size N=", N);
   const size_t arr = align_up(sizeof(int32_t) * N);
-  auto* base = static_cast<char*>(ctx.scratch(4 * arr + align_up(sort_bytes)));
+  const int log_rows = embedding_rows_log2(N, C);
+  const int64_t windows = (N + (int64_t{1} << log_rows) - 1) >> log_rows;
+  const size_t partial_bytes = align_up(sizeof(float) * windows * C);
+  auto* base = static_cast<char*>(ctx.scratch(4 * arr + partial_bytes + align_up(sort_bytes)));
   auto* keys_in = reinterpret_cast<int32_t*>(base);
   auto* pos_in = reinterpret_cast<int32_t*>(base + arr);
   auto* keys = reinterpret_cast<int32_t*>(base + 2 * arr);
   auto* pos = reinterpret_cast<int32_t*>(base + 3 * arr);
-  void* sort_tmp = base + 4 * arr;
+  auto* partial = reinterpret_cast<float*>(base + 4 * arr);  // [windows, C]
+  void* sort_tmp = base + 4 * arr + partial_bytes;
   embedding_keys_kernel<<<grid_for(N, kThreads, int64_t{1} << 30), kThreads, 0, ctx.stream()>>>(
       tokens, N, v_begin, V_local, keys_in, pos_in);
   KEEL_CUDA_LAUNCH_CHECK("embedding_keys", "N=", N, " V_local=", V_local);
   KEEL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, keys_in, keys, pos_in, pos,
                                                   n, 0, end_bit, ctx.stream()),
                   "embedding_backward sort N=", N, " V_local=", V_local);
-  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>((C + kThreads - 1) / kThreads));
-  embedding_backward_kernel<<<grid, kThreads, 0, ctx.stream()>>>(dwte, dout, keys, pos, N, V_local,
-                                                                 C);
+  const dim3 grid(static_cast<unsigned>(windows),
+                  static_cast<unsigned>((C + kEmbCols - 1) / kEmbCols));
+  embedding_backward_kernel<<<grid, kEmbCols, 0, ctx.stream()>>>(
+      dwte, partial, dout, keys, pos, n, static_cast<int>(V_local), static_cast<int>(C), log_rows);
   KEEL_CUDA_LAUNCH_CHECK("embedding_backward", "N=", N, " V_local=", V_local, " C=", C);
+  if (windows == 1) return;  // no run is longer than R
+  embedding_runs_kernel<<<grid, kEmbCols, 0, ctx.stream()>>>(
+      dwte, partial, keys, n, static_cast<int>(V_local), static_cast<int>(C), log_rows);
+  KEEL_CUDA_LAUNCH_CHECK("embedding_backward (runs)", "N=", N, " V_local=", V_local, " C=", C);
 }
 
 template <typename T>
