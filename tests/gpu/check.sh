@@ -4,7 +4,9 @@
 # and at the CUDA pip wheels' libraries, prints the GPU and library versions, runs the CUDA backend's
 # tests against the CPU kernels (and whole training steps against the CPU), then the GEMM
 # benchmark and the training benchmark (keel-bench's GPU configs: tokens/s, TFLOP/s, MFU, the
-# per-op device time), requiring that attention took cuDNN's fused SDPA; then compute-sanitizer
+# per-op device time), requiring that attention took cuDNN's fused SDPA, and the 124M config's
+# per-kernel device time from CUPTI beside the emulator's roofline estimate (docs/gpu.md; a
+# diagnostic: a pack without CUPTI says so in a line, and no result here fails the check); then compute-sanitizer
 # (memcheck, racecheck, synccheck) over a few kernel tests when the machine has it, and last the
 # 200-step default-job comparisons with the time left. The benchmarks run before the long tests
 # so that they always run. Every step is under `timeout` and the whole check ends within ~340 s.
@@ -113,6 +115,46 @@ sanitize() {
       *) echo "FAIL: $tool: exit $rc" && sanitize_status=1 ;;
     esac
   done
+}
+
+# The per-kernel device time of the 124M config from CUPTI's activity records
+# (keel-gpu-train-bench --kernel-table, 3 steps after 2 of warm-up) and beside it the emulator's
+# roofline estimate of docs/gpu.md (tests/gpu/kernel_table.py; README.md says how to read it).
+# Diagnostic: a pack built without CUPTI, libcupti missing, no Python or a failure of the run is
+# one line (the run's tail for a failure) and never fails the check. Uses ldpath and PACK from
+# main; KEEL_KERNEL_TABLE_TIMEOUT_S caps its run (default 45 s, less when the deadline is near).
+kernel_table() {
+  echo "== per-kernel device time (CUPTI) beside the roofline estimate (docs/gpu.md)"
+  if ((DEADLINE - SECONDS < 50)); then
+    echo "kernel table: not run ($((DEADLINE - SECONDS)) s left)"
+    return
+  fi
+  local out rc py
+  out=$(mktemp)
+  LD_LIBRARY_PATH="$ldpath" timeout -k 5 "$(budget "${KEEL_KERNEL_TABLE_TIMEOUT_S:-45}" 40)" \
+    "$PACK/keel-gpu-train-bench" --config 124M --kernel-table --steps 3 --warmup 2 >"$out" 2>&1
+  rc=$?
+  if grep -q 'has no CUPTI' "$out"; then
+    echo "kernel table: skipped, the pack's keel-gpu-train-bench has no CUPTI (libcupti was not" \
+      "found where pack.sh built it)"
+  elif grep -q 'libcupti.*cannot open shared object' "$out"; then
+    echo "kernel table: skipped, libcupti is not in the pack or the wheels here"
+  elif ((rc != 0)); then
+    echo "kernel table: keel-gpu-train-bench --kernel-table: exit $rc$( ((rc == 124)) &&
+      echo ' (timed out)') (not counted as a failure); its last lines:"
+    tail -15 "$out"
+  else
+    grep -v '^keel-gpu-train-bench: ' "$out"
+    py=$(command -v python3 || true)
+    [[ -z "$py" && -x /opt/torch/.venv/bin/python3 ]] && py=/opt/torch/.venv/bin/python3
+    if [[ -z "$py" ]]; then
+      echo "kernel table: no python3 here for the comparison with the estimate"
+    else
+      timeout 30 "$py" tests/gpu/kernel_table.py docs/gpu.md "$out" --config 124M ||
+        echo "kernel table: the comparison with the estimate failed (not counted as a failure)"
+    fi
+  fi
+  rm -f "$out"
 }
 
 main() {
@@ -263,6 +305,7 @@ main() {
         100 * v["peak_fraction"], v["peak_gflops"] / 1e3
     }' "$bench"
     rm -f "$bench"
+    kernel_table
     sanitize
     ((sanitize_status != 0)) && status=1
   fi
@@ -295,5 +338,7 @@ main() {
   return $status
 }
 
+# Sourced (tests/gpu/check_kernel_table_test.sh), it only defines its functions.
+[[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 main "$@" 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"

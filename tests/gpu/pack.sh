@@ -3,7 +3,9 @@
 # -march=native: the GPU machine's CPU is not this one) in build-gpu/, and copy them with the
 # non-CUDA shared libraries they load into build-gpu/pack/, which tests/gpu/check.sh runs on a GPU
 # machine. The CUDA libraries (runtime, cuBLAS(Lt), cuDNN, NCCL) and the driver are not copied:
-# there they come from the pip wheels and the driver. glibc is not copied either (it must match
+# there they come from the pip wheels and the driver. libcupti is (CUPTI, linked into the
+# training benchmark for --kernel-table where this toolkit has it; the wheels there may lack it;
+# about 4 MiB, 1.4 MiB compressed). glibc is not copied either (it must match
 # the machine's loader). The pack travels as build-gpu/pack.tar.gz (check.sh unpacks it): the
 # device machine takes 64 MiB of carried files together with the working tree's tracked files,
 # and the pack itself is about 57 MiB (OpenBLAS alone is 36 MB), its archive about 19 MiB. Fails
@@ -72,6 +74,17 @@ for b in "${bins[@]}"; do
     done
 done
 
+# libcupti: keel-gpu-train-bench needs it where this toolkit had it (its --kernel-table), and
+# would not start without it; the loop above carries it (not a CUDA library it skips).
+cupti=none
+if readelf -d "$build/tests/keel-gpu-train-bench" | grep -q 'NEEDED.*\[libcupti'; then
+  cupti=$(cd "$pack" && compgen -G 'libcupti.so*' | head -1 || true)
+  if [[ -z "$cupti" ]]; then
+    echo "pack.sh: keel-gpu-train-bench needs libcupti but it was not copied into $pack" >&2
+    exit 1
+  fi
+fi
+
 # The C++ runtime goes to gcc/: this machine's libstdc++ needs a newer glibc (2.36) than the
 # binaries (2.34), so check.sh uses the GPU machine's own libstdc++ when it is new enough (the
 # binaries need GLIBCXX_3.4.29, GCC 11) and falls back to these only when it is not.
@@ -92,6 +105,7 @@ bytes=$(du -sb "$pack" | cut -f1)
 {
   echo "keel GPU pack: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+changes'), built $(date -u +%FT%TZ) on $(uname -m)"
   echo "needs: glibc >= ${glibc#GLIBC_}, libstdc++ with ${glibcxx} (else gcc/), ${cuda_libs} (CUDA 13 and cuDNN 9 wheels), an sm_90 GPU"
+  echo "kernel table (keel-gpu-train-bench --kernel-table): CUPTI $cupti"
   find "$pack" -type f ! -name MANIFEST.txt -printf '%s %P\n' | sort -k2
 } >"$pack/MANIFEST.txt"
 cat "$pack/MANIFEST.txt"

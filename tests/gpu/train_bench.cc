@@ -13,10 +13,19 @@
 // op and prints the per-op device time (framework/profiler.h), where the step's time goes.
 //
 // Usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] [--nccl]
-//                             [--profile] [--peak-n N] [--set path=value]...
+//                             [--profile] [--kernel-table] [--peak-n N] [--set path=value]...
 //                             [--estimate [--estimate-tokens N]]
 // --peak-n: the peak GEMM's size (default 8192); with --set shrinking the model, a smoke run of
 // the whole bench (the CUDA emulator's cuda_emu.train_bench_smoke test).
+//
+// --kernel-table (a build with CUPTI only: tests/gpu/kernel_timing.h): after the timed steps (and
+// the profile), `steps` more steps recorded with CUPTI's activity API, one more before them
+// recorded and dropped, and the device time per kernel per step (tests/gpu/kernel_table.h: keel's
+// kernels by function name, cuBLASLt's GEMMs as cublasLtMatmul, cuDNN's as cuDNN SDPA forward /
+// backward, copies, memsets), ending with "config X: kernel time A ms/step (device busy B ms ...)
+// of a C ms step ...; F TFLOP per step ...: MFU M% of 989 TFLOP/s". tests/gpu/kernel_table.py
+// puts it beside the roofline estimate of docs/gpu.md. Without CUPTI (the emulator's build) the
+// flag is refused: "--kernel-table: this build has no CUPTI ...".
 //
 // --estimate (the CUDA emulator's build only; tests/cuda_emu/estimate.h): instead of timing, the
 // step's H200 roofline estimate for the config (124M by default): a per-kernel table of bytes
@@ -43,6 +52,10 @@
 #include "launch/train/nccl_tensor_comms.h"
 #include "launch/train/trainer.h"
 #include "parallel/communicator.h"
+#if KEEL_HAVE_CUPTI
+#include "tests/gpu/kernel_table.h"
+#include "tests/gpu/kernel_timing.h"
+#endif
 #if KEEL_CUDA_EMULATOR
 #include "tests/cuda_emu/estimate.h"
 #include "tests/cuda_emu/roofline.h"
@@ -112,23 +125,63 @@ void estimate_step(const char* name, const config::KeelConfig& cfg, int64_t toke
 }
 #endif
 
+#if KEEL_HAVE_CUPTI
+// --kernel-table: `steps` steps of trainer recorded with CUPTI (one before them recorded and
+// dropped, so CUPTI's first-use set-up stays out), the table per step and the kernel time
+// against the steps' wall time and the model's FLOPs.
+void print_kernel_table(Trainer& trainer, const config::KeelConfig& cfg, int steps,
+                        const char* name) {
+  kernel_timing::Recorder recorder;
+  recorder.start();
+  trainer.step();
+  recorder.stop();
+  recorder.start();
+  double wall = 0.0;
+  for (int i = 0; i < steps; ++i) wall += trainer.step().seconds;
+  const kernel_table::Table table = kernel_table::aggregate(recorder.stop());
+  std::printf(
+      "config %s: per-kernel device time from CUPTI activity records over %d steps (after one "
+      "recorded and dropped), per step:\n%s",
+      name, steps, kernel_table::format_table(table, steps).c_str());
+  if (table.untimed > 0) {
+    std::printf("config %s: %lld records without timestamps (counted, not timed)\n", name,
+                static_cast<long long>(table.untimed));
+  }
+  const double kernel_ms = 1e-6 * static_cast<double>(table.total_ns) / steps;
+  const double busy_ms = 1e-6 * static_cast<double>(table.busy_ns) / steps;
+  const double step_ms = 1e3 * wall / steps;
+  const double tflop =
+      bench::flops_per_token(cfg) * static_cast<double>(trainer.tokens_per_step()) / 1e12;
+  std::printf(
+      "config %s: kernel time %.3f ms/step (device busy %.3f ms, the union of their intervals) "
+      "of a %.3f ms step (wall, recorded): %.1f%%; %.2f TFLOP per step (keel-bench's count): "
+      "MFU %.1f%% of 989 TFLOP/s\n",
+      name, kernel_ms, busy_ms, step_ms, 100 * kernel_ms / step_ms, tflop,
+      100 * tflop / (step_ms * 1e-3) / 989.0);
+  std::fflush(stdout);
+}
+#endif
+
 int run(int argc, char** argv) {
   std::string which = "all";
   int steps = 5, warmup = 2, peak_n = 8192, estimate_tokens = 512;
   std::vector<std::string> sets;
-  bool nccl = false, profile = false, estimate = false;
+  bool nccl = false, profile = false, estimate = false, kernel_times = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--nccl" || a == "--profile" || a == "--estimate") {
-      (a == "--nccl" ? nccl : a == "--profile" ? profile : estimate) = true;
+    if (a == "--nccl" || a == "--profile" || a == "--estimate" || a == "--kernel-table") {
+      (a == "--nccl"       ? nccl
+       : a == "--profile"  ? profile
+       : a == "--estimate" ? estimate
+                           : kernel_times) = true;
       continue;
     }
     KEEL_CHECK(a == "--config" || a == "--steps" || a == "--warmup" || a == "--peak-n" ||
                    a == "--set" || a == "--estimate-tokens",
                kUsage, "unknown option ", a,
                " (usage: keel-gpu-train-bench [--config 124M|350M|all] [--steps N] [--warmup N] "
-               "[--nccl] [--profile] [--peak-n N] [--set path=value]... [--estimate "
-               "[--estimate-tokens N]])");
+               "[--nccl] [--profile] [--kernel-table] [--peak-n N] [--set path=value]... "
+               "[--estimate [--estimate-tokens N]])");
     KEEL_CHECK(i + 1 < argc, kUsage, a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--config") {
@@ -145,6 +198,11 @@ int run(int argc, char** argv) {
                                   : peak_n) = n;
     }
   }
+#if !KEEL_HAVE_CUPTI
+  KEEL_CHECK(!kernel_times, kUsage,
+             "--kernel-table: this build has no CUPTI (libcupti was not found when it was "
+             "configured; the CUDA emulator's build never has it)");
+#endif
   if (kernels::cuda::device_count() == 0) {
     std::printf("keel-gpu-train-bench: no CUDA device (no GPU or no driver); skipped\n");
     return 77;
@@ -248,6 +306,9 @@ int run(int argc, char** argv) {
         trainer.last().loss, trainer.exec().describe().c_str(), attention.c_str());
     if (profile)
       bench::profile_device_steps(trainer, steps, std::string("config ") + named.name + ": ");
+#if KEEL_HAVE_CUPTI
+    if (kernel_times) print_kernel_table(trainer, cfg, steps, named.name);
+#endif
     std::fflush(stdout);
     char line[400];
     std::snprintf(line, sizeof(line),
