@@ -3,6 +3,7 @@
 #include "layers/gpt.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -276,8 +277,9 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   const kernels::AttentionShape as{d.B, d.T, d.Hl, d.D, 0, 0, 0, 0, scratch_.attn_threads};
   scratch_.attn_ws = ctx_.zeros({std::max<int64_t>(1, exec.attention_workspace_elems(as))});
   scratch_.dscale = ctx_.zeros({d.Hl});
-  max_logits_ = ctx_.zeros({std::max<int64_t>(1, d.L)});
-  act_sq_ = ctx_.zeros({std::max<int64_t>(1, d.L)}, DType::kF64);
+  // Note [forward stats]: the loss's 3 sums, L f32 maxima in ceil(L / 2) slots, L act_sq.
+  fwd_stats_ = ctx_.zeros({act_sq_offset() + d.L}, DType::kF64);
+  fwd_stats_host_.resize(static_cast<size_t>(fwd_stats_.numel()));
 }
 
 // The parameters in the order checkpoints and the arenas list them: wte (wpe), each block's, ln_f
@@ -373,23 +375,11 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
       ctx_.exec->position_forward(x0_.f32(), ps_.param(wpe_), B, d.T, C);
     }
   }
-  LossStats stats;
   const float* x = x0_.f32();
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    blocks_[l]->forward(x, B, max_logits_.f32() + l);
+    blocks_[l]->forward(x, B, max_logits() + l);
     x = blocks_[l]->out();
-    if (record_act_) ctx_.exec->sum_squares(x, n, act_sq_.f64() + l, /*accumulate=*/false);
-  }
-  if (record_act_ && !blocks_.empty()) {
-    stats.act_sq_layers.resize(blocks_.size());
-    act_sq_.copy_to_host(0, static_cast<int64_t>(blocks_.size()), stats.act_sq_layers.data());
-  }
-  // One small read per forward (which waits for the device): the layers' maxima.
-  if (!blocks_.empty()) {
-    std::vector<float>& maxima = stats.max_attn_logit_layers;
-    maxima.resize(blocks_.size());
-    max_logits_.copy_to_host(0, static_cast<int64_t>(maxima.size()), maxima.data());
-    for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
+    if (record_act_) ctx_.exec->sum_squares(x, n, act_sq() + l, /*accumulate=*/false);
   }
   // Note [tp regions]: the vocab-parallel LM head enters the region: the final norm's rows, which
   // under SP go through sp_part (free until the head's backward) to be gathered into xf_.
@@ -401,11 +391,31 @@ LossStats GPT::forward(const int32_t* tokens, const int32_t* targets, int64_t B,
     ProfileScope p(&profiler_, "matmul.lm_head");
     ctx_.exec->linear_forward(kernels::act(logits_), xf, head_weight(), nullptr, BT, C, d.Vl);
   }
-  if (!targets) return stats;
-  const TokenLoss loss = loss_->forward(kernels::act(logits_), targets_.i32(), BT, loss_weight);
-  stats.ce = loss.ce;
-  stats.z_loss = loss.z_loss;
-  stats.log_z = loss.log_z;
+  if (targets) loss_->forward(kernels::act(logits_), targets_.i32(), BT, loss_weight, loss_sums());
+  // Note [forward stats]: the forward's one read from the device (which waits for it), after the
+  // loss's kernels and collectives were enqueued: its sums, the layers' maxima and (recording)
+  // their output norms.
+  const int64_t L = static_cast<int64_t>(blocks_.size());
+  double* host = fwd_stats_host_.data();
+  if (targets || L > 0) {
+    fwd_stats_.copy_to_host(0, record_act_ ? act_sq_offset() + L : 3 + (L + 1) / 2, host);
+  }
+  LossStats stats;
+  if (targets) {
+    const TokenLoss loss = loss_->finish(host, BT);
+    stats.ce = loss.ce;
+    stats.z_loss = loss.z_loss;
+    stats.log_z = loss.log_z;
+  }
+  if (L > 0) {
+    std::vector<float>& maxima = stats.max_attn_logit_layers;
+    maxima.resize(static_cast<size_t>(L));
+    std::memcpy(maxima.data(), host + 3, maxima.size() * sizeof(float));
+    for (float m : maxima) stats.max_attn_logit = std::max(stats.max_attn_logit, m);
+  }
+  if (record_act_ && L > 0) {
+    stats.act_sq_layers.assign(host + act_sq_offset(), host + act_sq_offset() + L);
+  }
   return stats;
 }
 
@@ -433,7 +443,7 @@ void GPT::backward(float loss_weight) {
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const float* x = l == 0 ? x0_.f32() : blocks_[l - 1]->out();
     // Note [recompute]: the shared activations hold block recompute_ - 1's; rebuild this one's.
-    if (l + 1 < recompute_) blocks_[l]->forward(x, B, max_logits_.f32() + l);
+    if (l + 1 < recompute_) blocks_[l]->forward(x, B, max_logits() + l);
     blocks_[l]->backward(x, dres_.f32(), B);
     notify(block_params_[l].first, block_params_[l].second);
   }

@@ -118,6 +118,24 @@ struct LossStats {
 // The same model to fp32 rounding: tests/parallel/tp_dp_equivalence_test (SP cases) and
 // tests/parallel/comm_volume_test (the bytes).
 
+// Note [forward stats]
+// ~~~~~~~~~~~~~~~~~~~~
+// What a forward reports (LossStats) is computed on the device and read back to the host once per
+// forward, after the loss: a read waits for the stream, so every read mid-forward would be a host
+// wait that leaves the device idle while the host catches up. GPT owns one small device buffer,
+// fwd_stats_, laid out as
+//   [0, 3)            f64  the loss's sums (VocabParallelLoss::forward writes, finish() reads)
+//   3 + [0, L)        f32  each block's max |attention logit|, packed two to an f64 slot
+//   3 + ceil(L/2) + l f64  block l's output sum of squares (set_record_activation_norms)
+// The blocks and the loss write their parts as their kernels finish (the loss after its TP
+// all-reduces), and one copy_to_host of the prefix a forward needs (the act_sq part only while
+// recording) fills both TokenLoss and LossStats. The values are those the separate reads returned,
+// bit for bit: only the read moved. 3 f64 and L f32 fit the device's pinned readback buffer
+// (kPinnedReadbackBytes, 4 KiB) up to L = 1018, with act_sq up to L = 339, so the read is one
+// stream wait on a GPU. A forward without targets reads the maxima (and act_sq) the same way.
+// The CUDA emulator's StepBudget test counts the waits (3 a logged step: this read, the gradient
+// norm, the step's end; docs/gpu.md, "Budgets the emulator counts").
+
 // parallel.tp_comm_dtype resolved: whether the TP activation all-reduces move bf16 (Note [bf16
 // wire] in parallel/communicator.h); AUTO means under the BF16 precision.
 bool tp_comm_bf16(const config::Parallel& p, kernels::Precision precision);
@@ -165,7 +183,8 @@ class GPT {
   void set_grad_ready_hook(std::function<void(int)> hook) { ready_hook_ = std::move(hook); }
 
   // While on, forward also sums the squares of each block's output (LossStats::act_sq_layers):
-  // one reduction per block and one small read, for the spike forensics' evidence.
+  // one reduction per block, read back with the forward's other statistics (Note [forward stats]),
+  // for the spike forensics' evidence.
   void set_record_activation_norms(bool on) { record_act_ = on; }
 
  private:
@@ -189,8 +208,14 @@ class GPT {
   Tensor tokens_, targets_;  // [BT] int32 copies of the last batch
   Tensor x0_, xf_, logits_;  // [rows(B), C], [BT, C], [BT, Vl]
   Tensor dres_;              // [rows(B), C] residual-stream gradient
-  Tensor max_logits_;        // [L] each block's max |attention logit| of the last forward
-  Tensor act_sq_;            // [L] f64: each block's output sum of squares (record_act_)
+  // Note [forward stats]: the loss's sums, each block's max |attention logit| and (record_act_)
+  // each block's output sum of squares of the last forward, read back once per forward.
+  Tensor fwd_stats_;
+  std::vector<double> fwd_stats_host_;  // the host copy (allocated once)
+  double* loss_sums() const { return fwd_stats_.f64(); }
+  float* max_logits() const { return reinterpret_cast<float*>(fwd_stats_.f64() + 3); }
+  int64_t act_sq_offset() const { return 3 + (ctx_.dims.L + 1) / 2; }
+  double* act_sq() const { return fwd_stats_.f64() + act_sq_offset(); }
   bool record_act_ = false;
   std::unique_ptr<VocabParallelLoss> loss_;  // its row statistics; logits_ may hold its gradient
   int64_t last_B_ = 0;

@@ -13,11 +13,10 @@ VocabParallelLoss::VocabParallelLoss(const LayerContext& ctx, double z_coef)
   row_max_ = ctx.zeros({N});
   lse_ = ctx.zeros({N});
   tl_ = ctx.zeros({N});
-  sums_ = ctx.zeros({3}, DType::kF64);
 }
 
-TokenLoss VocabParallelLoss::forward(kernels::ActOut logits, const int32_t* targets, int64_t N,
-                                     std::optional<float> loss_weight) {
+void VocabParallelLoss::forward(kernels::ActOut logits, const int32_t* targets, int64_t N,
+                                std::optional<float> loss_weight, double* sums) {
   const ModelDims& d = ctx_.dims;
   kernels::ExecContext& ex = *ctx_.exec;
   Communicator& tp = ctx_.topo->tp_tensors();
@@ -49,10 +48,12 @@ TokenLoss VocabParallelLoss::forward(kernels::ActOut logits, const int32_t* targ
     ex.xent_row_sumexp(logits, mx, N, d.Vl, d.v_valid, lse);
     tp.all_reduce(lse, N, ReduceOp::kSum);
   }
-  // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp.
-  double sums[3];  // sum of (lse - target logit), of lse^2, of lse
-  ex.xent_finish(mx, lse, tl, N, lse, sums_.f64());
-  sums_.copy_to_host(0, 3, sums);
+  // lse_ holds the sum-exp until xent_finish overwrites it with the log-sum-exp. sums: of
+  // (lse - target logit), of lse^2, of lse.
+  ex.xent_finish(mx, lse, tl, N, lse, sums);
+}
+
+TokenLoss VocabParallelLoss::finish(const double sums[3], int64_t N) const {
   TokenLoss out;
   out.ce = sums[0] / static_cast<double>(N);
   out.log_z = sums[2] / static_cast<double>(N);

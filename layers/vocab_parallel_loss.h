@@ -29,9 +29,13 @@ class VocabParallelLoss {
   // loss_weight: the weight backward() will be given, when known. Then, when this rank holds the
   // whole vocabulary (tp = 1), the loss's gradient is computed in the same pass over the logits
   // and written over them (ExecContext::xent_fused), and backward() must get the same weight.
-  // One small read from the device (the three sums).
-  TokenLoss forward(kernels::ActOut logits, const int32_t* targets, int64_t N,
-                    std::optional<float> loss_weight);
+  // Enqueues the loss and reads nothing back: sums (=, device memory, 3 f64) receives the three
+  // sums finish() turns into a TokenLoss once the caller has them on the host, so the caller
+  // reads them together with its own statistics (Note [forward stats] in layers/gpt.h).
+  void forward(kernels::ActOut logits, const int32_t* targets, int64_t N,
+               std::optional<float> loss_weight, double* sums);
+  // The loss of a forward over N rows from its sums, read back to the host.
+  TokenLoss finish(const double sums[3], int64_t N) const;
   // logits (=) d(loss_weight * (ce + z_loss)) / d(logits) of the last forward, in place.
   void backward(kernels::ActOut logits, const int32_t* targets, int64_t N, float loss_weight);
   // The logits no longer hold a forward's fused gradient (a forward without targets).
@@ -41,7 +45,6 @@ class VocabParallelLoss {
   const LayerContext& ctx_;
   double z_coef_;
   Tensor row_max_, lse_, tl_;          // [N] each
-  Tensor sums_;                        // [3] f64: the loss finish's sums (kernels::xent_finish)
   std::optional<float> fused_weight_;  // set: the logits hold the loss gradient for this weight
 };
 
