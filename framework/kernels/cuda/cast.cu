@@ -5,8 +5,10 @@
 
 #include <algorithm>
 
+#include "framework/error.h"
 #include "framework/kernels/cuda/check.h"
 #include "framework/kernels/cuda/common.cuh"
+#include "framework/kernels/cuda/internal.h"
 #include "framework/kernels/cuda/ops.h"
 
 namespace keel::kernels::cuda {
@@ -16,32 +18,75 @@ namespace {
 constexpr int kThreads = 256;
 
 // Rows along the grid's y (grid-stride), columns along x: consecutive threads take consecutive
-// columns, so both sides are read and written coalesced within a row, and no thread divides.
-__global__ void to_bf16_kernel(__nv_bfloat16* out, int64_t ld_out, const float* in, int64_t ld_in,
-                               int64_t rows, int64_t cols) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    for (int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; c < cols;
-         c += int64_t{gridDim.x} * blockDim.x) {
-      out[r * ld_out + c] = __float2bfloat16_rn(in[r * ld_in + c]);
+// packs of W columns (Note [vector-access], internal.h), then a row's last cols % W columns one
+// each, so both sides are read and written coalesced within a row, and no thread divides. The host
+// takes W = 8 when both base pointers are 16-byte aligned and both leading dimensions are
+// multiples of 8, else W = 1; 32-bit extents (up to kMaxIndex32), the row offset widened in its
+// multiply.
+template <int W>
+__global__ void to_bf16_kernel(__nv_bfloat16* out, int ld_out, const float* in, int ld_in, int rows,
+                               int cols) {
+  const int packs = cols / W, items = packs + cols % W;
+  for (int r = static_cast<int>(blockIdx.y); r < rows; r += static_cast<int>(gridDim.y)) {
+    const float* src = in + static_cast<int64_t>(r) * ld_in;
+    __nv_bfloat16* dst = out + static_cast<int64_t>(r) * ld_out;
+    for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < items;
+         k += static_cast<int>(gridDim.x * blockDim.x)) {
+      if (k < packs) {
+        const Pack<float, W> x = reinterpret_cast<const Pack<float, W>*>(src)[k];
+        Pack<__nv_bfloat16, W> y;
+#pragma unroll
+        for (int j = 0; j < W; ++j) y.v[j] = __float2bfloat16_rn(x.v[j]);
+        reinterpret_cast<Pack<__nv_bfloat16, W>*>(dst)[k] = y;
+      } else {
+        const int c = packs * W + (k - packs);
+        dst[c] = __float2bfloat16_rn(src[c]);
+      }
     }
   }
 }
 
-__global__ void from_bf16_kernel(float* out, int64_t ld_out, const __nv_bfloat16* in, int64_t ld_in,
-                                 int64_t rows, int64_t cols, bool accumulate) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    for (int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; c < cols;
-         c += int64_t{gridDim.x} * blockDim.x) {
-      const float x = __bfloat162float(in[r * ld_in + c]);
-      out[r * ld_out + c] = accumulate ? out[r * ld_out + c] + x : x;
+template <int W>
+__global__ void from_bf16_kernel(float* out, int ld_out, const __nv_bfloat16* in, int ld_in,
+                                 int rows, int cols, bool accumulate) {
+  const int packs = cols / W, items = packs + cols % W;
+  for (int r = static_cast<int>(blockIdx.y); r < rows; r += static_cast<int>(gridDim.y)) {
+    const __nv_bfloat16* src = in + static_cast<int64_t>(r) * ld_in;
+    float* dst = out + static_cast<int64_t>(r) * ld_out;
+    for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < items;
+         k += static_cast<int>(gridDim.x * blockDim.x)) {
+      if (k < packs) {
+        const Pack<__nv_bfloat16, W> x = reinterpret_cast<const Pack<__nv_bfloat16, W>*>(src)[k];
+        Pack<float, W> y;
+        if (accumulate) y = reinterpret_cast<const Pack<float, W>*>(dst)[k];
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const float v = __bfloat162float(x.v[j]);
+          y.v[j] = accumulate ? y.v[j] + v : v;
+        }
+        reinterpret_cast<Pack<float, W>*>(dst)[k] = y;
+      } else {
+        const int c = packs * W + (k - packs);
+        const float v = __bfloat162float(src[c]);
+        dst[c] = accumulate ? dst[c] + v : v;
+      }
     }
   }
 }
 
-dim3 rows_grid(int64_t rows, int64_t cols) {
-  const int64_t x = std::min<int64_t>((cols + kThreads - 1) / kThreads, 64);
-  const int64_t y = std::min<int64_t>(rows, 65535);  // the y dimension's limit
+// Blocks: x over a row's packs (at most 64), y over rows (at most 65535, the y dimension's limit).
+dim3 rows_grid(int64_t rows, int64_t items) {
+  const int64_t x = std::min<int64_t>((items + kThreads - 1) / kThreads, 64);
+  const int64_t y = std::min<int64_t>(rows, 65535);
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y));
+}
+
+void check_rows(const char* name, int64_t ld_out, int64_t ld_in, int64_t rows, int64_t cols) {
+  KEEL_CHECK(rows == 1 || (ld_out >= cols && ld_in >= cols), kUsage, "cuda ", name, ": cols=", cols,
+             " past ld_out=", ld_out, " or ld_in=", ld_in);
+  KEEL_CHECK(rows <= kMaxIndex32 && ld_out <= kMaxIndex32 && ld_in <= kMaxIndex32, kUsage, "cuda ",
+             name, ": rows=", rows, " ld_out=", ld_out, " ld_in=", ld_in,
+             " past the kernel's 32-bit indices (", kMaxIndex32, ")");
 }
 
 }  // namespace
@@ -49,8 +94,16 @@ dim3 rows_grid(int64_t rows, int64_t cols) {
 void to_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const float* in, int64_t ld_in,
                   int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return;
-  to_bf16_kernel<<<rows_grid(rows, cols), kThreads, 0, ctx.stream()>>>(dev(out), ld_out, in, ld_in,
-                                                                       rows, cols);
+  check_rows("to_bf16_rows", ld_out, ld_in, rows, cols);
+  const int r = static_cast<int>(rows), c = static_cast<int>(cols);
+  const int lo = static_cast<int>(ld_out), li = static_cast<int>(ld_in);
+  if (aligned16(out, in) && ld_out % 8 == 0 && ld_in % 8 == 0) {
+    to_bf16_kernel<8>
+        <<<rows_grid(rows, c / 8 + c % 8), kThreads, 0, ctx.stream()>>>(dev(out), lo, in, li, r, c);
+  } else {
+    to_bf16_kernel<1>
+        <<<rows_grid(rows, c), kThreads, 0, ctx.stream()>>>(dev(out), lo, in, li, r, c);
+  }
   KEEL_CUDA_LAUNCH_CHECK("to_bf16_rows", "rows=", rows, " cols=", cols, " ld_in=", ld_in,
                          " ld_out=", ld_out);
 }
@@ -58,8 +111,16 @@ void to_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const float* in, int6
 void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
                     int64_t rows, int64_t cols, bool accumulate) {
   if (rows <= 0 || cols <= 0) return;
-  from_bf16_kernel<<<rows_grid(rows, cols), kThreads, 0, ctx.stream()>>>(
-      out, ld_out, dev(in), ld_in, rows, cols, accumulate);
+  check_rows("from_bf16_rows", ld_out, ld_in, rows, cols);
+  const int r = static_cast<int>(rows), c = static_cast<int>(cols);
+  const int lo = static_cast<int>(ld_out), li = static_cast<int>(ld_in);
+  if (aligned16(out, in) && ld_out % 8 == 0 && ld_in % 8 == 0) {
+    from_bf16_kernel<8><<<rows_grid(rows, c / 8 + c % 8), kThreads, 0, ctx.stream()>>>(
+        out, lo, dev(in), li, r, c, accumulate);
+  } else {
+    from_bf16_kernel<1>
+        <<<rows_grid(rows, c), kThreads, 0, ctx.stream()>>>(out, lo, dev(in), li, r, c, accumulate);
+  }
   KEEL_CUDA_LAUNCH_CHECK("from_bf16_rows", "rows=", rows, " cols=", cols, " ld_in=", ld_in,
                          " ld_out=", ld_out);
 }

@@ -21,61 +21,117 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// ---- GELU, add ----
-// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
-template <typename TO, typename TI>
-__global__ void gelu_forward_kernel(TO* out, const TI* inp, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_f<TO>(gelu_scalar<float>(to_f(inp[i])));
+// ---- GELU, add: Note [vector-access] (internal.h) ----
+// Thread-steps over n / W packs of W elements, then the last n % W elements one per thread of the
+// grid's first threads. TO, TI: the output and input types (an fp32 input may be written in bf16:
+// Note [act-dtype]).
+template <int W, typename TO, typename TI>
+__global__ void gelu_forward_kernel(TO* out, const TI* inp, int n) {
+  const auto f = [](TI x) { return from_f<TO>(gelu_scalar<float>(to_f(x))); };
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TI, W> x = reinterpret_cast<const Pack<TI, W>*>(inp)[k];
+    Pack<TO, W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = f(x.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(out)[k] = y;
   }
+  if (packs * W + id < n) out[packs * W + id] = f(inp[packs * W + id]);
 }
-template <typename TO, typename TI>
-__global__ void gelu_backward_kernel(TO* dinp, const TI* inp, const TI* dout, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    dinp[i] = from_f<TO>(to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i])));
+template <int W, typename TO, typename TI>
+__global__ void gelu_backward_kernel(TO* dinp, const TI* inp, const TI* dout, int n) {
+  const auto f = [](TI x, TI d) { return from_f<TO>(to_f(d) * gelu_grad_scalar<float>(to_f(x))); };
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TI, W> x = reinterpret_cast<const Pack<TI, W>*>(inp)[k];
+    const Pack<TI, W> d = reinterpret_cast<const Pack<TI, W>*>(dout)[k];
+    Pack<TO, W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = f(x.v[j], d.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(dinp)[k] = y;
   }
+  if (packs * W + id < n) dinp[packs * W + id] = f(inp[packs * W + id], dout[packs * W + id]);
 }
 // Note [fused-bias-grad]: the same values, and their column sums over this block's row chunk into
-// partial[blockIdx.y, C]. dinp may alias dout (each element is read, then written, by one thread).
-template <typename TO>
+// partial[blockIdx.y, C]. Thread (x, y) takes columns W * (32 blockIdx.x + x) + [0, W) of rows
+// r0 + y, r0 + y + kColRows, ...: each column's sum in the order of W = 1 (the host picks W = 4
+// when C % 4 == 0 and the buffers are 16-byte aligned), so the partials are the same bits. dinp
+// may alias dout (each element is read, then written, by one thread).
+template <int W, typename TO>
 __global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float* inp,
-                                          const float* dout, int64_t N, int64_t C, int64_t rows) {
+                                          const float* dout, int N, int C, int rows) {
   __shared__ float s[kColRows][33];
-  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
-  const int64_t r0 = blockIdx.y * rows, r1 = r0 + rows < N ? r0 + rows : N;
-  float acc = 0.0f;
-  if (c < C) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
-      const int64_t i = r * C + c;
-      const float d = to_f(dout[i]) * gelu_grad_scalar<float>(to_f(inp[i]));
-      dinp[i] = from_f<TO>(d);
-      acc += d;
+  const int c = (static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x)) * W;
+  const int r0 = static_cast<int>(blockIdx.y) * rows, r1 = rows < N - r0 ? r0 + rows : N;
+  float acc[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) acc[j] = 0.0f;
+  if (c < C) {  // C % W == 0: the whole pack is in the row
+    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += kColRows) {
+      const int64_t i = static_cast<int64_t>(r) * C + c;
+      const Pack<float, W> x = *reinterpret_cast<const Pack<float, W>*>(inp + i);
+      const Pack<float, W> g = *reinterpret_cast<const Pack<float, W>*>(dout + i);
+      Pack<TO, W> y;
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const float d = g.v[j] * gelu_grad_scalar<float>(x.v[j]);
+        y.v[j] = from_f<TO>(d);
+        acc[j] += d;
+      }
+      *reinterpret_cast<Pack<TO, W>*>(dinp + i) = y;
     }
   }
-  acc = column_block_sum(acc, s);
-  if (threadIdx.y == 0 && c < C) partial[blockIdx.y * C + c] = acc;
-}
-template <typename T, typename TB>
-__global__ void add_kernel(T* out, const T* a, const TB* b, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float sum = column_block_sum(acc[j], s);
+    if (threadIdx.y == 0 && c < C) partial[static_cast<int64_t>(blockIdx.y) * C + c + j] = sum;
   }
 }
+template <int W, typename T, typename TB>
+__global__ void add_kernel(T* out, const T* a, const TB* b, int n) {
+  const auto f = [](T x, TB y) { return from_f<T>(to_f(x) + to_f(y)); };
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<T, W> x = reinterpret_cast<const Pack<T, W>*>(a)[k];
+    const Pack<TB, W> y = reinterpret_cast<const Pack<TB, W>*>(b)[k];
+    Pack<T, W> z;
+#pragma unroll
+    for (int j = 0; j < W; ++j) z.v[j] = f(x.v[j], y.v[j]);
+    reinterpret_cast<Pack<T, W>*>(out)[k] = z;
+  }
+  if (packs * W + id < n) out[packs * W + id] = f(a[packs * W + id], b[packs * W + id]);
+}
+
+// Blocks for n elements in packs of W (at least one, for the tail's n % W threads).
+unsigned pack_blocks(int n, int W) { return grid_for(n / W, kThreads); }
 
 template <typename TO, typename TI>
 void gelu_forward_impl(Context& ctx, TO* out, const TI* inp, int64_t n) {
-  if (n <= 0) return;
-  gelu_forward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, inp, n);
-  KEEL_CUDA_LAUNCH_CHECK("gelu_forward", "n=", n);
+  constexpr int W = pack_width<TO, TI>();
+  for_pieces(n, [&](int64_t at, int m) {
+    TO* o = out + at;
+    const TI* x = inp + at;
+    if (aligned16(o, x)) {
+      gelu_forward_kernel<W, TO, TI><<<pack_blocks(m, W), kThreads, 0, ctx.stream()>>>(o, x, m);
+    } else {
+      gelu_forward_kernel<1, TO, TI><<<pack_blocks(m, 1), kThreads, 0, ctx.stream()>>>(o, x, m);
+    }
+    KEEL_CUDA_LAUNCH_CHECK("gelu_forward", "n=", n);
+  });
 }
 template <typename TO, typename TI>
 void gelu_backward_impl(Context& ctx, TO* dinp, const TI* inp, const TI* dout, int64_t n) {
-  if (n <= 0) return;
-  gelu_backward_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
-  KEEL_CUDA_LAUNCH_CHECK("gelu_backward", "n=", n);
+  constexpr int W = pack_width<TO, TI>();
+  for_pieces(n, [&](int64_t at, int m) {
+    TO* o = dinp + at;
+    const TI *x = inp + at, *d = dout + at;
+    if (aligned16(o, x, d)) {
+      gelu_backward_kernel<W, TO, TI><<<pack_blocks(m, W), kThreads, 0, ctx.stream()>>>(o, x, d, m);
+    } else {
+      gelu_backward_kernel<1, TO, TI><<<pack_blocks(m, 1), kThreads, 0, ctx.stream()>>>(o, x, d, m);
+    }
+    KEEL_CUDA_LAUNCH_CHECK("gelu_backward", "n=", n);
+  });
 }
 template <typename TO>
 void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* inp,
@@ -86,19 +142,38 @@ void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* 
     return;
   }
   if (N == 0 || C == 0) return;
+  KEEL_CHECK(N <= kMaxIndex32 && C <= kMaxIndex32, kUsage, "cuda gelu_backward: N=", N, " C=", C,
+             " past the kernel's 32-bit indices (", kMaxIndex32, ")");
   const RowChunks k = row_chunks(N, C);
   auto* partial = static_cast<float*>(ctx.scratch(sizeof(float) * k.count * C));
-  const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
-  gelu_backward_bias_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(dinp, partial, inp, dout,
-                                                                           N, C, k.rows);
+  const int n = static_cast<int>(N), c = static_cast<int>(C), rows = static_cast<int>(k.rows);
+  const dim3 block(32, kColRows);
+  if (C % 4 == 0 && aligned16(dinp, inp, dout)) {
+    const dim3 grid(static_cast<unsigned>((C / 4 + 31) / 32), static_cast<unsigned>(k.count));
+    gelu_backward_bias_kernel<4, TO>
+        <<<grid, block, 0, ctx.stream()>>>(dinp, partial, inp, dout, n, c, rows);
+  } else {
+    const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
+    gelu_backward_bias_kernel<1, TO>
+        <<<grid, block, 0, ctx.stream()>>>(dinp, partial, inp, dout, n, c, rows);
+  }
   KEEL_CUDA_LAUNCH_CHECK("gelu_backward (bias)", "N=", N, " C=", C);
   column_sum_partials_add(ctx, dbias, nullptr, partial, k.count, C);
 }
 template <typename T, typename TB>
 void add_impl(Context& ctx, T* out, const T* a, const TB* b, int64_t n, const char* name) {
-  if (n <= 0) return;
-  add_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(out, a, b, n);
-  KEEL_CUDA_LAUNCH_CHECK(name, "n=", n);
+  constexpr int W = pack_width<T, TB>();
+  for_pieces(n, [&](int64_t at, int m) {
+    T* o = out + at;
+    const T* x = a + at;
+    const TB* y = b + at;
+    if (aligned16(o, x, y)) {
+      add_kernel<W, T, TB><<<pack_blocks(m, W), kThreads, 0, ctx.stream()>>>(o, x, y, m);
+    } else {
+      add_kernel<1, T, TB><<<pack_blocks(m, 1), kThreads, 0, ctx.stream()>>>(o, x, y, m);
+    }
+    KEEL_CUDA_LAUNCH_CHECK(name, "n=", n);
+  });
 }
 
 // ---- sum of squares: fixed grid (a function of n only), per-block partials, one final block ----

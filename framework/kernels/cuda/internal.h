@@ -19,6 +19,37 @@ void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N
 // remainder of all-64-bit index math.
 constexpr int64_t kMaxIndex32 = int64_t{1} << 30;
 
+// ---- Note [vector-access] ----
+// The element-wise kernels move 16 bytes per load and store where they can: fp32 as 4 floats
+// (float4), bf16 as 8 (uint4), a kernel mixing the two in packs of 8 elements (two 16-byte fp32
+// accesses, one bf16). A kernel takes W elements a thread-step as Pack<T, W> when the host finds
+// every operand 16-byte aligned (aligned16) and, for row blocks, every leading dimension a multiple
+// of W; the last n % W elements (of a flat buffer or of each row) go one at a time in the same
+// launch. Otherwise the same kernel runs with W = 1. Each element gets the same arithmetic either
+// way, so the results are bitwise identical. Indices are 32-bit (extents up to kMaxIndex32);
+// flat buffers longer than that run in pieces of kMaxIndex32 elements (for_pieces).
+template <typename T, int W>
+struct alignas(sizeof(T) * W < 16 ? sizeof(T) * W : 16) Pack {
+  T v[W];
+};
+// Elements per pack for a kernel over element types A and B: 16 bytes of the narrower.
+template <typename A, typename B = A>
+constexpr int pack_width() {
+  return static_cast<int>(16 / (sizeof(A) < sizeof(B) ? sizeof(A) : sizeof(B)));
+}
+template <typename... T>
+bool aligned16(const T*... p) {
+  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...);
+}
+// launch(offset, count) over [0, n) in pieces of at most kMaxIndex32 elements (a multiple of 16,
+// so a piece keeps its buffers' alignment): one piece unless n passes 2^30.
+template <typename Launch>
+void for_pieces(int64_t n, Launch launch) {
+  for (int64_t at = 0; at < n; at += kMaxIndex32) {
+    launch(at, static_cast<int>(n - at < kMaxIndex32 ? n - at : kMaxIndex32));
+  }
+}
+
 // Blocks for a grid-stride loop over n elements with `threads` threads per block.
 inline unsigned grid_for(int64_t n, int threads, int64_t max_blocks = 65536) {
   int64_t blocks = (n + threads - 1) / threads;

@@ -4,6 +4,7 @@
 // reproducible run to run, unlike atomics.
 #include <cuda_runtime.h>
 
+#include "framework/error.h"
 #include "framework/kernels/cuda/check.h"
 #include "framework/kernels/cuda/common.cuh"
 #include "framework/kernels/cuda/internal.h"
@@ -16,16 +17,25 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPartials = 128;  // blocks per head in the dscale sum: enough to fill the GPU
 
-__global__ void fold_kernel(__nv_bfloat16* qs, const __nv_bfloat16* q, const float* scale,
-                            int64_t rows, int64_t H, int64_t D, int64_t ldq) {
-  const int64_t C = H * D, n = rows * C;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = i / C, c = i % C;
-    qs[i] = __float2bfloat16_rn(scale[c / D] * __bfloat162float(q[r * ldq + c]));
+// qs[r, c] = bf16(scale[c / D] q[r * ldq + c]) over packs of W elements of a row (Note
+// [vector-access], internal.h): W = 8 when qs and q are 16-byte aligned and C, D and ldq multiples
+// of 8 (a pack then lies in one head), else 1. 32-bit indices (the host checks the extents).
+template <int W>
+__global__ void fold_kernel(__nv_bfloat16* qs, const __nv_bfloat16* q, const float* scale, int rows,
+                            int C, int D, int ldq) {
+  const int packs_per_row = C / W, packs = rows * packs_per_row;
+  for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < packs;
+       k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int r = k / packs_per_row, c = (k - r * packs_per_row) * W;
+    const float sh = scale[c / D];
+    const Pack<__nv_bfloat16, W> x =
+        *reinterpret_cast<const Pack<__nv_bfloat16, W>*>(q + static_cast<int64_t>(r) * ldq + c);
+    Pack<__nv_bfloat16, W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = __float2bfloat16_rn(sh * __bfloat162float(x.v[j]));
+    reinterpret_cast<Pack<__nv_bfloat16, W>*>(qs)[k] = y;
   }
 }
-
 __global__ void unfold_kernel(__nv_bfloat16* dq, const float* scale, int64_t rows, int64_t H,
                               int64_t D, int64_t ldq) {
   const int64_t C = H * D, n = rows * C;
@@ -72,10 +82,20 @@ std::string shape_string(const AttentionShape& s) {
 
 void fold_head_scale(Context& ctx, const AttentionShape& s, Bf16* qs, const Bf16* q,
                      const float* scale) {
-  const int64_t rows = s.B * s.T, n = rows * s.H * s.D;
+  const int64_t rows = s.B * s.T, C = s.H * s.D, n = rows * C;
   if (n <= 0) return;
-  fold_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dev(qs), dev(q), scale, rows,
-                                                                    s.H, s.D, s.ldq);
+  KEEL_CHECK(n <= kMaxIndex32 && s.ldq <= kMaxIndex32 && C <= s.ldq, kUsage,
+             "cuda fold_head_scale: ", shape_string(s), " past the kernel's 32-bit indices (",
+             kMaxIndex32, " elements) or H * D past ldq");
+  const int r = static_cast<int>(rows), c = static_cast<int>(C), d = static_cast<int>(s.D),
+            ld = static_cast<int>(s.ldq);
+  if (aligned16(qs, q) && C % 8 == 0 && s.D % 8 == 0 && s.ldq % 8 == 0) {
+    fold_kernel<8><<<grid_for(n / 8, kThreads), kThreads, 0, ctx.stream()>>>(dev(qs), dev(q), scale,
+                                                                             r, c, d, ld);
+  } else {
+    fold_kernel<1>
+        <<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dev(qs), dev(q), scale, r, c, d, ld);
+  }
   KEEL_CUDA_LAUNCH_CHECK("fold_head_scale", shape_string(s));
 }
 
