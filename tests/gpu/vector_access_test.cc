@@ -17,12 +17,14 @@
 #include "framework/kernels/cuda/ops.h"
 #include "framework/kernels/cuda/sdpa_cudnn.h"
 #include "framework/kernels/elementwise.h"
+#include "framework/kernels/glu.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace keel::gpu_test {
 namespace {
 
 using cuda::DeviceBuffer;
+using kernels::GluAct;
 
 std::vector<float> as_floats(const std::vector<float>& v) { return v; }
 std::vector<float> as_floats(const std::vector<Bf16>& v) { return from_bf16(v); }
@@ -95,6 +97,25 @@ class VectorAccessTest : public GpuTest {
         }
       }
     }
+  }
+
+  // GLU forward and backward at the given offsets: {out, dgate, dup} as floats.
+  template <typename TO, typename TI>
+  std::vector<std::vector<float>> glu_run(GluAct act, const std::vector<TI>& gate,
+                                          const std::vector<TI>& up, const std::vector<TI>& dout,
+                                          int64_t out_off, int64_t in_off) {
+    const int64_t n = static_cast<int64_t>(gate.size());
+    DeviceBuffer g = up_at(gate, in_off), u = up_at(up, in_off), d = up_at(dout, in_off);
+    DeviceBuffer y = up_at(std::vector<TO>(n), out_off), dg = up_at(std::vector<TO>(n), out_off);
+    DeviceBuffer du = up_at(std::vector<TO>(n), out_off);
+    cuda::glu_forward(ctx(), act, y.as<TO>() + out_off, g.as<TI>() + in_off, u.as<TI>() + in_off,
+                      n);
+    if constexpr (std::is_same_v<TO, TI>) {  // the backward has no mixed-type form
+      cuda::glu_backward(ctx(), act, dg.as<TO>() + out_off, du.as<TO>() + out_off,
+                         d.as<TI>() + in_off, g.as<TI>() + in_off, u.as<TI>() + in_off, n);
+    }
+    return {as_floats(get_at<TO>(y, out_off, n)), as_floats(get_at<TO>(dg, out_off, n)),
+            as_floats(get_at<TO>(du, out_off, n))};
   }
 };
 
@@ -175,6 +196,76 @@ TEST_F(VectorAccessTest, GeluBackwardBiasVectorAndScalarColumnsGiveTheSameBits) 
         EXPECT_TRUE(identical(dx, dx_ref)) << "dinp";
         EXPECT_TRUE(identical(db, db_ref)) << "dbias";
       }
+    }
+  }
+}
+
+// GLU forward and backward (SwiGLU and GEGLU): the aligned run's bits are the reference for the
+// misaligned ones (every operand one element off, or only the output), at lengths with a tail.
+TEST_F(VectorAccessTest, GluTailsAndMisalignedOperandsGiveTheAlignedBits) {
+  uint32_t seed = 600;
+  for (const GluAct act : {GluAct::kSilu, GluAct::kGelu}) {
+    for (const int64_t n : {int64_t{4 * 500 + 3}, int64_t{8 * 500 + 5}}) {
+      SCOPED_TRACE(std::string(act == GluAct::kSilu ? "silu" : "gelu") + " n=" + std::to_string(n));
+      const auto g = bf16_rounded(random_vec(n, -4, 4, seed++));
+      const auto u = bf16_rounded(random_vec(n, -2, 2, seed++));
+      const auto d = bf16_rounded(random_vec(n, -1, 1, seed++));
+      for (const auto& [out_off, in_off] : {std::pair<int64_t, int64_t>{1, 1}, {1, 0}, {0, 1}}) {
+        SCOPED_TRACE("offsets out " + std::to_string(out_off) + " in " + std::to_string(in_off));
+        EXPECT_EQ(glu_run<float>(act, g, u, d, out_off, in_off), glu_run<float>(act, g, u, d, 0, 0))
+            << "fp32";
+        EXPECT_EQ(glu_run<Bf16>(act, to_bf16(g), to_bf16(u), to_bf16(d), out_off, in_off),
+                  glu_run<Bf16>(act, to_bf16(g), to_bf16(u), to_bf16(d), 0, 0))
+            << "bf16";
+        EXPECT_EQ(glu_run<Bf16>(act, g, u, d, out_off, in_off), glu_run<Bf16>(act, g, u, d, 0, 0))
+            << "fp32 in, bf16 out";
+      }
+      // Against the CPU once (fp32), so the reference run is itself right.
+      std::vector<float> y(n), dg(n), du(n);
+      kernels::glu_forward<float>(act, y.data(), g.data(), u.data(), n);
+      kernels::glu_backward<float>(act, dg.data(), du.data(), d.data(), g.data(), u.data(), n);
+      const auto got = glu_run<float>(act, g, u, d, 0, 0);
+      EXPECT_TRUE(matches(got[0], y, f32_rtol(1)));
+      EXPECT_TRUE(matches(got[1], dg, f32_rtol(1)));
+      EXPECT_TRUE(matches(got[2], du, f32_rtol(1)));
+    }
+  }
+}
+
+// GLU backward with the fused bias gradients: 4 columns a thread (C % 4 == 0, aligned) and 1
+// (one element off) give the same bits.
+TEST_F(VectorAccessTest, GluBackwardBiasVectorAndScalarColumnsGiveTheSameBits) {
+  const int64_t N = 200, C = 132;
+  const auto g = random_vec(N * C, -4, 4, 620), u = random_vec(N * C, -2, 2, 621);
+  const auto d = random_vec(N * C, -1, 1, 622), b0 = random_vec(C, -1, 1, 623);
+  std::vector<std::vector<float>> ref;
+  for (const int64_t off : {0, 1}) {
+    SCOPED_TRACE("offset " + std::to_string(off));
+    DeviceBuffer d_g = up_at(g, off), d_u = up_at(u, off), d_d = up_at(d, off);
+    DeviceBuffer d_dg = up_at(std::vector<float>(N * C), off);
+    DeviceBuffer d_du = up_at(std::vector<float>(N * C), off);
+    DeviceBuffer d_bg = cuda::upload(ctx(), b0), d_bu = cuda::upload(ctx(), b0);
+    cuda::glu_backward(ctx(), GluAct::kSilu, d_dg.as<float>() + off, d_du.as<float>() + off,
+                       d_bg.as<float>(), d_bu.as<float>(), d_d.as<float>() + off,
+                       d_g.as<float>() + off, d_u.as<float>() + off, N, C);
+    std::vector<std::vector<float>> got = {get_at<float>(d_dg, off, N * C),
+                                           get_at<float>(d_du, off, N * C), get<float>(d_bg, C),
+                                           get<float>(d_bu, C)};
+    if (off == 0) {
+      ref = got;
+      std::vector<float> dg(N * C), du(N * C), bg = b0, bu = b0;
+      kernels::glu_backward<float>(GluAct::kSilu, dg.data(), du.data(), d.data(), g.data(),
+                                   u.data(), N * C);
+      for (int64_t r = 0; r < N; ++r) {
+        for (int64_t c = 0; c < C; ++c) {
+          bg[c] += dg[r * C + c];
+          bu[c] += du[r * C + c];
+        }
+      }
+      EXPECT_TRUE(matches(got[2], bg, f32_rtol(N)));
+      EXPECT_TRUE(matches(got[3], bu, f32_rtol(N)));
+    } else {
+      for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(identical(got[k], ref[k])) << k;
     }
   }
 }

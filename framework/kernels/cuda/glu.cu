@@ -37,86 +37,159 @@ __device__ __forceinline__ float act_grad(float x) {
   }
 }
 
+// Flat kernels in packs of W elements, the last n % W one per thread of the grid's first threads
+// (Note [vector-access], internal.h: W = pack_width when every operand is 16-byte aligned, else 1).
 // out may alias gate or up: each element is read before it is written, by the same thread.
 // TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
-template <typename TO, typename TI, GluAct A>
-__global__ void glu_forward_kernel(TO* out, const TI* gate, const TI* up, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_f<TO>(act<A>(to_f(gate[i])) * to_f(up[i]));
+template <int W, typename TO, typename TI, GluAct A>
+__global__ void glu_forward_kernel(TO* out, const TI* gate, const TI* up, int n) {
+  const auto f = [](TI g, TI u) { return from_f<TO>(act<A>(to_f(g)) * to_f(u)); };
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TI, W> g = reinterpret_cast<const Pack<TI, W>*>(gate)[k];
+    const Pack<TI, W> u = reinterpret_cast<const Pack<TI, W>*>(up)[k];
+    Pack<TO, W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = f(g.v[j], u.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(out)[k] = y;
   }
+  if (packs * W + id < n) out[packs * W + id] = f(gate[packs * W + id], up[packs * W + id]);
 }
 // dup may alias dout: every input of element i is read before dup[i] is written.
-template <typename TO, typename TI, GluAct A>
+template <int W, typename TO, typename TI, GluAct A>
 __global__ void glu_backward_kernel(TO* dgate, TO* dup, const TI* dout, const TI* gate,
-                                    const TI* up, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dout[i]);
-    dgate[i] = from_f<TO>(d * u * act_grad<A>(g));
-    dup[i] = from_f<TO>(d * act<A>(g));
+                                    const TI* up, int n) {
+  const auto f = [](TI gi, TI ui, TI di, TO& dg, TO& du) {
+    const float g = to_f(gi), u = to_f(ui), d = to_f(di);
+    dg = from_f<TO>(d * u * act_grad<A>(g));
+    du = from_f<TO>(d * act<A>(g));
+  };
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TI, W> g = reinterpret_cast<const Pack<TI, W>*>(gate)[k];
+    const Pack<TI, W> u = reinterpret_cast<const Pack<TI, W>*>(up)[k];
+    const Pack<TI, W> d = reinterpret_cast<const Pack<TI, W>*>(dout)[k];
+    Pack<TO, W> dg, du;
+#pragma unroll
+    for (int j = 0; j < W; ++j) f(g.v[j], u.v[j], d.v[j], dg.v[j], du.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(dgate)[k] = dg;
+    reinterpret_cast<Pack<TO, W>*>(dup)[k] = du;
   }
+  const int i = packs * W + id;
+  if (i < n) f(gate[i], up[i], dout[i], dgate[i], dup[i]);
 }
 // Note [fused-bias-grad] (internal.h): the same values, and their column sums over this block's
-// row chunk into partial[0, blockIdx.y, C] (dgate) and partial[1, blockIdx.y, C] (dup).
-template <typename TO, GluAct A>
+// row chunk into partial[0, blockIdx.y, C] (dgate) and partial[1, blockIdx.y, C] (dup). Thread
+// (x, y) takes columns W * (32 blockIdx.x + x) + [0, W) (W = 4 when C % 4 == 0 and the buffers
+// are 16-byte aligned, else 1) of rows r0 + y, r0 + y + kColRows, ...: each column's order is
+// W = 1's, so the partials are the same bits.
+template <int W, typename TO, GluAct A>
 __global__ void glu_backward_bias_kernel(TO* dgate, TO* dup, float* partial, const float* dout,
-                                         const float* gate, const float* up, int64_t N, int64_t C,
-                                         int64_t rows) {
+                                         const float* gate, const float* up, int N, int C,
+                                         int rows) {
   __shared__ float s[kColRows][33];
-  const int64_t c = blockIdx.x * int64_t{32} + threadIdx.x;
-  const int64_t r0 = blockIdx.y * rows, r1 = r0 + rows < N ? r0 + rows : N;
-  float acc_gate = 0.0f, acc_up = 0.0f;
-  if (c < C) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
-      const int64_t i = r * C + c;
-      const float g = gate[i], u = up[i], d = dout[i];
-      const float dg = d * u * act_grad<A>(g), du = d * act<A>(g);
-      dgate[i] = from_f<TO>(dg);
-      dup[i] = from_f<TO>(du);
-      acc_gate += dg;
-      acc_up += du;
+  const int c = (static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x)) * W;
+  const int r0 = static_cast<int>(blockIdx.y) * rows, r1 = rows < N - r0 ? r0 + rows : N;
+  float acc_gate[W], acc_up[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) acc_gate[j] = acc_up[j] = 0.0f;
+  if (c < C) {  // C % W == 0: the whole pack is in the row
+    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += kColRows) {
+      const int64_t i = static_cast<int64_t>(r) * C + c;
+      const Pack<float, W> g = *reinterpret_cast<const Pack<float, W>*>(gate + i);
+      const Pack<float, W> u = *reinterpret_cast<const Pack<float, W>*>(up + i);
+      const Pack<float, W> d = *reinterpret_cast<const Pack<float, W>*>(dout + i);
+      Pack<TO, W> dg_out, du_out;
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const float dg = d.v[j] * u.v[j] * act_grad<A>(g.v[j]), du = d.v[j] * act<A>(g.v[j]);
+        dg_out.v[j] = from_f<TO>(dg);
+        du_out.v[j] = from_f<TO>(du);
+        acc_gate[j] += dg;
+        acc_up[j] += du;
+      }
+      *reinterpret_cast<Pack<TO, W>*>(dgate + i) = dg_out;
+      *reinterpret_cast<Pack<TO, W>*>(dup + i) = du_out;
     }
   }
-  acc_gate = column_block_sum(acc_gate, s);
-  acc_up = column_block_sum(acc_up, s);
-  if (threadIdx.y == 0 && c < C) {
-    partial[blockIdx.y * C + c] = acc_gate;
-    partial[(gridDim.y + blockIdx.y) * C + c] = acc_up;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float sum_gate = column_block_sum(acc_gate[j], s);
+    const float sum_up = column_block_sum(acc_up[j], s);
+    if (threadIdx.y == 0 && c < C) {
+      partial[static_cast<int64_t>(blockIdx.y) * C + c + j] = sum_gate;
+      partial[static_cast<int64_t>(gridDim.y + blockIdx.y) * C + c + j] = sum_up;
+    }
   }
 }
 
+// Blocks for n elements in packs of W (at least one, for the tail's n % W threads).
+unsigned pack_blocks(int n, int W) { return grid_for(n / W, kThreads); }
+
+template <int W, typename TO, typename TI>
+void glu_forward_launch(Context& ctx, GluAct a, TO* out, const TI* gate, const TI* up, int n) {
+  if (a == GluAct::kSilu) {
+    glu_forward_kernel<W, TO, TI, GluAct::kSilu>
+        <<<pack_blocks(n, W), kThreads, 0, ctx.stream()>>>(out, gate, up, n);
+  } else {
+    glu_forward_kernel<W, TO, TI, GluAct::kGelu>
+        <<<pack_blocks(n, W), kThreads, 0, ctx.stream()>>>(out, gate, up, n);
+  }
+}
 template <typename TO, typename TI>
 void glu_forward_impl(Context& ctx, GluAct a, TO* out, const TI* gate, const TI* up, int64_t n) {
   KEEL_CHECK(n >= 0, kUsage, "cuda glu_forward: negative length ", n);
-  if (n == 0) return;
-  const unsigned blocks = grid_for(n, kThreads);
-  if (a == GluAct::kSilu) {
-    glu_forward_kernel<TO, TI, GluAct::kSilu>
-        <<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
-  } else {
-    glu_forward_kernel<TO, TI, GluAct::kGelu>
-        <<<blocks, kThreads, 0, ctx.stream()>>>(out, gate, up, n);
-  }
-  KEEL_CUDA_LAUNCH_CHECK("glu_forward", "n=", n, a == GluAct::kSilu ? " silu" : " gelu");
+  for_pieces(n, [&](int64_t at, int m) {
+    if (aligned16(out + at, gate + at, up + at)) {
+      glu_forward_launch<pack_width<TO, TI>()>(ctx, a, out + at, gate + at, up + at, m);
+    } else {
+      glu_forward_launch<1>(ctx, a, out + at, gate + at, up + at, m);
+    }
+    KEEL_CUDA_LAUNCH_CHECK("glu_forward", "n=", n, a == GluAct::kSilu ? " silu" : " gelu");
+  });
 }
 
+template <int W, typename TO, typename TI>
+void glu_backward_launch(Context& ctx, GluAct a, TO* dgate, TO* dup, const TI* dout, const TI* gate,
+                         const TI* up, int n) {
+  if (a == GluAct::kSilu) {
+    glu_backward_kernel<W, TO, TI, GluAct::kSilu>
+        <<<pack_blocks(n, W), kThreads, 0, ctx.stream()>>>(dgate, dup, dout, gate, up, n);
+  } else {
+    glu_backward_kernel<W, TO, TI, GluAct::kGelu>
+        <<<pack_blocks(n, W), kThreads, 0, ctx.stream()>>>(dgate, dup, dout, gate, up, n);
+  }
+}
 template <typename TO, typename TI>
 void glu_backward_impl(Context& ctx, GluAct a, TO* dgate, TO* dup, const TI* dout, const TI* gate,
                        const TI* up, int64_t n) {
   KEEL_CHECK(n >= 0, kUsage, "cuda glu_backward: negative length ", n);
-  if (n == 0) return;
-  const unsigned blocks = grid_for(n, kThreads);
-  if (a == GluAct::kSilu) {
-    glu_backward_kernel<TO, TI, GluAct::kSilu>
-        <<<blocks, kThreads, 0, ctx.stream()>>>(dgate, dup, dout, gate, up, n);
-  } else {
-    glu_backward_kernel<TO, TI, GluAct::kGelu>
-        <<<blocks, kThreads, 0, ctx.stream()>>>(dgate, dup, dout, gate, up, n);
-  }
-  KEEL_CUDA_LAUNCH_CHECK("glu_backward", "n=", n, a == GluAct::kSilu ? " silu" : " gelu");
+  for_pieces(n, [&](int64_t at, int m) {
+    if (aligned16(dgate + at, dup + at, dout + at, gate + at, up + at)) {
+      glu_backward_launch<pack_width<TO, TI>()>(ctx, a, dgate + at, dup + at, dout + at, gate + at,
+                                                up + at, m);
+    } else {
+      glu_backward_launch<1>(ctx, a, dgate + at, dup + at, dout + at, gate + at, up + at, m);
+    }
+    KEEL_CUDA_LAUNCH_CHECK("glu_backward", "n=", n, a == GluAct::kSilu ? " silu" : " gelu");
+  });
 }
 
+template <int W, typename TO>
+void glu_backward_bias_launch(Context& ctx, GluAct a, TO* dgate, TO* dup, float* partial,
+                              const float* dout, const float* gate, const float* up, int N, int C,
+                              const RowChunks& k) {
+  const dim3 grid(static_cast<unsigned>((C / W + 31) / 32), static_cast<unsigned>(k.count));
+  const dim3 block(32, kColRows);
+  const int rows = static_cast<int>(k.rows);
+  if (a == GluAct::kSilu) {
+    glu_backward_bias_kernel<W, TO, GluAct::kSilu>
+        <<<grid, block, 0, ctx.stream()>>>(dgate, dup, partial, dout, gate, up, N, C, rows);
+  } else {
+    glu_backward_bias_kernel<W, TO, GluAct::kGelu>
+        <<<grid, block, 0, ctx.stream()>>>(dgate, dup, partial, dout, gate, up, N, C, rows);
+  }
+}
 template <typename TO>
 void glu_backward_bias_impl(Context& ctx, GluAct a, TO* dgate, TO* dup, float* dgate_bias,
                             float* dup_bias, const float* dout, const float* gate, const float* up,
@@ -127,16 +200,15 @@ void glu_backward_bias_impl(Context& ctx, GluAct a, TO* dgate, TO* dup, float* d
     return;
   }
   if (N == 0 || C == 0) return;
+  KEEL_CHECK(N <= kMaxIndex32 && C <= kMaxIndex32, kUsage, "cuda glu_backward: N=", N, " C=", C,
+             " past the kernel's 32-bit indices (", kMaxIndex32, ")");
   const RowChunks k = row_chunks(N);
   auto* partial = static_cast<float*>(ctx.scratch(sizeof(float) * 2 * k.count * C));
-  const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
-  const dim3 block(32, kColRows);
-  if (a == GluAct::kSilu) {
-    glu_backward_bias_kernel<TO, GluAct::kSilu>
-        <<<grid, block, 0, ctx.stream()>>>(dgate, dup, partial, dout, gate, up, N, C, k.rows);
+  const int n = static_cast<int>(N), c = static_cast<int>(C);
+  if (C % 4 == 0 && aligned16(dgate, dup, dout, gate, up)) {
+    glu_backward_bias_launch<4>(ctx, a, dgate, dup, partial, dout, gate, up, n, c, k);
   } else {
-    glu_backward_bias_kernel<TO, GluAct::kGelu>
-        <<<grid, block, 0, ctx.stream()>>>(dgate, dup, partial, dout, gate, up, N, C, k.rows);
+    glu_backward_bias_launch<1>(ctx, a, dgate, dup, partial, dout, gate, up, n, c, k);
   }
   KEEL_CUDA_LAUNCH_CHECK("glu_backward (bias)", "N=", N, " C=", C,
                          a == GluAct::kSilu ? " silu" : " gelu");
