@@ -1,7 +1,8 @@
-// The CUDA token-embedding backward (framework/kernels/cuda/embedding.cu, Note
-// [embedding-backward-segments]) on long runs of one token: against a double-precision host sum at
-// the fp32 error bound of the kernel's summation order, bitwise against the CPU where a run fits
-// one segment, and bitwise equal to itself run to run.
+// The CUDA token and position embeddings (framework/kernels/cuda/embedding.cu). The token
+// backward (Note [embedding-backward-segments]) on long runs of one token: against a
+// double-precision host sum at the fp32 error bound of the kernel's summation order, bitwise
+// against the CPU where a run fits one segment, and bitwise equal to itself run to run. The
+// forward and position kernels' 16-byte packs and their fallback, bitwise against the CPU.
 #include "framework/kernels/embedding.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "framework/kernels/cuda/ops.h"
@@ -23,7 +25,7 @@ namespace {
 
 using cuda::DeviceBuffer;
 
-class EmbeddingBackwardTest : public GpuTest {
+class EmbeddingTest : public GpuTest {
  protected:
   // dwte after cuda::embedding_backward from dwte0, for fp32 or bf16 dout (both held as floats
   // here, the bf16 ones already rounded).
@@ -101,7 +103,7 @@ struct LongRunCase {
 // Runs of about N / vocab rows, at the smallest segments (C = 96: R = 8, 512 windows) and the
 // largest (C = 1024 or 640: R = 64), with tokens outside the shard (sorted last, skipped), and one
 // token repeated N times (one run over every window: pass 2 adds 4096 / R partials).
-TEST_F(EmbeddingBackwardTest, LongRunsMatchDoubleSumWithinFp32Bound) {
+TEST_F(EmbeddingTest, LongRunsMatchDoubleSumWithinFp32Bound) {
   const LongRunCase cases[] = {
       {"3 tokens, C=96", 4096, 3, 0, 3, 96},
       {"3 tokens, C=1024", 4096, 3, 0, 3, 1024},
@@ -131,7 +133,7 @@ TEST_F(EmbeddingBackwardTest, LongRunsMatchDoubleSumWithinFp32Bound) {
 // Run lengths on both sides of every segment length (8 to 64 rows) and their multiples, shuffled,
 // with out-of-shard tokens: within the fp32 bound, and a run of at most 8 rows (one segment at
 // every R) is the CPU's exact order, so those rows equal the CPU's bit for bit.
-TEST_F(EmbeddingBackwardTest, RunsAcrossSegmentBoundariesMatch) {
+TEST_F(EmbeddingTest, RunsAcrossSegmentBoundariesMatch) {
   const std::vector<int64_t> lengths = {1,  2,  7,  8,   9,   15,  16,  17,  31,  32,  33,
                                         63, 64, 65, 127, 128, 129, 130, 191, 192, 193, 300};
   const int64_t v_begin = 2, V_local = static_cast<int64_t>(lengths.size());
@@ -161,6 +163,67 @@ TEST_F(EmbeddingBackwardTest, RunsAcrossSegmentBoundariesMatch) {
     }
     EXPECT_TRUE(identical(short_gpu, short_cpu)) << "runs of at most 8 rows";
     EXPECT_TRUE(matches(gpu, cpu, f32_rtol(300))) << "all rows against the CPU";
+  }
+}
+
+// The forward, position forward and position backward step over 16-byte packs of a row when C is
+// a multiple of the pack and the buffers are aligned (Note [vector-access]), else one element at a
+// time: both equal the CPU bit for bit (copies, one addition, the CPU's order over b), for C a
+// multiple of 8, C = 4k + 3, and every buffer one element off.
+TEST_F(EmbeddingTest, ForwardAndPositionsMatchCpuExactlyAtOddWidthsAndOffsets) {
+  const int64_t B = 3, T = 11, N = B * T, v_begin = 4, V_local = 20;
+  std::mt19937 gen(340);
+  std::vector<int32_t> tokens(N);
+  for (auto& t : tokens) t = static_cast<int32_t>(gen() % 30);  // some outside [4, 24)
+  uint32_t seed = 341;
+  for (const int64_t C : {int64_t{96}, int64_t{4 * 20 + 3}}) {
+    for (const int64_t off : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE("C=" + std::to_string(C) + " off=" + std::to_string(off));
+      const auto wte = bf16_rounded(random_vec(V_local * C, -1, 1, seed++));
+      const auto wpe = bf16_rounded(random_vec(T * C, -1, 1, seed++));
+      const auto dout = bf16_rounded(random_vec(N * C, -1, 1, seed++));
+      const auto dwpe0 = random_vec(T * C, -1, 1, seed++);
+      std::vector<float> out(N * C), dwpe = dwpe0;
+      kernels::embedding_forward<float>(out.data(), tokens.data(), N, wte.data(), v_begin, V_local,
+                                        C);
+      kernels::position_forward<float>(out.data(), wpe.data(), B, T, C);
+      kernels::position_backward<float>(dwpe.data(), dout.data(), B, T, C);
+      // Buffers with `off` elements of NaN in front, the kernels given the rest.
+      const auto at = [&](const auto& v) {
+        using E = typename std::decay_t<decltype(v)>::value_type;
+        std::vector<E> padded(v.size() + off);
+        for (int64_t i = 0; i < off; ++i) padded[i] = padded[off];
+        std::copy(v.begin(), v.end(), padded.begin() + off);
+        return cuda::upload(ctx(), padded);
+      };
+      const auto tail = [&](std::vector<float> v) {
+        return std::vector<float>(v.begin() + off, v.end());
+      };
+      DeviceBuffer d_tok = cuda::upload(ctx(), tokens);
+      {
+        DeviceBuffer d_wte = at(wte), d_wpe = at(wpe), d_dout = at(dout), d_dwpe = at(dwpe0);
+        DeviceBuffer d_out = at(std::vector<float>(N * C, std::nanf("")));
+        cuda::embedding_forward(ctx(), d_out.as<float>() + off, d_tok.as<int32_t>(), N,
+                                d_wte.as<float>() + off, v_begin, V_local, C);
+        cuda::position_forward(ctx(), d_out.as<float>() + off, d_wpe.as<float>() + off, B, T, C);
+        cuda::position_backward(ctx(), d_dwpe.as<float>() + off, d_dout.as<float>() + off, B, T, C);
+        EXPECT_TRUE(identical(tail(get<float>(d_out, off + N * C)), out)) << "fp32 forward";
+        EXPECT_TRUE(identical(tail(get<float>(d_dwpe, off + T * C)), dwpe)) << "fp32 dwpe";
+      }
+      {
+        std::vector<float> out_bf16 = out;  // embedding rows are exact; the position sum rounds
+        for (float& x : out_bf16) x = round_bf16(x);
+        DeviceBuffer d_wte = at(to_bf16(wte)), d_wpe = at(to_bf16(wpe)), d_dout = at(to_bf16(dout));
+        DeviceBuffer d_dwpe = at(dwpe0), d_out = at(std::vector<Bf16>(N * C));
+        cuda::embedding_forward(ctx(), d_out.as<Bf16>() + off, d_tok.as<int32_t>(), N,
+                                d_wte.as<Bf16>() + off, v_begin, V_local, C);
+        cuda::position_forward(ctx(), d_out.as<Bf16>() + off, d_wpe.as<Bf16>() + off, B, T, C);
+        cuda::position_backward(ctx(), d_dwpe.as<float>() + off, d_dout.as<Bf16>() + off, B, T, C);
+        EXPECT_TRUE(identical(tail(from_bf16(get<Bf16>(d_out, off + N * C))), out_bf16))
+            << "bf16 forward";
+        EXPECT_TRUE(identical(tail(get<float>(d_dwpe, off + T * C)), dwpe)) << "bf16 dwpe";
+      }
+    }
   }
 }
 

@@ -19,25 +19,36 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T>
-__global__ void embedding_forward_kernel(T* out, const int32_t* tokens, int64_t N, const T* wte,
-                                         int64_t v_begin, int64_t V_local, int64_t C) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < N * C;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t n = i / C, c = i % C;
+// The forward and position kernels step over packs of W elements of a row (Note [vector-access],
+// internal.h): W = pack_width when C % W == 0 and the buffers are 16-byte aligned, else 1; pack k
+// is row k / row_packs, 32-bit indices (the host checks the packs' count).
+template <int W, typename T>
+__global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte,
+                                         int64_t v_begin, int64_t V_local, int row_packs,
+                                         int packs) {
+  for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < packs;
+       k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int n = k / row_packs, p = k - n * row_packs;
     const int64_t row = static_cast<int64_t>(tokens[n]) - v_begin;
-    out[i] = (row >= 0 && row < V_local) ? wte[row * C + c] : from_f<T>(0.0f);
+    Pack<T, W> v;
+    if (row >= 0 && row < V_local) {
+      v = reinterpret_cast<const Pack<T, W>*>(wte)[row * row_packs + p];
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; ++j) v.v[j] = from_f<T>(0.0f);
+    }
+    reinterpret_cast<Pack<T, W>*>(out)[k] = v;
   }
 }
 
 // keys[n] = this rank's row of token n, or V_local (sorted last, skipped) when not held here.
-__global__ void embedding_keys_kernel(const int32_t* tokens, int64_t N, int64_t v_begin,
+__global__ void embedding_keys_kernel(const int32_t* tokens, int N, int64_t v_begin,
                                       int64_t V_local, int32_t* keys, int32_t* positions) {
-  const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int n = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (n >= N) return;
   const int64_t row = static_cast<int64_t>(tokens[n]) - v_begin;
   keys[n] = (row >= 0 && row < V_local) ? static_cast<int32_t>(row) : static_cast<int32_t>(V_local);
-  positions[n] = static_cast<int32_t>(n);
+  positions[n] = n;
 }
 
 // ---- Note [embedding-backward-segments] ----
@@ -135,25 +146,31 @@ __global__ void embedding_runs_kernel(float* dwte, const float* partial, const i
   }
 }
 
-template <typename T>
-__global__ void position_forward_kernel(T* out, const T* wpe, int64_t BT, int64_t T_, int64_t C) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < BT * C;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t bt = i / C, c = i % C;
-    out[i] = from_f<T>(to_f(out[i]) + to_f(wpe[(bt % T_) * C + c]));
+template <int W, typename T>
+__global__ void position_forward_kernel(T* out, const T* wpe, int T_, int row_packs, int packs) {
+  for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < packs;
+       k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int bt = k / row_packs, p = k - bt * row_packs;
+    Pack<T, W> o = reinterpret_cast<const Pack<T, W>*>(out)[k];
+    const Pack<T, W> w = reinterpret_cast<const Pack<T, W>*>(wpe)[(bt % T_) * row_packs + p];
+#pragma unroll
+    for (int j = 0; j < W; ++j) o.v[j] = from_f<T>(to_f(o.v[j]) + to_f(w.v[j]));
+    reinterpret_cast<Pack<T, W>*>(out)[k] = o;
   }
 }
 
 // dwpe[t, c] += sum_b dout[b, t, c], b in increasing order (the CPU's order).
-template <typename T>
-__global__ void position_backward_kernel(float* dwpe, const T* dout, int64_t B, int64_t T_,
-                                         int64_t C) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < T_ * C;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = i / C, c = i % C;
-    float acc = dwpe[i];
-    for (int64_t b = 0; b < B; ++b) acc += to_f(dout[(b * T_ + t) * C + c]);
-    dwpe[i] = acc;
+template <int W, typename T>
+__global__ void position_backward_kernel(float* dwpe, const T* dout, int B, int packs) {
+  for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < packs;
+       k += static_cast<int>(gridDim.x * blockDim.x)) {
+    Pack<float, W> acc = reinterpret_cast<const Pack<float, W>*>(dwpe)[k];
+    for (int b = 0; b < B; ++b) {
+      const Pack<T, W> d = reinterpret_cast<const Pack<T, W>*>(dout)[b * packs + k];
+#pragma unroll
+      for (int j = 0; j < W; ++j) acc.v[j] += to_f(d.v[j]);
+    }
+    reinterpret_cast<Pack<float, W>*>(dwpe)[k] = acc;
   }
 }
 
@@ -164,13 +181,31 @@ void check_embedding(int64_t N, int64_t V_local, int64_t C, const char* name) {
              " or V_local=", V_local, " exceeds the int32 sort keys");
 }
 
+// The pack width for rows of C elements over these buffers: W when C % W == 0 and all are 16-byte
+// aligned, else 1; and a check that the kernel's 32-bit pack indices hold `elements`.
+template <int W, typename... T>
+int row_pack_width(int64_t C, int64_t elements, const char* name, const T*... p) {
+  const int w = C % W == 0 && aligned16(p...) ? W : 1;
+  KEEL_CHECK(elements / w <= kMaxIndex32, kUsage, "cuda ", name, ": ", elements,
+             " elements past the kernel's 32-bit indices (", kMaxIndex32, " packs of ", w, ")");
+  return w;
+}
+
 template <typename T>
 void embedding_forward_impl(Context& ctx, T* out, const int32_t* tokens, int64_t N, const T* wte,
                             int64_t v_begin, int64_t V_local, int64_t C) {
   check_embedding(N, V_local, C, "embedding_forward");
   if (N == 0 || C == 0) return;
-  embedding_forward_kernel<<<grid_for(N * C, kThreads), kThreads, 0, ctx.stream()>>>(
-      out, tokens, N, wte, v_begin, V_local, C);
+  constexpr int W = pack_width<T>();
+  const int w = row_pack_width<W>(C, N * C, "embedding_forward", out, wte);
+  const int row_packs = static_cast<int>(C / w), packs = static_cast<int>(N * C / w);
+  if (w == W) {
+    embedding_forward_kernel<W, T><<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(
+        out, tokens, wte, v_begin, V_local, row_packs, packs);
+  } else {
+    embedding_forward_kernel<1, T><<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(
+        out, tokens, wte, v_begin, V_local, row_packs, packs);
+  }
   KEEL_CUDA_LAUNCH_CHECK("embedding_forward", "N=", N, " V_local=", V_local, " C=", C);
 }
 
@@ -206,7 +241,7 @@ void embedding_backward_impl(Context& ctx, float* dwte, const T* dout, const int
   auto* partial = reinterpret_cast<float*>(base + 4 * arr);  // [windows, C]
   void* sort_tmp = base + 4 * arr + partial_bytes;
   embedding_keys_kernel<<<grid_for(N, kThreads, int64_t{1} << 30), kThreads, 0, ctx.stream()>>>(
-      tokens, N, v_begin, V_local, keys_in, pos_in);
+      tokens, n, v_begin, V_local, keys_in, pos_in);
   KEEL_CUDA_LAUNCH_CHECK("embedding_keys", "N=", N, " V_local=", V_local);
   KEEL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_tmp, sort_bytes, keys_in, keys, pos_in, pos,
                                                   n, 0, end_bit, ctx.stream()),
@@ -227,8 +262,17 @@ void position_forward_impl(Context& ctx, T* out, const T* wpe, int64_t B, int64_
   KEEL_CHECK(B >= 0 && T_ >= 0 && C >= 0, kUsage, "cuda position_forward: bad shape B=", B,
              " T=", T_, " C=", C);
   if (B * T_ * C == 0) return;
-  position_forward_kernel<<<grid_for(B * T_ * C, kThreads), kThreads, 0, ctx.stream()>>>(
-      out, wpe, B * T_, T_, C);
+  constexpr int W = pack_width<T>();
+  const int w = row_pack_width<W>(C, B * T_ * C, "position_forward", out, wpe);
+  const int row_packs = static_cast<int>(C / w), packs = static_cast<int>(B * T_ * C / w);
+  const int t = static_cast<int>(T_);
+  if (w == W) {
+    position_forward_kernel<W, T>
+        <<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(out, wpe, t, row_packs, packs);
+  } else {
+    position_forward_kernel<1, T>
+        <<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(out, wpe, t, row_packs, packs);
+  }
   KEEL_CUDA_LAUNCH_CHECK("position_forward", "B=", B, " T=", T_, " C=", C);
 }
 
@@ -238,8 +282,16 @@ void position_backward_impl(Context& ctx, float* dwpe, const T* dout, int64_t B,
   KEEL_CHECK(B >= 0 && T_ >= 0 && C >= 0, kUsage, "cuda position_backward: bad shape B=", B,
              " T=", T_, " C=", C);
   if (T_ * C == 0) return;
-  position_backward_kernel<<<grid_for(T_ * C, kThreads), kThreads, 0, ctx.stream()>>>(dwpe, dout, B,
-                                                                                      T_, C);
+  constexpr int W = pack_width<float, T>();
+  const int w = row_pack_width<W>(C, B * T_ * C, "position_backward", dwpe, dout);
+  const int packs = static_cast<int>(T_ * C / w), b = static_cast<int>(B);
+  if (w == W) {
+    position_backward_kernel<W, T>
+        <<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(dwpe, dout, b, packs);
+  } else {
+    position_backward_kernel<1, T>
+        <<<grid_for(packs, kThreads), kThreads, 0, ctx.stream()>>>(dwpe, dout, b, packs);
+  }
   KEEL_CUDA_LAUNCH_CHECK("position_backward", "B=", B, " T=", T_, " C=", C);
 }
 
