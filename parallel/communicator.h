@@ -168,11 +168,19 @@ class SelfCommunicator final : public Communicator {
   void all_reduce(double*, int64_t, ReduceOp) override {}
   void all_reduce_bf16(float*, int64_t) override {}
   void all_reduce_bf16(Bf16*, int64_t) override {}
+  // The gather and scatter of a group of one copy send into recv on the host: host memory only.
+  // Device memory never reaches them: a device's tensors go through Topology::tp_tensors() and
+  // dp_tensors(), which are device communicators (NCCL, or StagingCommunicator through the host)
+  // whenever there is more than one rank, and on one rank their callers do not run (sequence
+  // parallelism needs tp > 1, ZeRO-1's shards dp > 1, sharded parameters tp > 1). In place
+  // (send == recv) nothing is copied. Nothing here can ask which device memory is on; the CUDA
+  // emulator's host guard shows the training path keeps to this (tests/cuda_emu/host_guard.h,
+  // ctests cuda_emu.HostGuardTest.*, cuda_emu.host_guard_gpu_tests, cuda_emu.host_guard_nccl).
   void all_gather(const float* send, float* recv, int64_t n) override {
-    std::copy(send, send + n, recv);
+    if (send != recv) std::copy(send, send + n, recv);
   }
   void reduce_scatter(const float* send, float* recv, int64_t n) override {
-    std::copy(send, send + n, recv);
+    if (send != recv) std::copy(send, send + n, recv);
   }
   void broadcast(float*, int64_t, int) override {}
   void all_gather_bytes(const void* send, void* recv, int64_t bytes) override {

@@ -144,6 +144,8 @@ void MpiCommunicator::all_reduce_bf16(float* data, int64_t n) {
 template <typename T>
 void MpiCommunicator::all_gather_chunked(const T* send, T* recv, int64_t n, MPI_Datatype type) {
   if (size_ == 1) {
+    // A host copy: MpiCommunicator's buffers are host memory (a device's tensors reach MPI only
+    // through StagingCommunicator's host copies; SelfCommunicator's note in communicator.h).
     if (send != recv) std::copy(send, send + n, recv);
     return;
   }
@@ -184,7 +186,7 @@ void MpiCommunicator::all_gather_bytes(const void* send, void* recv, int64_t byt
 
 void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) {
   if (size_ == 1) {
-    std::copy(send, send + n, recv);
+    if (send != recv) std::copy(send, send + n, recv);  // host memory, as all_gather's
     return;
   }
   count(n * size_ * static_cast<int64_t>(sizeof(float)));

@@ -23,6 +23,7 @@
 #include "framework/kernels/cuda/bf16.h"
 #include "tests/cuda_emu/counters.h"
 #include "tests/cuda_emu/emu.h"
+#include "tests/cuda_emu/host_guard.h"
 #include "tests/cuda_emu/roofline.h"
 
 namespace {
@@ -358,27 +359,32 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t /*handle*/, cublasLtMatmulDesc_t 
   auto rec = roofline::start(what, 2.0 * static_cast<double>(m) * n * k, peak);
   keel_emu::submit(stream, [=] {
     roofline::run_measured(rec.get(), [&] {
-#pragma omp parallel for schedule(static)
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t i = 0; i < m; ++i) {
-          float acc = 0.0f;
-          for (int64_t p = 0; p < k; ++p) {
-            float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
-            if (tf32) {
-              x = to_tf32(x);
-              y = to_tf32(y);
+#pragma omp parallel
+      {
+        // Each OpenMP thread does device work (host_guard.h).
+        const keel_emu::host_guard::DeviceScope device;
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t i = 0; i < m; ++i) {
+            float acc = 0.0f;
+            for (int64_t p = 0; p < k; ++p) {
+              float x = at(A, a, ta, i, p), y = at(B, b, tb, p, j);
+              if (tf32) {
+                x = to_tf32(x);
+                y = to_tf32(y);
+              }
+              acc = std::fma(x, y, acc);
             }
-            acc = std::fma(x, y, acc);
-          }
-          float r = al_ * acc;
-          // beta == 0 must not read C (it may hold NaN), as in BLAS.
-          if (be != 0.0f) r += be * load(C, c.type, i + j * c.ld);
-          if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
-          const int64_t o = i + j * dd.ld;
-          if (dd.type == CUDA_R_32F) {
-            static_cast<float*>(D)[o] = r;
-          } else {
-            static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(r);
+            float r = al_ * acc;
+            // beta == 0 must not read C (it may hold NaN), as in BLAS.
+            if (be != 0.0f) r += be * load(C, c.type, i + j * c.ld);
+            if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) r += load(d.bias, dd.type, i);
+            const int64_t o = i + j * dd.ld;
+            if (dd.type == CUDA_R_32F) {
+              static_cast<float*>(D)[o] = r;
+            } else {
+              static_cast<keel::Bf16*>(D)[o] = keel::to_bf16(r);
+            }
           }
         }
       }

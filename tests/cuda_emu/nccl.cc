@@ -32,6 +32,12 @@
 // a call made on the communicator before that poll is an error (ncclInvalidUsage), as NCCL
 // requires the previous call to have settled.
 //
+// Under the host guard (host_guard.h) MPI never sees device memory: a collective copies its input
+// and output buffers into host memory when it starts (one copy of their span where they overlap,
+// so NCCL's in-place forms stay in place), MPI runs on the copies, and the output is copied back
+// when something sees it complete; the copies are device work (DeviceScope). Without the guard MPI
+// runs on the device buffers directly, which is host memory here.
+//
 // A communicator of one rank needs no MPI (collectives are copies). Bootstrap for more: the
 // unique id names the root's MPI_COMM_WORLD rank and a serial number; every member sends its
 // world rank to the root, the root answers with the member list, and the members make their
@@ -40,6 +46,7 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -53,6 +60,7 @@
 
 #include "parallel/mpi_bf16.h"
 #include "tests/cuda_emu/emu.h"
+#include "tests/cuda_emu/host_guard.h"
 
 struct ncclComm {
   int rank = 0, size = 1;
@@ -122,6 +130,36 @@ class Collective : public keel_emu::Pending, public std::enable_shared_from_this
         out_(out) {}
   MPI_Request* request() { return &request_; }
   const void* scratch() const { return scratch_.data(); }
+
+  // Under the host guard: copies the buffers to host memory (above); the pointers MPI gets are
+  // then at(send), at(recv).
+  void stage() {
+    const keel_emu::host_guard::DeviceScope device;
+    if (overlaps(in_.p, in_.n, out_.p, out_.n)) {
+      const char* lo = std::min(static_cast<const char*>(in_.p), static_cast<const char*>(out_.p));
+      const char* hi = std::max(static_cast<const char*>(in_.p) + in_.n,
+                                static_cast<const char*>(out_.p) + out_.n);
+      span_ = lo;
+      staged_in_.assign(lo, hi);
+    } else {
+      if (in_.p != nullptr) {
+        staged_in_.assign(static_cast<const char*>(in_.p), static_cast<const char*>(in_.p) + in_.n);
+      }
+      if (out_.p != nullptr) {
+        staged_out_.assign(static_cast<const char*>(out_.p),
+                           static_cast<const char*>(out_.p) + out_.n);
+      }
+    }
+    staged_ = true;
+  }
+  // Where MPI reads or writes the buffer at p: its staged copy, or p itself.
+  void* at(const void* p) {
+    const char* c = static_cast<const char*>(p);
+    if (!staged_) return const_cast<void*>(p);
+    if (span_ != nullptr) return staged_in_.data() + (c - span_);
+    if (c == in_.p) return staged_in_.data();
+    return staged_out_.data() + (c - static_cast<const char*>(out_.p));
+  }
   int64_t comm_serial() const { return comm_serial_; }
   cudaStream_t stream() const { return stream_; }
   const char* call() const { return call_; }
@@ -142,6 +180,10 @@ class Collective : public keel_emu::Pending, public std::enable_shared_from_this
     if (std::this_thread::get_id() != owner_) return false;
     int flag = 0;
     MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    if (flag != 0 && staged_ && out_.n > 0) {
+      const keel_emu::host_guard::DeviceScope device;
+      std::memcpy(const_cast<void*>(out_.p), at(out_.p), out_.n);
+    }
     done_ = flag != 0;
     return done_.load();
   }
@@ -159,6 +201,11 @@ class Collective : public keel_emu::Pending, public std::enable_shared_from_this
   Range in_, out_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   std::atomic<bool> done_{false};
+  // Under the host guard: the copies MPI works on (stage()); one span from span_ where in and out
+  // overlap, else each buffer's own.
+  bool staged_ = false;
+  const char* span_ = nullptr;
+  std::vector<char> staged_in_, staged_out_;
 };
 
 // A collective of a communicator with an injected error: pending until the communicator is
@@ -336,7 +383,8 @@ ncclResult_t enqueue(ncclComm* comm, cudaStream_t stream, std::vector<char> scra
     if (!comm->order_counts_only) return error(comm, ncclInvalidUsage, why);
   }
   auto c = std::make_shared<Collective>(comm, stream, call, std::move(scratch), in, out);
-  const int rc = start(c->scratch(), c->request());
+  if (keel_emu::host_guard::enabled()) c->stage();
+  const int rc = start(c->at(in.p), c->at(out.p), c->scratch(), c->request());
   if (rc != MPI_SUCCESS) {
     return error(comm, ncclSystemError, std::string(call) + ": MPI error " + std::to_string(rc));
   }
@@ -583,8 +631,8 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
     return comm->stuck ? ncclInProgress : ncclSuccess;
   if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclAllReduce",
-                 [&](const void*, MPI_Request* req) {
-                   return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv,
+                 [&](const void* s, void* r, const void*, MPI_Request* req) {
+                   return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : s, r,
                                          static_cast<int>(count), mpi_type(type), mpi_op(op, type),
                                          comm->mpi, req);
                  });
@@ -602,10 +650,13 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
     return comm->stuck ? ncclInProgress : ncclSuccess;
   if (comm->size == 1) return copy_on_stream(comm, stream, send, recv, bytes);
   wait_for_buffers(stream, {send, bytes}, {recv, bytes});
-  if (comm->rank == root && send != recv && bytes > 0) std::memmove(recv, send, bytes);
+  if (comm->rank == root && send != recv && bytes > 0) {
+    const keel_emu::host_guard::DeviceScope device;  // the collective's own copy
+    std::memmove(recv, send, bytes);
+  }
   return enqueue(comm, stream, {}, {send, bytes}, {recv, bytes}, "ncclBroadcast",
-                 [&](const void*, MPI_Request* req) {
-                   return MPI_Ibcast(recv, static_cast<int>(count), mpi_type(type), root, comm->mpi,
+                 [&](const void*, void* r, const void*, MPI_Request* req) {
+                   return MPI_Ibcast(r, static_cast<int>(count), mpi_type(type), root, comm->mpi,
                                      req);
                  });
 }
@@ -635,12 +686,13 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
                    "ncclReduceScatter: send and recv overlap other than in place (recv = send + "
                    "rank * recvcount)");
     }
+    const keel_emu::host_guard::DeviceScope device;  // the collective's own copy
     copy.assign(static_cast<const char*>(send), static_cast<const char*>(send) + all);
   }
   const bool copied = !copy.empty();
   return enqueue(comm, stream, std::move(copy), {send, all}, {recv, bytes}, "ncclReduceScatter",
-                 [&](const void* scratch, MPI_Request* req) {
-                   return MPI_Ireduce_scatter_block(copied ? scratch : send, recv,
+                 [&](const void* s, void* r, const void* scratch, MPI_Request* req) {
+                   return MPI_Ireduce_scatter_block(copied ? scratch : s, r,
                                                     static_cast<int>(recvcount), mpi_type(type),
                                                     mpi_op(op, type), comm->mpi, req);
                  });
@@ -668,10 +720,10 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
                  "sendcount)");
   }
   return enqueue(comm, stream, {}, {send, bytes}, {recv, all}, "ncclAllGather",
-                 [&](const void* /*scratch*/, MPI_Request* req) {
-                   return MPI_Iallgather(
-                       in_place ? MPI_IN_PLACE : send, static_cast<int>(sendcount), mpi_type(type),
-                       recv, static_cast<int>(sendcount), mpi_type(type), comm->mpi, req);
+                 [&](const void* s, void* r, const void* /*scratch*/, MPI_Request* req) {
+                   return MPI_Iallgather(in_place ? MPI_IN_PLACE : s, static_cast<int>(sendcount),
+                                         mpi_type(type), r, static_cast<int>(sendcount),
+                                         mpi_type(type), comm->mpi, req);
                  });
 }
 

@@ -12,6 +12,8 @@
 //    (Note [cuda-emu-order]) so a missing barrier shows whichever thread writes;
 //  - accesses past the end of a device allocation or after its cudaFree: the allocation ends at a
 //    protected page and cudaFree unmaps it, so the access faults.
+//  - under the host guard (host_guard.h, opt-in), host code dereferencing device memory: a
+//    stream's tasks and the pool's blocks run in device scopes, anything else faults.
 // Kernels, copies and fills are tasks queued on their stream, run at their call or, deferred, when
 // something waits for them (Note [cuda-emu-deferred] in emu.h). A launch's blocks run on the
 // thread that runs it and a pool of host threads (Note [cuda-emu-blocks]); the threads of a block
@@ -46,6 +48,7 @@
 
 #include "tests/cuda_emu/counters.h"
 #include "tests/cuda_emu/emu.h"
+#include "tests/cuda_emu/host_guard.h"
 #include "tests/cuda_emu/roofline.h"
 
 namespace keel_emu {
@@ -664,7 +667,11 @@ bool complete(const std::shared_ptr<Op>& op, bool block) {
       case Op::Kind::kTask: {
         const cudaError_t before = g_last_error;
         g_last_error = cudaSuccess;
-        front->task();
+        {
+          // Device work: under the host guard it may touch device memory (host_guard.h).
+          const host_guard::DeviceScope device;
+          front->task();
+        }
         const cudaError_t e = g_last_error;
         if (e == cudaSuccess) g_last_error = before;
         if (e != cudaSuccess && front.get() != t_submitting) {
@@ -872,7 +879,10 @@ class WorkerPool {
         if (id >= workers_) continue;
         job = job_;
       }
-      (*job)(id);
+      {
+        const host_guard::DeviceScope device;  // a block's work is device work (host_guard.h)
+        (*job)(id);
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         --pending_;
@@ -1173,6 +1183,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   std::memset(user, 0xFF, body);  // NaN in fp32 and bf16: unwritten memory shows
   keel_emu::device_allocations()[user] = {base, length};
   keel_emu::roofline::add_region(user, body);
+  keel_emu::host_guard::add(user, bytes);  // PROT_NONE to host code under the guard
   *ptr = user;
   return cudaSuccess;
 }
@@ -1207,6 +1218,7 @@ cudaError_t cudaFree(void* ptr) {
     return fail(cudaErrorInvalidValue, "cudaFree of a pointer cudaMalloc did not return");
   }
   keel_emu::roofline::remove_region(ptr);
+  keel_emu::host_guard::remove(ptr);
   munmap(it->second.base, it->second.length);  // later use faults
   keel_emu::device_allocations().erase(it);
   return cudaSuccess;
@@ -1269,7 +1281,10 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind /*kind*/) {
   keel_emu::counters::record_sync("cudaMemcpy");
   keel_emu::wait_stream(nullptr);  // the legacy default stream
-  if (bytes > 0) std::memmove(dst, src, bytes);
+  if (bytes > 0) {
+    const keel_emu::host_guard::DeviceScope device;  // the copy engine's work (host_guard.h)
+    std::memmove(dst, src, bytes);
+  }
   return keel_emu::take_async_error();
 }
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream) {
