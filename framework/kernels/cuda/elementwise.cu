@@ -377,28 +377,30 @@ void column_sum_add_impl(Context& ctx, float* out, const T* x, int64_t N, int64_
   if (partial != nullptr) column_sum_partials_add(ctx, out, nullptr, partial, k.count, C);
 }
 
+// Rows along the grid's y, columns along x (grid-stride both): no division; 32-bit extents, the
+// row offset widened in its multiply.
 template <typename T>
-__global__ void add_bias_rows_kernel(T* C, const T* bias, int64_t M, int64_t N, int64_t ldc) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < M * N;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t m = i / N, n = i % N;
-    C[m * ldc + n] = from_f<T>(to_f(C[m * ldc + n]) + to_f(bias[n]));
+__global__ void add_bias_rows_kernel(T* C, const T* bias, int M, int N, int ldc) {
+  for (int m = static_cast<int>(blockIdx.y); m < M; m += static_cast<int>(gridDim.y)) {
+    T* row = C + static_cast<int64_t>(m) * ldc;
+    for (int n = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); n < N;
+         n += static_cast<int>(gridDim.x * blockDim.x)) {
+      row[n] = from_f<T>(to_f(row[n]) + to_f(bias[n]));
+    }
   }
 }
 
 // ---- RoPE: one thread per (row, head, pair); each pair is read before it is written ----
 // TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
 template <typename TO, typename TI>
-__global__ void rope_kernel(const float* cos_t, const float* sin_t, int64_t half, TO* out,
-                            const TI* in, int64_t B, int64_t T_, int64_t H, int64_t D,
-                            int64_t row_stride, int64_t pos_offset, float sign) {
-  const int64_t total = B * T_ * H * half;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = idx % half;
-    const int64_t rest = idx / half;
-    const int64_t h = rest % H, r = rest / H;
-    const int64_t p = r % T_ + pos_offset;
+__global__ void rope_kernel(const float* cos_t, const float* sin_t, int half, TO* out, const TI* in,
+                            int T_, int H, int D, int64_t row_stride, int pos_offset, float sign,
+                            int total) {
+  for (int idx = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); idx < total;
+       idx += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int rest = idx / half, i = idx - rest * half;
+    const int r = rest / H, h = rest - r * H;
+    const int p = r % T_ + pos_offset;
     const float ci = cos_t[p * half + i], si = sign * sin_t[p * half + i];
     const TI* xh = in + r * row_stride + h * D;
     TO* yh = out + r * row_stride + h * D;
@@ -421,8 +423,13 @@ void rope_impl(Context& ctx, const DeviceRopeTable& table, TO* out, const TI* in
              table.max_positions());
   const int64_t total = B * T_ * H * half;
   if (total == 0) return;
+  KEEL_CHECK(total <= kMaxIndex32 && table.max_positions() * half <= kMaxIndex32, kUsage,
+             "rope: ", total, " pairs or the table past the kernel's 32-bit indices (", kMaxIndex32,
+             ")");
   rope_kernel<<<grid_for(total, kThreads), kThreads, 0, ctx.stream()>>>(
-      table.cos(), table.sin(), half, dev(out), dev(in), B, T_, H, D, row_stride, pos_offset, sign);
+      table.cos(), table.sin(), static_cast<int>(half), dev(out), dev(in), static_cast<int>(T_),
+      static_cast<int>(H), static_cast<int>(D), row_stride, static_cast<int>(pos_offset), sign,
+      static_cast<int>(total));
   KEEL_CUDA_LAUNCH_CHECK(name, "B=", B, " T=", T_, " H=", H, " D=", D, " row_stride=", row_stride);
 }
 
@@ -623,13 +630,18 @@ void column_sum_partials_add(Context& ctx, float* out, float* out2, const float*
 void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N, int64_t ldc,
                    DType t) {
   if (M == 0 || N == 0) return;
-  const unsigned blocks = grid_for(M * N, kThreads);
+  KEEL_CHECK(M <= kMaxIndex32 && ldc <= kMaxIndex32 && N <= ldc, kUsage,
+             "cuda add_bias_rows: M=", M, " N=", N, " ldc=", ldc,
+             " past the kernel's 32-bit indices (", kMaxIndex32, ")");
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((N + kThreads - 1) / kThreads, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(M, 65535)));
+  const int m = static_cast<int>(M), n = static_cast<int>(N), ld = static_cast<int>(ldc);
   if (t == DType::kF32) {
-    add_bias_rows_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(
-        static_cast<float*>(C), static_cast<const float*>(bias), M, N, ldc);
+    add_bias_rows_kernel<<<grid, kThreads, 0, ctx.stream()>>>(
+        static_cast<float*>(C), static_cast<const float*>(bias), m, n, ld);
   } else {
-    add_bias_rows_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(
-        static_cast<__nv_bfloat16*>(C), static_cast<const __nv_bfloat16*>(bias), M, N, ldc);
+    add_bias_rows_kernel<<<grid, kThreads, 0, ctx.stream()>>>(
+        static_cast<__nv_bfloat16*>(C), static_cast<const __nv_bfloat16*>(bias), m, n, ld);
   }
   KEEL_CUDA_LAUNCH_CHECK("add_bias_rows", "M=", M, " N=", N, " ldc=", ldc, " ", dtype_name(t));
 }

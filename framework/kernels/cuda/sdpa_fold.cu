@@ -36,28 +36,29 @@ __global__ void fold_kernel(__nv_bfloat16* qs, const __nv_bfloat16* q, const flo
     reinterpret_cast<Pack<__nv_bfloat16, W>*>(qs)[k] = y;
   }
 }
-__global__ void unfold_kernel(__nv_bfloat16* dq, const float* scale, int64_t rows, int64_t H,
-                              int64_t D, int64_t ldq) {
-  const int64_t C = H * D, n = rows * C;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t at = i / C * ldq + i % C;
-    dq[at] = __float2bfloat16_rn(scale[i % C / D] * __bfloat162float(dq[at]));
+__global__ void unfold_kernel(__nv_bfloat16* dq, const float* scale, int rows, int C, int D,
+                              int64_t ldq) {
+  const int n = rows * C;
+  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n;
+       i += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int r = i / C, c = i - r * C;
+    const int64_t at = r * ldq + c;
+    dq[at] = __float2bfloat16_rn(scale[c / D] * __bfloat162float(dq[at]));
   }
 }
-
 // Block (p, h) sums dq' * q over the elements p * blockDim + t + j * kPartials * blockDim of head
 // h's rows * D elements into partial[h * kPartials + p], then writes dq = scale[h] * dq' for the
 // same elements.
 __global__ void unfold_sum_kernel(__nv_bfloat16* dq, float* partial, const __nv_bfloat16* q,
-                                  const float* scale, int64_t rows, int64_t D, int64_t ldq) {
+                                  const float* scale, int rows, int D, int64_t ldq) {
   __shared__ float shared[32];
-  const int64_t h = blockIdx.y, n = rows * D;
+  const int h = static_cast<int>(blockIdx.y), n = rows * D;
   const float sh = scale[h];
   float acc = 0.0f;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t at = i / D * ldq + h * D + i % D;
+  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n;
+       i += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int r = i / D, d = i - r * D;
+    const int64_t at = r * ldq + h * D + d;
     const float g = __bfloat162float(dq[at]);
     acc += g * __bfloat162float(q[at]);
     dq[at] = __float2bfloat16_rn(sh * g);
@@ -65,7 +66,6 @@ __global__ void unfold_sum_kernel(__nv_bfloat16* dq, float* partial, const __nv_
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) partial[h * gridDim.x + blockIdx.x] = acc;
 }
-
 __global__ void sum_partials_kernel(float* dscale, const float* partial, int64_t H, int parts) {
   const int64_t h = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (h >= H) return;
@@ -103,9 +103,12 @@ void unfold_head_scale_grad(Context& ctx, const AttentionShape& s, Bf16* dq, flo
                             const Bf16* q, const float* scale) {
   const int64_t rows = s.B * s.T, n = rows * s.H * s.D;
   if (n <= 0) return;
+  KEEL_CHECK(n <= kMaxIndex32, kUsage, "cuda unfold_head_scale_grad: ", shape_string(s),
+             " past the kernel's 32-bit indices (", kMaxIndex32, " elements)");
+  const int r = static_cast<int>(rows), d = static_cast<int>(s.D);
   if (dscale == nullptr) {
-    unfold_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(dev(dq), scale, rows, s.H,
-                                                                        s.D, s.ldq);
+    unfold_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream()>>>(
+        dev(dq), scale, r, static_cast<int>(s.H * s.D), d, s.ldq);
     KEEL_CUDA_LAUNCH_CHECK("unfold_head_scale_grad", shape_string(s));
     return;
   }
@@ -114,7 +117,7 @@ void unfold_head_scale_grad(Context& ctx, const AttentionShape& s, Bf16* dq, flo
   DeviceBuffer partial = ctx.alloc(static_cast<size_t>(s.H) * kPartials * sizeof(float));
   const dim3 grid(kPartials, static_cast<unsigned>(s.H));
   unfold_sum_kernel<<<grid, kThreads, 0, ctx.stream()>>>(dev(dq), partial.as<float>(), dev(q),
-                                                         scale, rows, s.D, s.ldq);
+                                                         scale, r, d, s.ldq);
   KEEL_CUDA_LAUNCH_CHECK("unfold_head_scale_grad (dscale sum)", shape_string(s));
   sum_partials_kernel<<<grid_for(s.H, 128), 128, 0, ctx.stream()>>>(dscale, partial.as<float>(),
                                                                     s.H, kPartials);
