@@ -26,8 +26,10 @@ constexpr int64_t kMaxIndex32 = int64_t{1} << 30;
 // every operand 16-byte aligned (aligned16) and, for row blocks, every leading dimension a multiple
 // of W; the last n % W elements (of a flat buffer or of each row) go one at a time in the same
 // launch. Otherwise the same kernel runs with W = 1. Each element gets the same arithmetic either
-// way, so the results are bitwise identical. Indices are 32-bit (extents up to kMaxIndex32);
-// flat buffers longer than that run in pieces of kMaxIndex32 elements (for_pieces).
+// way, so the results are bitwise identical. The row-chunked bias gradients (Note
+// [fused-bias-grad]: gelu_backward_bias_kernel, glu_backward_bias_kernel) take W = 4 columns a
+// thread when C % 4 == 0, each column summed in W = 1's order. Indices are 32-bit (extents up to
+// kMaxIndex32); flat buffers longer than that run in pieces of kMaxIndex32 elements (for_pieces).
 template <typename T, int W>
 struct alignas(sizeof(T) * W < 16 ? sizeof(T) * W : 16) Pack {
   T v[W];
