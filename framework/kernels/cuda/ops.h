@@ -160,9 +160,10 @@ void embedding_forward(Context& ctx, float* out, const int32_t* tokens, int64_t 
                        int64_t v_begin, int64_t V_local, int64_t C);
 void embedding_forward(Context& ctx, Bf16* out, const int32_t* tokens, int64_t N, const Bf16* wte,
                        int64_t v_begin, int64_t V_local, int64_t C);
-// dwte[tokens[n] - v_begin] += dout[n]: tokens are sorted (stable), then each row sums its
-// tokens in increasing n, the CPU's order, so the result is deterministic and equals the CPU's.
-// dwte stays fp32 (master gradients) for bf16 dout.
+// dwte[tokens[n] - v_begin] += dout[n]: tokens sorted stably by row, each row's run summed in a
+// fixed order (Note [embedding-backward-segments] in embedding.cu), so the result is
+// deterministic: runs of up to 8 rows in the CPU's order (increasing n), longer ones in segments
+// (within the fp32 bound of depth R + run / R). dwte stays fp32 (master gradients) for bf16 dout.
 void embedding_backward(Context& ctx, float* dwte, const float* dout, const int32_t* tokens,
                         int64_t N, int64_t v_begin, int64_t V_local, int64_t C);
 void embedding_backward(Context& ctx, float* dwte, const Bf16* dout, const int32_t* tokens,
