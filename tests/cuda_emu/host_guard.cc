@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/cuda_emu/signal_chain.h"
+
 namespace keel_emu::host_guard {
 
 namespace {
@@ -68,17 +70,7 @@ class SpinLock {
 struct sigaction g_previous {};
 std::once_flag g_install_once;
 
-void chain(int sig, siginfo_t* info, void* uc) {
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, uc);
-  } else if (g_previous.sa_handler == SIG_DFL || g_previous.sa_handler == SIG_IGN) {
-    // The access runs again under the default action: the process dies of SIGSEGV as it would
-    // have without the guard (the guard page past an allocation, a use after cudaFree).
-    sigaction(SIGSEGV, &g_previous, nullptr);
-  } else {
-    g_previous.sa_handler(sig);
-  }
-}
+void chain(int sig, siginfo_t* info, void* uc) { chain_signal(g_previous, sig, info, uc); }
 
 // The region holding addr, or null (under g_spin).
 Region* find(uintptr_t addr) {

@@ -14,6 +14,8 @@
 #include <map>
 #include <mutex>
 
+#include "tests/cuda_emu/signal_chain.h"
+
 namespace keel_emu::roofline {
 
 namespace {
@@ -46,17 +48,7 @@ size_t g_page = 4096;
 struct sigaction g_previous {};
 std::once_flag g_install_once;
 
-void chain(int sig, siginfo_t* info, void* uc) {
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, uc);
-  } else if (g_previous.sa_handler == SIG_DFL || g_previous.sa_handler == SIG_IGN) {
-    // The faulting access runs again under the default action: the process dies of SIGSEGV as
-    // it would have without this handler (the emulator's guard pages, a use after cudaFree).
-    sigaction(SIGSEGV, &g_previous, nullptr);
-  } else {
-    g_previous.sa_handler(sig);
-  }
-}
+void chain(int sig, siginfo_t* info, void* uc) { chain_signal(g_previous, sig, info, uc); }
 
 // The first touch of a protected device page: open it as far as the access needs and count it.
 void on_fault(int sig, siginfo_t* info, void* uc) {
