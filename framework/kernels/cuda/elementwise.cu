@@ -1,6 +1,7 @@
-// CUDA element-wise kernels, reductions for the gradient norm, AdamW, column sums (bias
-// gradients), RoPE and benchmark fills (see ops.h, gemm.h). Per-element math comes from the CPU
-// headers' __host__ __device__ functions where they have one (gelu_scalar, philox_uniform).
+// CUDA element-wise kernels, reductions for the gradient norm, AdamW, the bias-add fallback and
+// benchmark fills (see ops.h, gemm.h); column sums are in column_sum.cu, RoPE in rope.cu.
+// Per-element math comes from the CPU headers' __host__ __device__ functions where they have one
+// (gelu_scalar, philox_uniform).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -317,66 +318,6 @@ __global__ void adamw_segments_kernel(AdamWTable t, float* param, const float* g
   }
 }
 
-// ---- column sums (Note [fused-bias-grad]): 32-column strips x row chunks ----
-// The column sums of rows [blockIdx.y * rows, + rows) of x into partial[blockIdx.y, C], or with one
-// chunk (partial null) added to out. 32-bit indices (the host checks N, C, ld <= kMaxIndex32).
-template <typename T>
-__global__ void column_sum_add_kernel(float* out, float* partial, const T* x, int N, int C, int ld,
-                                      int rows) {
-  __shared__ float s[kColRows][33];
-  const int c = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
-  const int r0 = static_cast<int>(blockIdx.y) * rows, r1 = rows < N - r0 ? r0 + rows : N;
-  float acc = 0.0f;
-  if (c < C) {
-    for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += kColRows) {
-      acc += to_f(x[static_cast<int64_t>(r) * ld + c]);
-    }
-  }
-  acc = column_block_sum(acc, s);
-  if (threadIdx.y == 0 && c < C) {
-    if (partial != nullptr) {
-      partial[static_cast<int64_t>(blockIdx.y) * C + c] = acc;
-    } else {
-      out[c] += acc;
-    }
-  }
-}
-// The final pass: out[c] += the column sums of partial[chunks, C] (blockIdx.y 0), out2[c] += those
-// of the next [chunks, C] (blockIdx.y 1); a null output's blocks leave at once.
-__global__ void column_sum_partials_kernel(float* out, float* out2, const float* partial,
-                                           int chunks, int C) {
-  __shared__ float s[kColRows][33];
-  float* o = blockIdx.y == 0 ? out : out2;
-  if (o == nullptr) return;  // the whole block leaves together
-  const float* p = partial + static_cast<int64_t>(blockIdx.y) * chunks * C;
-  const int c = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
-  float acc = 0.0f;
-  if (c < C) {
-    for (int k = static_cast<int>(threadIdx.y); k < chunks; k += kColRows) {
-      acc += p[static_cast<int64_t>(k) * C + c];
-    }
-  }
-  acc = column_block_sum(acc, s);
-  if (threadIdx.y == 0 && c < C) o[c] += acc;
-}
-template <typename T>
-void column_sum_add_impl(Context& ctx, float* out, const T* x, int64_t N, int64_t C, int64_t ld) {
-  KEEL_CHECK(N >= 0 && C >= 0 && ld >= C, kUsage, "cuda column_sum_add: bad shape N=", N, " C=", C,
-             " ld=", ld);
-  if (N == 0 || C == 0) return;
-  KEEL_CHECK(N <= kMaxIndex32 && ld <= kMaxIndex32, kUsage, "cuda column_sum_add: N=", N,
-             " ld=", ld, " past the kernel's 32-bit indices (", kMaxIndex32, ")");
-  const RowChunks k = row_chunks(N, C);
-  auto* partial =
-      k.count > 1 ? static_cast<float*>(ctx.scratch(sizeof(float) * k.count * C)) : nullptr;
-  const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
-  column_sum_add_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
-      out, partial, x, static_cast<int>(N), static_cast<int>(C), static_cast<int>(ld),
-      static_cast<int>(k.rows));
-  KEEL_CUDA_LAUNCH_CHECK("column_sum_add", "N=", N, " C=", C, " ld=", ld, " chunks=", k.count);
-  if (partial != nullptr) column_sum_partials_add(ctx, out, nullptr, partial, k.count, C);
-}
-
 // Rows along the grid's y, columns along x (grid-stride both): no division; 32-bit extents, the
 // row offset widened in its multiply.
 template <typename T>
@@ -388,49 +329,6 @@ __global__ void add_bias_rows_kernel(T* C, const T* bias, int M, int N, int ldc)
       row[n] = from_f<T>(to_f(row[n]) + to_f(bias[n]));
     }
   }
-}
-
-// ---- RoPE: one thread per (row, head, pair); each pair is read before it is written ----
-// TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
-template <typename TO, typename TI>
-__global__ void rope_kernel(const float* cos_t, const float* sin_t, int half, TO* out, const TI* in,
-                            int T_, int H, int D, int64_t row_stride, int pos_offset, float sign,
-                            int total) {
-  for (int idx = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); idx < total;
-       idx += static_cast<int>(gridDim.x * blockDim.x)) {
-    const int rest = idx / half, i = idx - rest * half;
-    const int r = rest / H, h = rest - r * H;
-    const int p = r % T_ + pos_offset;
-    const float ci = cos_t[p * half + i], si = sign * sin_t[p * half + i];
-    const TI* xh = in + r * row_stride + h * D;
-    TO* yh = out + r * row_stride + h * D;
-    const float x1 = to_f(xh[i]), x2 = to_f(xh[i + half]);
-    yh[i] = from_f<TO>(x1 * ci - x2 * si);
-    yh[i + half] = from_f<TO>(x2 * ci + x1 * si);
-  }
-}
-template <typename TO, typename TI>
-void rope_impl(Context& ctx, const DeviceRopeTable& table, TO* out, const TI* in, int64_t B,
-               int64_t T_, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset, float sign,
-               const char* name) {
-  const int64_t half = table.half_dim();
-  KEEL_CHECK(D == 2 * half, kUsage, "rope: head_dim ", D, " does not match the table's ", 2 * half);
-  KEEL_CHECK(B >= 0 && T_ >= 0 && H >= 0, kUsage, "rope: negative shape B=", B, " T=", T_,
-             " H=", H);
-  KEEL_CHECK(row_stride >= H * D, kUsage, "rope: row_stride ", row_stride, " < H * D = ", H * D);
-  KEEL_CHECK(pos_offset >= 0 && pos_offset + T_ <= table.max_positions(), kUsage,
-             "rope: positions [", pos_offset, ", ", pos_offset + T_, ") exceed the table's ",
-             table.max_positions());
-  const int64_t total = B * T_ * H * half;
-  if (total == 0) return;
-  KEEL_CHECK(total <= kMaxIndex32 && table.max_positions() * half <= kMaxIndex32, kUsage,
-             "rope: ", total, " pairs or the table past the kernel's 32-bit indices (", kMaxIndex32,
-             ")");
-  rope_kernel<<<grid_for(total, kThreads), kThreads, 0, ctx.stream()>>>(
-      table.cos(), table.sin(), static_cast<int>(half), dev(out), dev(in), static_cast<int>(T_),
-      static_cast<int>(H), static_cast<int>(D), row_stride, static_cast<int>(pos_offset), sign,
-      static_cast<int>(total));
-  KEEL_CUDA_LAUNCH_CHECK(name, "B=", B, " T=", T_, " H=", H, " D=", D, " row_stride=", row_stride);
 }
 
 template <typename T>
@@ -609,24 +507,6 @@ void adamw_update_segments(Context& ctx, float* param, const float* grad, float*
   launch();
 }
 
-void column_sum_add(Context& ctx, float* out, const float* x, int64_t N, int64_t C, int64_t ld) {
-  column_sum_add_impl(ctx, out, x, N, C, ld);
-}
-void column_sum_add(Context& ctx, float* out, const Bf16* x, int64_t N, int64_t C, int64_t ld) {
-  column_sum_add_impl(ctx, out, dev(x), N, C, ld);
-}
-
-void column_sum_partials_add(Context& ctx, float* out, float* out2, const float* partial,
-                             int64_t chunks, int64_t C) {
-  KEEL_CHECK(chunks >= 1 && C >= 1 && chunks * C <= kMaxIndex32, kUsage,
-             "cuda column_sum_partials_add: chunks=", chunks, " C=", C);
-  if (out == nullptr && out2 == nullptr) return;
-  const dim3 grid(static_cast<unsigned>((C + 31) / 32), out2 != nullptr ? 2u : 1u);
-  column_sum_partials_kernel<<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
-      out, out2, partial, static_cast<int>(chunks), static_cast<int>(C));
-  KEEL_CUDA_LAUNCH_CHECK("column_sum_partials_add", "chunks=", chunks, " C=", C);
-}
-
 void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N, int64_t ldc,
                    DType t) {
   if (M == 0 || N == 0) return;
@@ -644,38 +524,6 @@ void add_bias_rows(Context& ctx, void* C, const void* bias, int64_t M, int64_t N
         static_cast<__nv_bfloat16*>(C), static_cast<const __nv_bfloat16*>(bias), m, n, ld);
   }
   KEEL_CUDA_LAUNCH_CHECK("add_bias_rows", "M=", M, " N=", N, " ldc=", ldc, " ", dtype_name(t));
-}
-
-DeviceRopeTable::DeviceRopeTable(Context& ctx, const RopeTable& table)
-    : max_positions_(table.max_positions),
-      half_dim_(table.half_dim),
-      cos_(upload(ctx, table.cos)),
-      sin_(upload(ctx, table.sin)) {
-  KEEL_CHECK(table.cos.size() == static_cast<size_t>(max_positions_ * half_dim_) &&
-                 table.sin.size() == table.cos.size(),
-             kUsage, "rope: table arrays do not hold max_positions * half_dim values");
-}
-
-void rope_forward(Context& ctx, const DeviceRopeTable& table, float* y, const float* x, int64_t B,
-                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
-  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
-}
-void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const Bf16* x, int64_t B,
-                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
-  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
-}
-void rope_forward(Context& ctx, const DeviceRopeTable& table, Bf16* y, const float* x, int64_t B,
-                  int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
-  rope_impl(ctx, table, y, x, B, T, H, D, row_stride, pos_offset, 1.0f, "rope_forward");
-}
-void rope_backward(Context& ctx, const DeviceRopeTable& table, float* dx, const float* dy,
-                   int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
-                   int64_t pos_offset) {
-  rope_impl(ctx, table, dx, dy, B, T, H, D, row_stride, pos_offset, -1.0f, "rope_backward");
-}
-void rope_backward(Context& ctx, const DeviceRopeTable& table, Bf16* dx, const Bf16* dy, int64_t B,
-                   int64_t T, int64_t H, int64_t D, int64_t row_stride, int64_t pos_offset) {
-  rope_impl(ctx, table, dx, dy, B, T, H, D, row_stride, pos_offset, -1.0f, "rope_backward");
 }
 
 void fill_uniform(Context& ctx, float* x, int64_t n, float lo, float hi, uint64_t seed) {
