@@ -238,7 +238,7 @@ TEST_F(StepBudget, OneReadPerForward) {
 const std::set<std::string>& row_reductions() {
   static const std::set<std::string> names = {
       "norm_param_grads_kernel",    // norm.cu: LayerNorm and QK-norm gains and biases, row chunks
-      "column_sum_add_kernel",      // elementwise.cu: linear layers' bias gradients, row chunks
+      "column_sum_add_kernel",      // column_sum.cu: linear layers' bias gradients, row chunks
       "gelu_backward_bias_kernel",  // elementwise.cu: partial sums over row chunks
       "glu_backward_bias_kernel",   // glu.cu: partial sums over row chunks
       "embedding_backward_kernel",  // embedding.cu: segments of 8-64 rows a thread

@@ -1,6 +1,6 @@
-// The CUDA emulator's NCCL (see README.md here): the calls parallel/nccl_communicator.cc makes,
-// over MPI, so keel's NCCL communicator, its bootstrap and the trainer's NCCL tensor
-// communicators run unchanged on emulated GPUs, one MPI rank each.
+// The CUDA emulator's NCCL (see README.md here): the calls parallel/nccl_communicator.cc and
+// nccl_setup.cc make, over MPI, so keel's NCCL communicator, its bootstrap and the trainer's NCCL
+// tensor communicators run unchanged on emulated GPUs, one MPI rank each.
 //
 // Like NCCL, a collective is enqueued on its stream and returns at once: it starts as an MPI
 // non-blocking collective, and the stream holds it as pending work (runtime.cc), so
