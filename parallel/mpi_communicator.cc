@@ -27,19 +27,6 @@ void check(int rc, const char* what, const std::string& group, const Watchdog* w
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
 
-class Guard {
- public:
-  Guard(Watchdog* w, const char* op, const std::string& group) : w_(w) {
-    if (w_) w_->begin(op, group.c_str());
-  }
-  ~Guard() {
-    if (w_) w_->end();
-  }
-
- private:
-  Watchdog* w_;
-};
-
 class MpiRequest final : public CommRequest {
  public:
   MpiRequest(std::vector<MPI_Request> reqs, Watchdog* w, const std::string& group)
@@ -54,7 +41,7 @@ class MpiRequest final : public CommRequest {
   }
   void wait() override {
     if (done_) return;
-    Guard g(w_, "all_reduce (non-blocking)", group_);
+    WatchdogScope g(w_, "all_reduce (non-blocking)", group_);
     check(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE),
           "MPI_Waitall", group_, w_);
     done_ = true;
@@ -100,7 +87,7 @@ template <typename T>
 void MpiCommunicator::all_reduce_chunked(T* data, int64_t n, ReduceOp op, MPI_Datatype type) {
   if (size_ == 1 || n == 0) return;
   count(n * static_cast<int64_t>(sizeof(T)));
-  Guard g(watchdog_, "all_reduce", name_);
+  WatchdogScope g(watchdog_, "all_reduce", name_);
   for (int64_t off = 0; off < n; off += max_count_) {
     const int c = static_cast<int>(std::min(max_count_, n - off));
     check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, type, mpi_op(op), comm_), "MPI_Allreduce",
@@ -117,7 +104,7 @@ void MpiCommunicator::all_reduce(double* data, int64_t n, ReduceOp op) {
 }
 
 void MpiCommunicator::sum_bf16(Bf16* data, int64_t n) {
-  Guard g(watchdog_, "all_reduce (bf16)", name_);
+  WatchdogScope g(watchdog_, "all_reduce (bf16)", name_);
   for (int64_t off = 0; off < n; off += max_count_) {
     const int c = static_cast<int>(std::min(max_count_, n - off));
     check(MPI_Allreduce(MPI_IN_PLACE, data + off, c, MPI_UINT16_T, bf16_sum_op(), comm_),
@@ -150,7 +137,7 @@ void MpiCommunicator::all_gather_chunked(const T* send, T* recv, int64_t n, MPI_
     return;
   }
   count(n * size_ * static_cast<int64_t>(sizeof(T)));
-  Guard g(watchdog_, "all_gather", name_);
+  WatchdogScope g(watchdog_, "all_gather", name_);
   if (n <= max_count_) {
     // In place when this rank's block already sits at its slot of recv (ZeRO-1 parameters).
     const void* sendbuf = send == recv + rank_ * n ? MPI_IN_PLACE : send;
@@ -190,7 +177,7 @@ void MpiCommunicator::reduce_scatter(const float* send, float* recv, int64_t n) 
     return;
   }
   count(n * size_ * static_cast<int64_t>(sizeof(float)));
-  Guard g(watchdog_, "reduce_scatter", name_);
+  WatchdogScope g(watchdog_, "reduce_scatter", name_);
   if (n <= max_count_) {
     check(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_),
           "MPI_Reduce_scatter_block", name_, watchdog_);
@@ -214,7 +201,7 @@ template <typename T>
 void MpiCommunicator::broadcast_chunked(T* data, int64_t n, int root, MPI_Datatype type) {
   if (size_ == 1 || n == 0) return;
   count(n * static_cast<int64_t>(sizeof(T)));
-  Guard g(watchdog_, "broadcast", name_);
+  WatchdogScope g(watchdog_, "broadcast", name_);
   for (int64_t off = 0; off < n; off += max_count_) {
     const int c = static_cast<int>(std::min(max_count_, n - off));
     check(MPI_Bcast(data + off, c, type, root, comm_), "MPI_Bcast", name_, watchdog_);
@@ -231,7 +218,7 @@ void MpiCommunicator::broadcast_bytes(void* data, int64_t bytes, int root) {
 
 void MpiCommunicator::barrier() {
   if (size_ == 1) return;
-  Guard g(watchdog_, "barrier", name_);
+  WatchdogScope g(watchdog_, "barrier", name_);
   check(MPI_Barrier(comm_), "MPI_Barrier", name_, watchdog_);
 }
 

@@ -20,7 +20,6 @@ static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES);
 static_assert(NcclCommunicator::kNoColor == NCCL_SPLIT_NOCOLOR);
 
 using nccl_internal::Backoff;
-using nccl_internal::Guard;
 
 namespace {
 
@@ -160,7 +159,7 @@ void NcclCommunicator::check_async_error(const char* op, int64_t n) {
 
 template <typename Query>
 void NcclCommunicator::wait_until(Query done, const char* op, int64_t n) {
-  Guard g(watchdog_, op, name_);
+  WatchdogScope g(watchdog_, op, name_);
   Backoff backoff;
   for (;;) {
     const cudaError_t rc = done();
@@ -191,7 +190,7 @@ void NcclCommunicator::enqueue(Enqueue enqueue, CUstream_st* stream, const char*
   {
     // Under the watchdog too: a blocking communicator's first collective of an algorithm sets up
     // its connections inside the call (NCCL_RUNTIME_CONNECT), waiting for every peer.
-    Guard g(watchdog_, call, name_);
+    WatchdogScope g(watchdog_, call, name_);
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
       // Note [nccl launch order]: after the previous collective of the shared order when it ran
@@ -227,7 +226,7 @@ void NcclCommunicator::enqueue(Enqueue enqueue, CUstream_st* stream, const char*
 }
 
 void NcclCommunicator::settle(const char* call, int64_t n) {
-  Guard g(watchdog_, call, name_);
+  WatchdogScope g(watchdog_, call, name_);
   Backoff backoff;
   for (;;) {
     int polled = ncclSuccess;
@@ -256,7 +255,7 @@ void NcclCommunicator::end_group() {
   {
     // ncclGroupEnd launches the group's collectives (and may set up connections, as a first
     // collective does: under the watchdog).
-    Guard g(watchdog_, "ncclGroupEnd", name_);
+    WatchdogScope g(watchdog_, "ncclGroupEnd", name_);
     std::lock_guard<std::mutex> lock(mu_);
     status = ncclGroupEnd();
     if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {

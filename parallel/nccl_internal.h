@@ -55,22 +55,6 @@ class NcclLaunchOrder {
 
 namespace nccl_internal {
 
-// Marks a host wait as a collective in flight for the watchdog (as MpiCommunicator does).
-class Guard {
- public:
-  Guard(Watchdog* w, const char* op, const std::string& group) : w_(w) {
-    if (w_) w_->begin(op, group.c_str());
-  }
-  ~Guard() {
-    if (w_) w_->end();
-  }
-  Guard(const Guard&) = delete;
-  Guard& operator=(const Guard&) = delete;
-
- private:
-  Watchdog* w_;
-};
-
 // Polling: spin (yielding) for the first 2 ms, then sleep 20 us between polls so a long wait does
 // not hold a core. A blocking collective's wait covers the compute queued before it as well
 // (often milliseconds), and the GPU is idle from the collective's end until the host sees it and

@@ -19,7 +19,6 @@
 namespace keel {
 
 using nccl_internal::Backoff;
-using nccl_internal::Guard;
 
 namespace {
 
@@ -71,7 +70,7 @@ NcclCommunicator::NcclCommunicator(const UniqueId& id, int rank, int size, std::
   std::copy(id.begin(), id.end(), nid.internal);
   {
     // Under the watchdog: the bootstrap waits for every rank (Note [nccl non-blocking]: polled).
-    Guard g(watchdog_, "ncclCommInitRank", name_);
+    WatchdogScope g(watchdog_, "ncclCommInitRank", name_);
     ncclComm_t comm = nullptr;
     ncclConfig_t config = non_blocking_config();
     ncclResult_t rc = ncclCommInitRankConfig(&comm, size_, nid, rank_, &config);
@@ -139,7 +138,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key, st
   std::string last;
   {
     // Collective over this communicator's ranks: under the watchdog, as the bootstrap is.
-    Guard g(watchdog_, "ncclCommSplit", name_);
+    WatchdogScope g(watchdog_, "ncclCommSplit", name_);
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.load() && comm_ != nullptr) {
       ncclConfig_t config = non_blocking_config();  // Note [nccl non-blocking]
@@ -153,7 +152,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key, st
   throw_if_aborted("ncclCommSplit", -1);
   if (status == ncclInProgress) {
     settle("ncclCommSplit", -1);
-    Guard g(watchdog_, "ncclCommSplit", name_);
+    WatchdogScope g(watchdog_, "ncclCommSplit", name_);
     status = child != nullptr ? settle_new(child) : ncclSuccess;
     if (status != ncclSuccess && child != nullptr) {
       const char* words = ncclGetLastError(child);

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -83,6 +84,24 @@ class Watchdog {
   int next_hook_id_ = 1;
   std::atomic<bool> ending_{false};  // run_abort_hooks has begun: _Exit follows
   std::thread thread_;
+};
+
+// Marks one blocking call as a collective in flight for `w` (null: no watchdog) for its lifetime:
+// begin() on construction, end() on destruction. `op` must outlive it; `group` too (a
+// communicator's name).
+class WatchdogScope {
+ public:
+  WatchdogScope(Watchdog* w, const char* op, const std::string& group) : w_(w) {
+    if (w_) w_->begin(op, group.c_str());
+  }
+  ~WatchdogScope() {
+    if (w_) w_->end();
+  }
+  WatchdogScope(const WatchdogScope&) = delete;
+  WatchdogScope& operator=(const WatchdogScope&) = delete;
+
+ private:
+  Watchdog* w_;
 };
 
 }  // namespace keel
