@@ -78,4 +78,34 @@ __device__ inline float column_block_sum(float v, float (*s)[33]) {
   return s[0][threadIdx.x];
 }
 
+// ---- flat element-wise maps (Note [vector-access] in internal.h) ----
+// out[i] = f(a[i]) (or f(a[i], b[i])) over [0, n): n / W packs of W elements a thread-step, then
+// the last n % W elements one per thread of the grid's first threads. out may alias an input: each
+// element is read before it is written, by the same thread.
+template <int W, typename TO, typename TA, typename F>
+__device__ __forceinline__ void map_packs(TO* out, const TA* a, int n, F f) {
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TA, W> x = reinterpret_cast<const Pack<TA, W>*>(a)[k];
+    Pack<TO, W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = f(x.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(out)[k] = y;
+  }
+  if (packs * W + id < n) out[packs * W + id] = f(a[packs * W + id]);
+}
+template <int W, typename TO, typename TA, typename TB, typename F>
+__device__ __forceinline__ void map_packs(TO* out, const TA* a, const TB* b, int n, F f) {
+  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
+  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const Pack<TA, W> x = reinterpret_cast<const Pack<TA, W>*>(a)[k];
+    const Pack<TB, W> y = reinterpret_cast<const Pack<TB, W>*>(b)[k];
+    Pack<TO, W> z;
+#pragma unroll
+    for (int j = 0; j < W; ++j) z.v[j] = f(x.v[j], y.v[j]);
+    reinterpret_cast<Pack<TO, W>*>(out)[k] = z;
+  }
+  if (packs * W + id < n) out[packs * W + id] = f(a[packs * W + id], b[packs * W + id]);
+}
+
 }  // namespace keel::kernels::cuda

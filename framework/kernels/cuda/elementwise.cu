@@ -23,35 +23,16 @@ namespace {
 constexpr int kThreads = 256;
 
 // ---- GELU, add: Note [vector-access] (internal.h) ----
-// Thread-steps over n / W packs of W elements, then the last n % W elements one per thread of the
-// grid's first threads. TO, TI: the output and input types (an fp32 input may be written in bf16:
-// Note [act-dtype]).
+// map_packs (common.cuh): packs of W elements, the tail one per thread. TO, TI: the output and
+// input types (an fp32 input may be written in bf16: Note [act-dtype]).
 template <int W, typename TO, typename TI>
 __global__ void gelu_forward_kernel(TO* out, const TI* inp, int n) {
-  const auto f = [](TI x) { return from_f<TO>(gelu_scalar<float>(to_f(x))); };
-  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
-  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
-    const Pack<TI, W> x = reinterpret_cast<const Pack<TI, W>*>(inp)[k];
-    Pack<TO, W> y;
-#pragma unroll
-    for (int j = 0; j < W; ++j) y.v[j] = f(x.v[j]);
-    reinterpret_cast<Pack<TO, W>*>(out)[k] = y;
-  }
-  if (packs * W + id < n) out[packs * W + id] = f(inp[packs * W + id]);
+  map_packs<W>(out, inp, n, [](TI x) { return from_f<TO>(gelu_scalar<float>(to_f(x))); });
 }
 template <int W, typename TO, typename TI>
 __global__ void gelu_backward_kernel(TO* dinp, const TI* inp, const TI* dout, int n) {
-  const auto f = [](TI x, TI d) { return from_f<TO>(to_f(d) * gelu_grad_scalar<float>(to_f(x))); };
-  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
-  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
-    const Pack<TI, W> x = reinterpret_cast<const Pack<TI, W>*>(inp)[k];
-    const Pack<TI, W> d = reinterpret_cast<const Pack<TI, W>*>(dout)[k];
-    Pack<TO, W> y;
-#pragma unroll
-    for (int j = 0; j < W; ++j) y.v[j] = f(x.v[j], d.v[j]);
-    reinterpret_cast<Pack<TO, W>*>(dinp)[k] = y;
-  }
-  if (packs * W + id < n) dinp[packs * W + id] = f(inp[packs * W + id], dout[packs * W + id]);
+  map_packs<W>(dinp, inp, dout, n,
+               [](TI x, TI d) { return from_f<TO>(to_f(d) * gelu_grad_scalar<float>(to_f(x))); });
 }
 // Note [fused-bias-grad]: the same values, and their column sums over this block's row chunk into
 // partial[blockIdx.y, C]. Thread (x, y) takes columns W * (32 blockIdx.x + x) + [0, W) of rows
@@ -90,17 +71,7 @@ __global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float*
 }
 template <int W, typename T, typename TB>
 __global__ void add_kernel(T* out, const T* a, const TB* b, int n) {
-  const auto f = [](T x, TB y) { return from_f<T>(to_f(x) + to_f(y)); };
-  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
-  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
-    const Pack<T, W> x = reinterpret_cast<const Pack<T, W>*>(a)[k];
-    const Pack<TB, W> y = reinterpret_cast<const Pack<TB, W>*>(b)[k];
-    Pack<T, W> z;
-#pragma unroll
-    for (int j = 0; j < W; ++j) z.v[j] = f(x.v[j], y.v[j]);
-    reinterpret_cast<Pack<T, W>*>(out)[k] = z;
-  }
-  if (packs * W + id < n) out[packs * W + id] = f(a[packs * W + id], b[packs * W + id]);
+  map_packs<W>(out, a, b, n, [](T x, TB y) { return from_f<T>(to_f(x) + to_f(y)); });
 }
 
 // Blocks for n elements in packs of W (at least one, for the tail's n % W threads).

@@ -43,17 +43,7 @@ __device__ __forceinline__ float act_grad(float x) {
 // TO, TI: the output and input types (an fp32 input may be written in bf16: Note [act-dtype]).
 template <int W, typename TO, typename TI, GluAct A>
 __global__ void glu_forward_kernel(TO* out, const TI* gate, const TI* up, int n) {
-  const auto f = [](TI g, TI u) { return from_f<TO>(act<A>(to_f(g)) * to_f(u)); };
-  const int id = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), packs = n / W;
-  for (int k = id; k < packs; k += static_cast<int>(gridDim.x * blockDim.x)) {
-    const Pack<TI, W> g = reinterpret_cast<const Pack<TI, W>*>(gate)[k];
-    const Pack<TI, W> u = reinterpret_cast<const Pack<TI, W>*>(up)[k];
-    Pack<TO, W> y;
-#pragma unroll
-    for (int j = 0; j < W; ++j) y.v[j] = f(g.v[j], u.v[j]);
-    reinterpret_cast<Pack<TO, W>*>(out)[k] = y;
-  }
-  if (packs * W + id < n) out[packs * W + id] = f(gate[packs * W + id], up[packs * W + id]);
+  map_packs<W>(out, gate, up, n, [](TI g, TI u) { return from_f<TO>(act<A>(to_f(g)) * to_f(u)); });
 }
 // dup may alias dout: every input of element i is read before dup[i] is written.
 template <int W, typename TO, typename TI, GluAct A>
