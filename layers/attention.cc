@@ -303,13 +303,24 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
                                ps_.grad_or_null(proj_b_), dy, kernels::act(att_),
                                ps_.param(proj_w_), BT, HD, d.C);
   }
-  const bool normed = d.qk_norm != config::NONE;
+  const bool normed = d.qk_norm != config::NONE, rope = d.position == config::ROPE;
   const QkvView raw = qkv_view(qkv_.f32(), B);
-  const QkvView draw = qkv_view(sc.dqkv.f32(), B);
+  // The gradients of q, k and v in dqkv (raw's layout), bf16 under BF16 on a device (Note
+  // [act-dtype]: only the QKV projection's backward GEMMs and its bias sum read them).
+  const kernels::ActOut dqkv = kernels::act(sc.dqkv);
+  const kernels::ActOut dq_raw = dqkv.at(raw.q - raw.q), dk_raw = dqkv.at(raw.k - raw.q),
+                        dv_raw = dqkv.at(raw.v - raw.q);
   // dq, dk in the layout of the q, k attention read: inside dqkv, or dq's rows then dk's in dqk.
-  const int64_t ldq = normed ? HD : draw.ldq, ldk = normed ? KD : draw.ldkv;
-  float* dq = normed ? sc.dqk.f32() : draw.q;
-  float* dk = normed ? sc.dqk.f32() + BT * HD : draw.k;
+  // With QK-norm they are bf16 too where the norm's backward reads them as they are; RoPE's
+  // backward first rotates them, in place in fp32, so that the norm's backward sees no rounding
+  // the fp32 path would not make.
+  const int64_t ldq = normed ? HD : raw.ldq, ldk = normed ? KD : raw.ldkv;
+  kernels::ActOut dq = dq_raw, dk = dk_raw;
+  if (normed) {
+    dq = dqkv.dtype != DType::kF32 && !rope ? kernels::ActOut(sc.dqk.raw(), dqkv.dtype)
+                                            : kernels::ActOut(sc.dqk.f32());
+    dk = dq.at(BT * HD);
+  }
   if (d.kv_replicated) {
     // Note [gqa layouts]: attention writes the gradient of the one k/v head this rank reads; the
     // others get none from this rank.
@@ -330,7 +341,7 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    ctx_.exec->attention_backward(s, dq, dk + kv0, draw.v + kv0, dscale, kernels::act(sc.datt),
+    ctx_.exec->attention_backward(s, dq, dk.at(kv0), dv_raw.at(kv0), dscale, kernels::act(sc.datt),
                                   kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v + kv0,
                                   scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
@@ -338,7 +349,7 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
                                        d.qk_scope != config::HEAD);
     }
   }
-  if (d.position == config::ROPE) {
+  if (rope) {
     // dq, dk are gradients w.r.t. the rotated q, k; the transposed rotation gives them w.r.t. the
     // (normalised) q, k before RoPE, in place, in one call as in forward (multi-head): dk's rows
     // follow dq's (2 B sequences) with QK-norm, else dk's heads follow dq's in the same rows (2 Hl
@@ -376,16 +387,16 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
         // Replicated k heads: this rank's dk is a partial sum over TP already (linear in dk).
         if (!d.kv_replicated) tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
       }
-      ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, draw.q, false, g(q_norm_w_),
+      ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, dq_raw, false, g(q_norm_w_),
                                              g(q_norm_b_), dq, raw.q, w(q_norm_w_), q_mean_.f32(),
                                              q_rstd_.f32());
-      ctx_.exec->norm_backward_from_partials(op, sk, d.Hkv * d.D, kp, draw.k, false, g(k_norm_w_),
+      ctx_.exec->norm_backward_from_partials(op, sk, d.Hkv * d.D, kp, dk_raw, false, g(k_norm_w_),
                                              g(k_norm_b_), dk, raw.k, w(k_norm_w_), k_mean_.f32(),
                                              k_rstd_.f32());
     } else {
-      ctx_.exec->norm_backward(op, sq, draw.q, false, g(q_norm_w_), g(q_norm_b_), dq, raw.q,
+      ctx_.exec->norm_backward(op, sq, dq_raw, false, g(q_norm_w_), g(q_norm_b_), dq, raw.q,
                                w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      ctx_.exec->norm_backward(op, sk, draw.k, false, g(k_norm_w_), g(k_norm_b_), dk, raw.k,
+      ctx_.exec->norm_backward(op, sk, dk_raw, false, g(k_norm_w_), g(k_norm_b_), dk, raw.k,
                                w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
@@ -397,15 +408,15 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
   {
     ProfileScope p(prof, "matmul.qkv");
     if (!d.gqa()) {
-      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_),
-                                 sc.dqkv.f32(), x, ps_.param(qkv_w_), BT, d.C, 3 * HD);
+      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dqkv, x,
+                                 ps_.param(qkv_w_), BT, d.C, 3 * HD);
     } else {
       // The kv projection adds its input gradient to q's (fp32 only: a bf16 dinp cannot
       // accumulate, and grouped-query attention runs on the CPU).
       KEEL_CHECK(dxo.dtype == DType::kF32, kInternal, "grouped-query attention with a bf16 dx");
-      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), draw.q, x,
+      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dq_raw, x,
                                  ps_.param(qkv_w_), BT, d.C, HD);
-      ctx_.exec->linear_backward(dxo, true, ps_.grad(kv_w_), ps_.grad_or_null(kv_b_), draw.k, x,
+      ctx_.exec->linear_backward(dxo, true, ps_.grad(kv_w_), ps_.grad_or_null(kv_b_), dk_raw, x,
                                  ps_.param(kv_w_), BT, d.C, 2 * KD);
     }
   }

@@ -69,9 +69,10 @@ struct ModelDims {
 struct Scratch {
   Tensor dn;    // [BT, C]     gradient w.r.t. a norm output
   Tensor datt;  // [BT, Hl D]  gradient w.r.t. the attention output (Note [act-dtype])
-  Tensor dqkv;  // [BT, ModelDims::qkv_width()] (Attention::qkv_'s layout)
+  Tensor dqkv;  // [BT, ModelDims::qkv_width()] (Attention::qkv_'s layout; Note [act-dtype])
   // [BT, Hl D] then [BT, Hkvl D]: gradient w.r.t. the QK-normalised q, then k (Attention::qk_'s
-  // layout); in a forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation
+  // layout), fp32; under BF16 without RoPE its first half holds them in bf16 (Note [act-dtype]).
+  // In a forward with RoPE and bf16 q, k, the fp32 normalised q, k before the rotation.
   Tensor dqk;
   Tensor dh;  // [BT, Fl]    gradient w.r.t. the MLP's activated hidden (the down input)
   // [BT, Fl] gated MLPs: gradient w.r.t. the gate projection's output (Note [act-dtype])

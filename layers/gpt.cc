@@ -260,8 +260,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   loss_ = std::make_unique<VocabParallelLoss>(ctx_, cfg.loss().z_loss());
   dres_ = ctx_.zeros({rows, C});
   scratch_.dn = ctx_.zeros({rows, C});
-  scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());  // Note [act-dtype]
-  scratch_.dqkv = ctx_.zeros({BT, d.qkv_width()});
+  scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());             // Note [act-dtype]
+  scratch_.dqkv = ctx_.zeros({BT, d.qkv_width()}, exec.act_dtype());  // Note [act-dtype]
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, (d.Hl + d.Hkvl) * d.D});
   scratch_.dh = ctx_.zeros({BT, d.Fl});
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());

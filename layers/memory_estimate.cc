@@ -114,9 +114,9 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   model += 2 * rows;                    // ln_f mean and rstd
   if (sp) model += 3 * BT * C + 2 * C;  // sp_x, sp_dy, sp_part; sp_norm
   if (rope) model += T * D;             // the cos/sin table: [T, D / 2] each
-  // Backward scratch shared by all blocks: dn, datt (bf16 too), dqkv, dqk, dh, dgate (gated; bf16
-  // too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
-  model += rows * C + act * BT * HD + qkv + (qk_on ? BT * (HD + KD) : 0) + BT * Fl;
+  // Backward scratch shared by all blocks: dn, datt and dqkv (bf16 too), dqk, dh, dgate (gated;
+  // bf16 too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
+  model += rows * C + act * BT * HD + act * qkv + (qk_on ? BT * (HD + KD) : 0) + BT * Fl;
   if (gated) model += act * BT * Fl;
   if (post_norm || sandwich) model += rows * C;
   // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.

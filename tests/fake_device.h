@@ -376,10 +376,11 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("norm_forward", {out.data, inp, weight, bias, mean, rstd});
     cpu().norm_forward(op, s, out, inp, weight, bias, mean, rstd, eps);
   }
-  void norm_backward(kernels::NormOp op, const kernels::NormShape& s, float* dinp, bool accumulate,
-                     float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, const float* mean, const float* rstd) override {
-    Call c("norm_backward", {dinp, dweight, dbias, dout, inp, weight, mean, rstd});
+  void norm_backward(kernels::NormOp op, const kernels::NormShape& s, kernels::ActOut dinp,
+                     bool accumulate, float* dweight, float* dbias, kernels::ActIn dout,
+                     const float* inp, const float* weight, const float* mean,
+                     const float* rstd) override {
+    Call c("norm_backward", {dinp.data, dweight, dbias, dout.data, inp, weight, mean, rstd});
     cpu().norm_backward(op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
   }
   void norm_partial_stats(const kernels::NormShape& s, const float* inp, float* stats) override {
@@ -393,19 +394,19 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("norm_forward_from_stats", {stats, out.data, inp, weight, bias, mean, rstd});
     cpu().norm_forward_from_stats(op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd, eps);
   }
-  void norm_backward_partials(const kernels::NormShape& s, const float* dout, const float* inp,
+  void norm_backward_partials(const kernels::NormShape& s, kernels::ActIn dout, const float* inp,
                               const float* weight, const float* mean, const float* rstd,
                               float* part) override {
-    Call c("norm_backward_partials", {dout, inp, weight, mean, rstd, part});
+    Call c("norm_backward_partials", {dout.data, inp, weight, mean, rstd, part});
     cpu().norm_backward_partials(s, dout, inp, weight, mean, rstd, part);
   }
   void norm_backward_from_partials(kernels::NormOp op, const kernels::NormShape& s,
-                                   int64_t Cg_total, const float* part, float* dinp,
-                                   bool accumulate, float* dweight, float* dbias, const float* dout,
-                                   const float* inp, const float* weight, const float* mean,
-                                   const float* rstd) override {
+                                   int64_t Cg_total, const float* part, kernels::ActOut dinp,
+                                   bool accumulate, float* dweight, float* dbias,
+                                   kernels::ActIn dout, const float* inp, const float* weight,
+                                   const float* mean, const float* rstd) override {
     Call c("norm_backward_from_partials",
-           {part, dinp, dweight, dbias, dout, inp, weight, mean, rstd});
+           {part, dinp.data, dweight, dbias, dout.data, inp, weight, mean, rstd});
     cpu().norm_backward_from_partials(op, s, Cg_total, part, dinp, accumulate, dweight, dbias, dout,
                                       inp, weight, mean, rstd);
   }
@@ -422,12 +423,13 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("attention_forward", {out.data, saved, q.data, k.data, v, scale, max_abs_logit});
     cpu().attention_forward(s, out, saved, q, k, v, scale, max_abs_logit);
   }
-  void attention_backward(const kernels::AttentionShape& s, float* dq, float* dk, float* dv,
-                          float* dscale, kernels::ActIn dout, kernels::ActIn out,
-                          const float* saved, kernels::ActIn q, kernels::ActIn k, const float* v,
-                          const float* scale, float* workspace) override {
-    Call c("attention_backward",
-           {dq, dk, dv, dscale, dout.data, out.data, saved, q.data, k.data, v, scale, workspace});
+  void attention_backward(const kernels::AttentionShape& s, kernels::ActOut dq, kernels::ActOut dk,
+                          kernels::ActOut dv, float* dscale, kernels::ActIn dout,
+                          kernels::ActIn out, const float* saved, kernels::ActIn q,
+                          kernels::ActIn k, const float* v, const float* scale,
+                          float* workspace) override {
+    Call c("attention_backward", {dq.data, dk.data, dv.data, dscale, dout.data, out.data, saved,
+                                  q.data, k.data, v, scale, workspace});
     cpu().attention_backward(s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -446,9 +448,9 @@ class FakeDeviceExec final : public kernels::ExecContext {
     Call c("rope_forward", {y.data, x});
     cpu().rope_forward(table, y, x, B, T, H, D, row_stride);
   }
-  void rope_backward(const kernels::RopeTable& table, float* dx, const float* dy, int64_t B,
-                     int64_t T, int64_t H, int64_t D, int64_t row_stride) override {
-    Call c("rope_backward", {dx, dy});
+  void rope_backward(const kernels::RopeTable& table, kernels::ActOut dx, kernels::ActIn dy,
+                     int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride) override {
+    Call c("rope_backward", {dx.data, dy.data});
     cpu().rope_backward(table, dx, dy, B, T, H, D, row_stride);
   }
 

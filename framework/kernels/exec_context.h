@@ -53,6 +53,15 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // - the gradient of attention's output, which only attention's backward reads: the output
 //   projection's backward GEMM writes it in bf16 from fp32 accumulators, the rounding attention's
 //   backward staged before;
+// - the QKV projection's output gradient (dqkv), which only that projection's backward GEMMs and
+//   its bias sum read: attention's backward writes dv (and dq, dk without QK-norm) in bf16, the
+//   rounding its kernels make anyway, and QK-norm's backward writes dq, dk from fp32 arithmetic,
+//   rounded once, the rounding the GEMM staged before. With QK-norm and no RoPE, attention writes
+//   dq, dk in bf16 too and the norm's backward widens them as it reads (with RoPE they stay fp32,
+//   rotated in place, so the norm sees no extra rounding). What changes is the QKV bias
+//   gradient's q and k columns, now summed from the bf16 values the GEMMs read (as autocast's
+//   is); per layer at 124M x 16k tokens, by a byte count, ~0.6 GB of traffic less (the widening
+//   of dq, dk, dv, the GEMM's staging of dqkv, and half of the norm's and the bias sum's reads);
 // - under TP with bf16 on the TP wire (Note [bf16 wire] in parallel/communicator.h), the
 //   row-parallel outputs (attention's and the MLP's output projections, which the residual adds
 //   read through add()) and the QKV, MLP-up and LM-head input gradients (widened by
@@ -62,8 +71,9 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // traffic per step (20.7 GB of staging copies, 13.2 GB around the logits, 7.2 GB in the MLP's
 // backward: per layer the hidden gradient's fp32 write, its two fp32 re-reads (staging, bias sum)
 // and the staging's bf16 write, 704 MB, become one bf16 write of 101 MB; 1.2 GB for attention's
-// output gradient), and 4.4 GB less activation memory (memory_estimate_test). The residual stream,
-// the QKV projection's output, the MLP's pre-activation and the other gradients stay fp32.
+// output gradient) before the QKV gradient's share above, and 4.5 GB less activation memory
+// (memory_estimate_test). The residual stream, the QKV projection's output, the MLP's
+// pre-activation and the other gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -188,8 +198,10 @@ class ExecContext {
   virtual void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) = 0;
-  virtual void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                             float* dweight, float* dbias, const float* dout, const float* inp,
+  // dinp and dout of the backward forms: Note [act-dtype] (a bf16 dinp only with accumulate
+  // false); the gain and bias gradients and the partials are fp32 sums either way.
+  virtual void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate,
+                             float* dweight, float* dbias, ActIn dout, const float* inp,
                              const float* weight, const float* mean, const float* rstd) = 0;
   virtual void norm_partial_stats(const NormShape& s, const float* inp, float* stats) = 0;
   // out: Note [act-dtype].
@@ -197,12 +209,12 @@ class ExecContext {
                                        const float* stats, ActOut out, const float* inp,
                                        const float* weight, const float* bias, float* mean,
                                        float* rstd, float eps) = 0;
-  virtual void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
+  virtual void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp,
                                       const float* weight, const float* mean, const float* rstd,
                                       float* part) = 0;
   virtual void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
-                                           const float* part, float* dinp, bool accumulate,
-                                           float* dweight, float* dbias, const float* dout,
+                                           const float* part, ActOut dinp, bool accumulate,
+                                           float* dweight, float* dbias, ActIn dout,
                                            const float* inp, const float* weight, const float* mean,
                                            const float* rstd) = 0;
 
@@ -219,9 +231,9 @@ class ExecContext {
   virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
                                  ActIn k, const float* v, const float* scale,
                                  float* max_abs_logit) = 0;
-  // dq, dk, dv (=); dscale (+=, nullable). out and saved as the forward left them; dq, dk, dv
-  // must not alias q, k, v, out or dout.
-  virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
+  // dq, dk, dv (=; Note [act-dtype], at the row strides of q, k and v); dscale (+=, nullable).
+  // out and saved as the forward left them; dq, dk, dv must not alias q, k, v, out or dout.
+  virtual void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
                                   ActIn k, const float* v, const float* scale,
                                   float* workspace) = 0;
@@ -234,8 +246,10 @@ class ExecContext {
   // y: Note [act-dtype] (bf16 only out of place).
   virtual void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                             int64_t H, int64_t D, int64_t row_stride) = 0;
-  virtual void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
-                             int64_t T, int64_t H, int64_t D, int64_t row_stride) = 0;
+  // dx and dy: Note [act-dtype], of one dtype (bf16: the fp32 rotation of the widened dy rounded
+  // once); dx may equal dy (in place).
+  virtual void rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T,
+                             int64_t H, int64_t D, int64_t row_stride) = 0;
 
   // ---- embedding.h ----
   virtual void embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,

@@ -81,10 +81,11 @@ class CpuExec final : public ExecContext {
     kernels::norm_forward(op, s, act_f32(out, "norm_forward", "out"), inp, weight, bias, mean, rstd,
                           eps);
   }
-  void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate, float* dweight,
-                     float* dbias, const float* dout, const float* inp, const float* weight,
+  void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate, float* dweight,
+                     float* dbias, ActIn dout, const float* inp, const float* weight,
                      const float* mean, const float* rstd) override {
-    kernels::norm_backward(op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
+    kernels::norm_backward(op, s, act_f32(dinp, "norm_backward", "dinp"), accumulate, dweight,
+                           dbias, act_f32(dout, "norm_backward", "dout"), inp, weight, mean, rstd);
   }
   void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override {
     kernels::norm_partial_stats(s, inp, stats);
@@ -96,18 +97,19 @@ class CpuExec final : public ExecContext {
                                      act_f32(out, "norm_forward_from_stats", "out"), inp, weight,
                                      bias, mean, rstd, eps);
   }
-  void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
-                              const float* weight, const float* mean, const float* rstd,
-                              float* part) override {
-    kernels::norm_backward_partials(s, dout, inp, weight, mean, rstd, part);
+  void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp, const float* weight,
+                              const float* mean, const float* rstd, float* part) override {
+    kernels::norm_backward_partials(s, act_f32(dout, "norm_backward_partials", "dout"), inp, weight,
+                                    mean, rstd, part);
   }
   void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
-                                   const float* part, float* dinp, bool accumulate, float* dweight,
-                                   float* dbias, const float* dout, const float* inp,
-                                   const float* weight, const float* mean,
-                                   const float* rstd) override {
-    kernels::norm_backward_from_partials(op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
-                                         dout, inp, weight, mean, rstd);
+                                   const float* part, ActOut dinp, bool accumulate, float* dweight,
+                                   float* dbias, ActIn dout, const float* inp, const float* weight,
+                                   const float* mean, const float* rstd) override {
+    kernels::norm_backward_from_partials(
+        op, s, Cg_total, part, act_f32(dinp, "norm_backward_from_partials", "dinp"), accumulate,
+        dweight, dbias, act_f32(dout, "norm_backward_from_partials", "dout"), inp, weight, mean,
+        rstd);
   }
 
   // The CPU saves the probabilities; the backward's workspace is per OpenMP thread.
@@ -123,14 +125,15 @@ class CpuExec final : public ExecContext {
         s, act_f32(out, "attention_forward", "out"), saved, act_f32(q, "attention_forward", "q"),
         act_f32(k, "attention_forward", "k"), v, scale, max_abs_logit);
   }
-  void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
+  void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv, float* dscale,
                           ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
                           const float* v, const float* scale, float* workspace) override {
     act_f32(out, "attention_backward", "out");  // the CPU's backward reads its saved probabilities
-    kernels::attention_backward<float>(s, dq, dk, dv, dscale,
-                                       act_f32(dout, "attention_backward", "dout"), saved,
-                                       act_f32(q, "attention_backward", "q"),
-                                       act_f32(k, "attention_backward", "k"), v, scale, workspace);
+    kernels::attention_backward<float>(
+        s, act_f32(dq, "attention_backward", "dq"), act_f32(dk, "attention_backward", "dk"),
+        act_f32(dv, "attention_backward", "dv"), dscale,
+        act_f32(dout, "attention_backward", "dout"), saved, act_f32(q, "attention_backward", "q"),
+        act_f32(k, "attention_backward", "k"), v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override {
@@ -145,9 +148,10 @@ class CpuExec final : public ExecContext {
                     int64_t H, int64_t D, int64_t row_stride) override {
     kernels::rope_forward<float>(table, act_f32(y, "rope_forward", "y"), x, B, T, H, D, row_stride);
   }
-  void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B, int64_t T,
-                     int64_t H, int64_t D, int64_t row_stride) override {
-    kernels::rope_backward<float>(table, dx, dy, B, T, H, D, row_stride);
+  void rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T, int64_t H,
+                     int64_t D, int64_t row_stride) override {
+    kernels::rope_backward<float>(table, act_f32(dx, "rope_backward", "dx"),
+                                  act_f32(dy, "rope_backward", "dy"), B, T, H, D, row_stride);
   }
 
   void embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,

@@ -1,6 +1,7 @@
-// fp32 <-> bf16 conversion of strided row blocks: the casts of the BF16 execution precision
-// (cuda/exec_context.cc), which rounds the inputs of matrix products and attention to bf16 and
-// keeps every stored activation, weight and gradient in fp32.
+// fp32 <-> bf16 conversion of strided row blocks, and bf16 row copies between strides: the casts
+// of the BF16 execution precision (cuda/exec_context.cc), which rounds the inputs of matrix
+// products and attention to bf16 (Note [cuda-exec-bf16]) where they are not stored in bf16 already
+// (Note [act-dtype]).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -74,6 +75,26 @@ __global__ void from_bf16_kernel(float* out, int ld_out, const __nv_bfloat16* in
   }
 }
 
+template <int W>
+__global__ void copy_bf16_kernel(__nv_bfloat16* out, int ld_out, const __nv_bfloat16* in, int ld_in,
+                                 int rows, int cols) {
+  const int packs = cols / W, items = packs + cols % W;
+  for (int r = static_cast<int>(blockIdx.y); r < rows; r += static_cast<int>(gridDim.y)) {
+    const __nv_bfloat16* src = in + static_cast<int64_t>(r) * ld_in;
+    __nv_bfloat16* dst = out + static_cast<int64_t>(r) * ld_out;
+    for (int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); k < items;
+         k += static_cast<int>(gridDim.x * blockDim.x)) {
+      if (k < packs) {
+        reinterpret_cast<Pack<__nv_bfloat16, W>*>(dst)[k] =
+            reinterpret_cast<const Pack<__nv_bfloat16, W>*>(src)[k];
+      } else {
+        const int c = packs * W + (k - packs);
+        dst[c] = src[c];
+      }
+    }
+  }
+}
+
 // Blocks: x over a row's packs (at most 64), y over rows (at most 65535, the y dimension's limit).
 dim3 rows_grid(int64_t rows, int64_t items) {
   const int64_t x = std::min<int64_t>((items + kThreads - 1) / kThreads, 64);
@@ -122,6 +143,23 @@ void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, in
         <<<rows_grid(rows, c), kThreads, 0, ctx.stream()>>>(out, lo, dev(in), li, r, c, accumulate);
   }
   KEEL_CUDA_LAUNCH_CHECK("from_bf16_rows", "rows=", rows, " cols=", cols, " ld_in=", ld_in,
+                         " ld_out=", ld_out);
+}
+
+void copy_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
+                    int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return;
+  check_rows("copy_bf16_rows", ld_out, ld_in, rows, cols);
+  const int r = static_cast<int>(rows), c = static_cast<int>(cols);
+  const int lo = static_cast<int>(ld_out), li = static_cast<int>(ld_in);
+  if (aligned16(out, in) && ld_out % 8 == 0 && ld_in % 8 == 0) {
+    copy_bf16_kernel<8><<<rows_grid(rows, c / 8 + c % 8), kThreads, 0, ctx.stream()>>>(
+        dev(out), lo, dev(in), li, r, c);
+  } else {
+    copy_bf16_kernel<1>
+        <<<rows_grid(rows, c), kThreads, 0, ctx.stream()>>>(dev(out), lo, dev(in), li, r, c);
+  }
+  KEEL_CUDA_LAUNCH_CHECK("copy_bf16_rows", "rows=", rows, " cols=", cols, " ld_in=", ld_in,
                          " ld_out=", ld_out);
 }
 

@@ -266,10 +266,16 @@ void CudaExec::norm_forward(NormOp op, const NormShape& s, ActOut out, const flo
   });
 }
 
-void CudaExec::norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                             float* dweight, float* dbias, const float* dout, const float* inp,
+void CudaExec::norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate,
+                             float* dweight, float* dbias, ActIn dout, const float* inp,
                              const float* weight, const float* mean, const float* rstd) {
-  cuda::norm_backward(ctx_, op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
+  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, "norm_backward", "dinp")), kInternal,
+             "CudaExec::norm_backward: a bf16 dinp cannot accumulate");
+  with_typed(dinp, precision_, "norm_backward", "dinp", [&](auto* dx) {
+    with_typed(dout, precision_, "norm_backward", "dout", [&](auto* dy) {
+      cuda::norm_backward(ctx_, op, s, dx, accumulate, dweight, dbias, dy, inp, weight, mean, rstd);
+    });
+  });
 }
 
 void CudaExec::norm_partial_stats(const NormShape& s, const float* inp, float* stats) {
@@ -286,19 +292,28 @@ void CudaExec::norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg
   });
 }
 
-void CudaExec::norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
+void CudaExec::norm_backward_partials(const NormShape& s, ActIn dout, const float* inp,
                                       const float* weight, const float* mean, const float* rstd,
                                       float* part) {
-  cuda::norm_backward_partials(ctx_, s, dout, inp, weight, mean, rstd, part);
+  with_typed(dout, precision_, "norm_backward_partials", "dout", [&](auto* dy) {
+    cuda::norm_backward_partials(ctx_, s, dy, inp, weight, mean, rstd, part);
+  });
 }
 
 void CudaExec::norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
-                                           const float* part, float* dinp, bool accumulate,
-                                           float* dweight, float* dbias, const float* dout,
+                                           const float* part, ActOut dinp, bool accumulate,
+                                           float* dweight, float* dbias, ActIn dout,
                                            const float* inp, const float* weight, const float* mean,
                                            const float* rstd) {
-  cuda::norm_backward_from_partials(ctx_, op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
-                                    dout, inp, weight, mean, rstd);
+  const char* method = "norm_backward_from_partials";
+  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, method, "dinp")), kInternal,
+             "CudaExec::", method, ": a bf16 dinp cannot accumulate");
+  with_typed(dinp, precision_, method, "dinp", [&](auto* dx) {
+    with_typed(dout, precision_, method, "dout", [&](auto* dy) {
+      cuda::norm_backward_from_partials(ctx_, op, s, Cg_total, part, dx, accumulate, dweight, dbias,
+                                        dy, inp, weight, mean, rstd);
+    });
+  });
 }
 
 // ---- attention.h (Note [cuda-exec-attention]) ----
@@ -447,17 +462,33 @@ bool CudaExec::use_cudnn(const AttentionShape& c) {
   return it->second;
 }
 
-void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv,
+// An attention gradient the bf16 kernels wrote in dense rows (src, row stride lds) to its own
+// memory dst at row stride ld: copied as bf16, or widened exactly into fp32 (Note [act-dtype]).
+static void store_rows(Context& ctx, ActOut dst, int64_t ld, const Bf16* src, int64_t lds,
+                       int64_t rows, int64_t cols) {
+  if (dst.dtype == keel::DType::kBF16) {
+    copy_bf16_rows(ctx, static_cast<Bf16*>(dst.data), ld, src, lds, rows, cols);
+  } else {
+    from_bf16_rows(ctx, static_cast<float*>(dst.data), ld, src, lds, rows, cols,
+                   /*accumulate=*/false);
+  }
+}
+
+void CudaExec::attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
                                   ActIn k, const float* v, const float* scale,
                                   float* /*workspace*/) {
-  const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, "attention_backward", "dout");
-  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_backward", "out");
-  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_backward", "q");
-  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, "attention_backward");
+  const char* m = "attention_backward";
+  const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, m, "dout");
+  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, m, "out");
+  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, m, "q");
+  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, m);
+  const bool dq_bf16 = is_bf16(dq, precision_, m, "dq"), dk_bf16 = is_bf16(dk, precision_, m, "dk"),
+             dv_bf16 = is_bf16(dv, precision_, m, "dv");
   if (precision_ == Precision::kFp32) {
     cuda::attention_backward<float>(
-        ctx_, s, dq, dk, dv, dscale, static_cast<const float*>(dout.data),
+        ctx_, s, static_cast<float*>(dq.data), static_cast<float*>(dk.data),
+        static_cast<float*>(dv.data), dscale, static_cast<const float*>(dout.data),
         static_cast<const float*>(out.data), saved, static_cast<const float*>(q.data),
         static_cast<const float*>(k.data), v, scale);
     return;
@@ -465,14 +496,23 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
   // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
   // to the same values (an fp32 out was widened from the forward's bf16 output), so the backward
   // sees what the forward computed.
-  // Staging holds v, dq, dk, dv and whichever of q, k, out, dout are fp32. The kernels write dk
-  // at k's row stride (one ldk for both): Hkv * D, or a bf16 k's own (strided_bf16_k).
+  // The kernels write dq, dk and dv as bf16 rows: dense (H * D, Hkv * D), except dk at k's row
+  // stride (one ldk for both: Hkv * D, or a bf16 k's own, strided_bf16_k). A bf16 gradient at
+  // that row stride is written where it is (Note [act-dtype]); any other is written into staging,
+  // then copied (bf16) or widened (fp32) to its own row stride. Staging also holds v and whichever
+  // of q, k, out, dout are fp32.
   const AttentionShape c = bf16_shape(s, k_bf16);
   const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = s.kv_heads() * s.D;
   const int64_t n = align64(BT * HD), nk = align64(BT * KD), ndk = align64(BT * c.ldk);
-  StageSlots slots(stage(n + 2 * nk + ndk + (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) +
-                         (out_bf16 ? 0 : n) + (dout_bf16 ? 0 : n)));
-  Bf16 *vb = slots.take(nk), *dqb = slots.take(n), *dkb = slots.take(ndk), *dvb = slots.take(nk);
+  const bool dq_here = dq_bf16 && s.ldq == HD, dk_here = dk_bf16 && s.ldk == c.ldk,
+             dv_here = dv_bf16 && s.ldv == KD;
+  StageSlots slots(stage(nk + (dq_here ? 0 : n) + (dk_here ? 0 : ndk) + (dv_here ? 0 : nk) +
+                         (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (out_bf16 ? 0 : n) +
+                         (dout_bf16 ? 0 : n)));
+  Bf16* vb = slots.take(nk);
+  Bf16* dqb = dq_here ? static_cast<Bf16*>(dq.data) : slots.take(n);
+  Bf16* dkb = dk_here ? static_cast<Bf16*>(dk.data) : slots.take(ndk);
+  Bf16* dvb = dv_here ? static_cast<Bf16*>(dv.data) : slots.take(nk);
   const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(n, !q_bf16), BT, HD);
   const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(nk, !k_bf16), BT, KD);
   const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, slots.take(n, !out_bf16), BT, HD);
@@ -484,9 +524,9 @@ void CudaExec::attention_backward(const AttentionShape& s, float* dq, float* dk,
     cuda::attention_backward<Bf16>(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb,
                                    scale);
   }
-  from_bf16_rows(ctx_, dq, s.ldq, dqb, HD, BT, HD, /*accumulate=*/false);
-  from_bf16_rows(ctx_, dk, s.ldk, dkb, c.ldk, BT, KD, /*accumulate=*/false);
-  from_bf16_rows(ctx_, dv, s.ldv, dvb, KD, BT, KD, /*accumulate=*/false);
+  if (!dq_here) store_rows(ctx_, dq, s.ldq, dqb, HD, BT, HD);
+  if (!dk_here) store_rows(ctx_, dk, s.ldk, dkb, c.ldk, BT, KD);
+  if (!dv_here) store_rows(ctx_, dv, s.ldv, dvb, KD, BT, KD);
 }
 
 void CudaExec::attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -524,9 +564,18 @@ void CudaExec::rope_forward(const RopeTable& table, ActOut y, const float* x, in
   });
 }
 
-void CudaExec::rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B,
-                             int64_t T, int64_t H, int64_t D, int64_t row_stride) {
-  cuda::rope_backward(ctx_, device_rope_table(table), dx, dy, B, T, H, D, row_stride);
+void CudaExec::rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T,
+                             int64_t H, int64_t D, int64_t row_stride) {
+  const bool bf16 = is_bf16(dx, precision_, "rope_backward", "dx");
+  KEEL_CHECK(is_bf16(dy, precision_, "rope_backward", "dy") == bf16, kInternal,
+             "CudaExec::rope_backward: dx and dy have different dtypes");
+  if (bf16) {
+    cuda::rope_backward(ctx_, device_rope_table(table), static_cast<Bf16*>(dx.data), bf16_of(dy), B,
+                        T, H, D, row_stride);
+  } else {
+    cuda::rope_backward(ctx_, device_rope_table(table), static_cast<float*>(dx.data),
+                        static_cast<const float*>(dy.data), B, T, H, D, row_stride);
+  }
 }
 
 // ---- embedding.h ----

@@ -77,27 +77,25 @@ class CudaExec final : public kernels::ExecContext {
   void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
                     const float* weight, const float* bias, float* mean, float* rstd,
                     float eps) override;
-  void norm_backward(NormOp op, const NormShape& s, float* dinp, bool accumulate, float* dweight,
-                     float* dbias, const float* dout, const float* inp, const float* weight,
+  void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate, float* dweight,
+                     float* dbias, ActIn dout, const float* inp, const float* weight,
                      const float* mean, const float* rstd) override;
   void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override;
   void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
                                ActOut out, const float* inp, const float* weight, const float* bias,
                                float* mean, float* rstd, float eps) override;
-  void norm_backward_partials(const NormShape& s, const float* dout, const float* inp,
-                              const float* weight, const float* mean, const float* rstd,
-                              float* part) override;
+  void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp, const float* weight,
+                              const float* mean, const float* rstd, float* part) override;
   void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
-                                   const float* part, float* dinp, bool accumulate, float* dweight,
-                                   float* dbias, const float* dout, const float* inp,
-                                   const float* weight, const float* mean,
-                                   const float* rstd) override;
+                                   const float* part, ActOut dinp, bool accumulate, float* dweight,
+                                   float* dbias, ActIn dout, const float* inp, const float* weight,
+                                   const float* mean, const float* rstd) override;
 
   int64_t attention_saved_elems(const AttentionShape& s) const override;
   int64_t attention_workspace_elems(const AttentionShape& s) const override;
   void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
                          const float* v, const float* scale, float* max_abs_logit) override;
-  void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, float* dscale,
+  void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv, float* dscale,
                           ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
                           const float* v, const float* scale, float* workspace) override;
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -107,8 +105,8 @@ class CudaExec final : public kernels::ExecContext {
 
   void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
                     int64_t H, int64_t D, int64_t row_stride) override;
-  void rope_backward(const RopeTable& table, float* dx, const float* dy, int64_t B, int64_t T,
-                     int64_t H, int64_t D, int64_t row_stride) override;
+  void rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T, int64_t H,
+                     int64_t D, int64_t row_stride) override;
 
   void embedding_forward(float* out, const int32_t* tokens, int64_t N, const float* wte,
                          int64_t v_begin, int64_t V_local, int64_t C) override;

@@ -2,8 +2,8 @@
 // per (row, group), the CPU's two-pass statistics (mean, then the centred sum of squares) and its
 // expression order. Parameter gradients: partial sums over chunks of rows, then one pass over the
 // chunks (Note [fused-bias-grad] in internal.h), each in a fixed order, so results are
-// deterministic. The kernels are templates on the activation type (float or __nv_bfloat16: bf16
-// inputs, outputs, dout and dinp); statistics, math, mean/rstd and gain/bias gradients are fp32 in
+// deterministic. The kernels are templates on the activation types (float or __nv_bfloat16 for
+// each of inp, out, dout and dinp); statistics, math, mean/rstd and gain/bias gradients are fp32 in
 // both, so the bf16 forms differ from the fp32 ones only by the roundings of their bf16 loads and
 // stores.
 #include <cuda_runtime.h>
@@ -56,17 +56,19 @@ __global__ void norm_forward_kernel(NormOp op, NormShape s, TO* out, const TI* i
   }
 }
 
-template <typename T>
-__global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, T* dinp, bool accumulate,
-                                          const T* dout, const T* inp, const float* weight,
+// TD, TG, TI: the types of dinp, dout and inp (a bf16 gradient of an fp32 input: Note
+// [act-dtype]).
+template <typename TD, typename TG, typename TI>
+__global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, TD* dinp, bool accumulate,
+                                          const TG* dout, const TI* inp, const float* weight,
                                           const float* mean, const float* rstd) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G, Cg = s.Cg;
-  const T* x = inp + n * s.ld_in + g * Cg;
-  const T* dy = dout + n * s.ld_out + g * Cg;
-  T* dx = dinp + n * s.ld_in + g * Cg;
+  const TI* x = inp + n * s.ld_in + g * Cg;
+  const TG* dy = dout + n * s.ld_out + g * Cg;
+  TD* dx = dinp + n * s.ld_in + g * Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float mu = op == NormOp::kLayer ? mean[r] : 0.0f;
   const float rs = rstd[r];
@@ -84,7 +86,7 @@ __global__ void norm_backward_dinp_kernel(NormOp op, NormShape s, T* dinp, bool 
   for (int64_t c = lane; c < Cg; c += 32) {
     const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
     const float gi = rs * (dn - a - (to_f(x[c]) - mu) * rs * bcoef);
-    dx[c] = from_f<T>(accumulate ? to_f(dx[c]) + gi : gi);
+    dx[c] = from_f<TD>(accumulate ? to_f(dx[c]) + gi : gi);
   }
 }
 
@@ -102,10 +104,11 @@ struct ParamGradShape {
 // is a strip of 32 gain elements, blockIdx.y a chunk of s.rows items; the chunk's sums go to
 // partial[chunk, wsize] (the gain's, then the bias's at partial + chunks * wsize), or with one
 // chunk (partial null) into dweight and dbias (+=, each may be null). fp32 accumulation for
-// either T. An item's (n, g) advances by kColRows items without a division per item.
-template <typename T>
+// any TG (dout) and TI (inp). An item's (n, g) advances by kColRows items without a division per
+// item.
+template <typename TG, typename TI>
 __global__ void norm_param_grads_kernel(NormOp op, ParamGradShape s, float* dweight, float* dbias,
-                                        float* partial, const T* dout, const T* inp,
+                                        float* partial, const TG* dout, const TI* inp,
                                         const float* mean, const float* rstd) {
   __shared__ float sum[kColRows][33];
   const int wi = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
@@ -172,15 +175,16 @@ void launch_norm_forward(Context& ctx, NormOp op, const NormShape& s, TO* out, c
   KEEL_CUDA_LAUNCH_CHECK("norm_forward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-template <typename T>
-void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, T* dinp, bool accumulate,
-                          float* dweight, float* dbias, const T* dout, const T* inp,
+template <typename TD, typename TG, typename TI>
+void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, TD* dinp, bool accumulate,
+                          float* dweight, float* dbias, const TG* dout, const TI* inp,
                           const float* weight, const float* mean, const float* rstd) {
   check_shape(s, "norm_backward");
   if (s.N == 0) return;
   if (dinp != nullptr) {
-    norm_backward_dinp_kernel<T><<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
-        op, s, dinp, accumulate, dout, inp, weight, mean, rstd);
+    norm_backward_dinp_kernel<TD, TG, TI>
+        <<<row_blocks(s.N * s.G), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(
+            op, s, dinp, accumulate, dout, inp, weight, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_backward", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
   }
   if (dweight != nullptr || dbias != nullptr) {
@@ -200,7 +204,7 @@ void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, T* dinp, 
                             static_cast<int>(items),   static_cast<int>(wsize),
                             static_cast<int>(k.rows),  shared_gain};
     const dim3 grid(static_cast<unsigned>((wsize + 31) / 32), static_cast<unsigned>(k.count));
-    norm_param_grads_kernel<T><<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
+    norm_param_grads_kernel<TG, TI><<<grid, dim3(32, kColRows), 0, ctx.stream()>>>(
         op, ps, dweight, dbias, partial, dout, inp, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_param_grads", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
                            " chunks=", k.count);
@@ -238,6 +242,27 @@ void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool
                    const float* weight, const float* mean, const float* rstd) {
   launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dev(dout), dev(inp),
                        weight, mean, rstd);
+}
+
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd) {
+  launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dev(dout), inp, weight,
+                       mean, rstd);
+}
+
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const float* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd) {
+  launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dout, inp, weight, mean,
+                       rstd);
+}
+
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd) {
+  launch_norm_backward(ctx, op, s, dinp, accumulate, dweight, dbias, dev(dout), inp, weight, mean,
+                       rstd);
 }
 
 }  // namespace keel::kernels::cuda

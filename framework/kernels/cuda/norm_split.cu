@@ -1,4 +1,5 @@
-// CUDA split-form norms (norm_split.h): one warp per (row, group) as in norm.cu, fp32, with the
+// CUDA split-form norms (norm_split.h): one warp per (row, group) as in norm.cu, fp32 math (the
+// backward's dout and dinp may be bf16 memory: Note [act-dtype]), with the
 // CPU kernels' expressions (framework/kernels/cpu/norm.cc). The statistics -> (mean, rstd) step
 // runs in double exactly as the CPU's does (IEEE division and square root on both), so given the
 // same all-reduced statistics both produce the same mean and rstd. The gain gradients are those
@@ -70,7 +71,10 @@ __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_tot
   }
 }
 
-__global__ void backward_partials_kernel(NormShape s, const float* dout, const float* inp,
+// TG: dout's type, TD: dinp's (float, or __nv_bfloat16 for a gradient stored in bf16: Note
+// [act-dtype]; a bf16 dout widened exactly, a bf16 dinp the fp32 result rounded once).
+template <typename TG>
+__global__ void backward_partials_kernel(NormShape s, const TG* dout, const float* inp,
                                          const float* weight, const float* mean, const float* rstd,
                                          float* part) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
@@ -78,13 +82,13 @@ __global__ void backward_partials_kernel(NormShape s, const float* dout, const f
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
   const float* x = inp + n * s.ld_in + g * s.Cg;
-  const float* dy = dout + n * s.ld_out + g * s.Cg;
+  const TG* dy = dout + n * s.ld_out + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float mu = mean != nullptr ? mean[r] : 0.0f;
   const float rs = rstd[r];
   float sum_dn = 0.0f, sum_dn_xhat = 0.0f;
   for (int64_t c = lane; c < s.Cg; c += 32) {
-    const float dn = w != nullptr ? dy[c] * w[c] : dy[c];
+    const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
     sum_dn += dn;
     sum_dn_xhat += dn * ((x[c] - mu) * rs);
   }
@@ -96,18 +100,18 @@ __global__ void backward_partials_kernel(NormShape s, const float* dout, const f
   }
 }
 
+template <typename TD, typename TG>
 __global__ void backward_from_partials_kernel(NormOp op, NormShape s, int64_t Cg_total,
-                                              const float* part, float* dinp, bool accumulate,
-                                              const float* dout, const float* inp,
-                                              const float* weight, const float* mean,
-                                              const float* rstd) {
+                                              const float* part, TD* dinp, bool accumulate,
+                                              const TG* dout, const float* inp, const float* weight,
+                                              const float* mean, const float* rstd) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
   const float* x = inp + n * s.ld_in + g * s.Cg;
-  const float* dy = dout + n * s.ld_out + g * s.Cg;
-  float* dx = dinp + n * s.ld_in + g * s.Cg;
+  const TG* dy = dout + n * s.ld_out + g * s.Cg;
+  TD* dx = dinp + n * s.ld_in + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float mu = op == NormOp::kLayer ? mean[r] : 0.0f;
   const float rs = rstd[r];
@@ -115,9 +119,9 @@ __global__ void backward_from_partials_kernel(NormOp op, NormShape s, int64_t Cg
   const float a = op == NormOp::kLayer ? part[2 * r] * inv_c : 0.0f;
   const float bcoef = op == NormOp::kL2 ? part[2 * r + 1] : part[2 * r + 1] * inv_c;
   for (int64_t c = lane; c < s.Cg; c += 32) {
-    const float dn = w != nullptr ? dy[c] * w[c] : dy[c];
+    const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
     const float gi = rs * (dn - a - (x[c] - mu) * rs * bcoef);
-    dx[c] = accumulate ? dx[c] + gi : gi;
+    dx[c] = from_f<TD>(accumulate ? to_f(dx[c]) + gi : gi);
   }
 }
 
@@ -175,34 +179,85 @@ void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_
                                eps);
 }
 
-void norm_backward_partials(Context& ctx, const NormShape& s, const float* dout, const float* inp,
+namespace {
+
+template <typename TG>
+void backward_partials_impl(Context& ctx, const NormShape& s, const TG* dout, const float* inp,
                             const float* weight, const float* mean, const float* rstd,
                             float* part) {
   check_shape(s, s.Cg, "norm_backward_partials");
   if (s.N == 0) return;
-  backward_partials_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, dout, inp, weight, mean,
-                                                                         rstd, part);
+  backward_partials_kernel<TG>
+      <<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, dout, inp, weight, mean, rstd, part);
   KEEL_CUDA_LAUNCH_CHECK("norm_backward_partials", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                 const float* part, float* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const float* dout, const float* inp,
+// TD, TG: the device types (float or __nv_bfloat16); B: dout's as norm_backward takes it.
+template <typename TD, typename TG, typename B>
+void backward_from_partials_impl(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, TD* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const TG* dout, const B* dout_arg, const float* inp,
                                  const float* weight, const float* mean, const float* rstd) {
   check_shape(s, Cg_total, "norm_backward_from_partials");
   KEEL_CHECK(op != NormOp::kLayer || mean != nullptr, kUsage,
              "cuda norm_backward_from_partials: LayerNorm needs the saved mean");
   if (s.N == 0) return;
   if (dinp != nullptr) {
-    backward_from_partials_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
+    backward_from_partials_kernel<TD, TG><<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
         op, s, Cg_total, part, dinp, accumulate, dout, inp, weight, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_backward_from_partials", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
                            " Cg_total=", Cg_total);
   }
   if (dweight != nullptr || dbias != nullptr) {
     norm_backward(ctx, op, s, /*dinp=*/static_cast<float*>(nullptr), /*accumulate=*/false, dweight,
-                  dbias, dout, inp, weight, mean, rstd);
+                  dbias, dout_arg, inp, weight, mean, rstd);
   }
+}
+
+}  // namespace
+
+void norm_backward_partials(Context& ctx, const NormShape& s, const float* dout, const float* inp,
+                            const float* weight, const float* mean, const float* rstd,
+                            float* part) {
+  backward_partials_impl(ctx, s, dout, inp, weight, mean, rstd, part);
+}
+
+void norm_backward_partials(Context& ctx, const NormShape& s, const Bf16* dout, const float* inp,
+                            const float* weight, const float* mean, const float* rstd,
+                            float* part) {
+  backward_partials_impl(ctx, s, dev(dout), inp, weight, mean, rstd, part);
+}
+
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, float* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const float* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd) {
+  backward_from_partials_impl(ctx, op, s, Cg_total, part, dinp, accumulate, dweight, dbias, dout,
+                              dout, inp, weight, mean, rstd);
+}
+
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const float* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd) {
+  backward_from_partials_impl(ctx, op, s, Cg_total, part, dev(dinp), accumulate, dweight, dbias,
+                              dout, dout, inp, weight, mean, rstd);
+}
+
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, float* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const Bf16* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd) {
+  backward_from_partials_impl(ctx, op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
+                              dev(dout), dout, inp, weight, mean, rstd);
+}
+
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const Bf16* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd) {
+  backward_from_partials_impl(ctx, op, s, Cg_total, part, dev(dinp), accumulate, dweight, dbias,
+                              dev(dout), dout, inp, weight, mean, rstd);
 }
 
 }  // namespace keel::kernels::cuda

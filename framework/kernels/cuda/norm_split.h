@@ -32,12 +32,28 @@ void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_
 // (dy without a weight); mean is nullable (then 0: RMS and L2).
 void norm_backward_partials(Context& ctx, const NormShape& s, const float* dout, const float* inp,
                             const float* weight, const float* mean, const float* rstd, float* part);
+void norm_backward_partials(Context& ctx, const NormShape& s, const Bf16* dout, const float* inp,
+                            const float* weight, const float* mean, const float* rstd, float* part);
 
 // dinp (= or += per accumulate; skipped when null) from all-reduced partials; dweight, dbias +=
 // (each may be null), the gain gradients of norm_backward (they need no row statistic).
 void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
                                  const float* part, float* dinp, bool accumulate, float* dweight,
                                  float* dbias, const float* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd);
+// dinp and dout in bf16 on either side (Note [act-dtype]): a bf16 dout widened exactly, a bf16
+// dinp the fp32 result rounded once (accumulate rounds the sum once).
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const float* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd);
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, float* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const Bf16* dout, const float* inp,
+                                 const float* weight, const float* mean, const float* rstd);
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
+                                 float* dbias, const Bf16* dout, const float* inp,
                                  const float* weight, const float* mean, const float* rstd);
 
 }  // namespace keel::kernels::cuda

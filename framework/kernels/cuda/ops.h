@@ -104,6 +104,18 @@ void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, boo
 void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
                    float* dweight, float* dbias, const Bf16* dout, const Bf16* inp,
                    const float* weight, const float* mean, const float* rstd);
+// An fp32 inp with a gradient in bf16 on either side (Note [act-dtype]: attention's bf16 dq, dk
+// into the QKV projection's bf16 gradient): each bf16 dout element widened exactly, each bf16 dinp
+// element the fp32 result rounded once.
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd);
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
+                   float* dweight, float* dbias, const float* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd);
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
+                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
+                   const float* weight, const float* mean, const float* rstd);
 
 // ---- cross-entropy with z-loss, vocab-parallel phases (framework/kernels/cross_entropy.h) ----
 // T: float or Bf16 logits (Note [act-dtype]); the statistics are fp32 and computed in fp32.
@@ -209,6 +221,10 @@ void to_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const float* in, int6
                   int64_t rows, int64_t cols);
 void from_bf16_rows(Context& ctx, float* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
                     int64_t rows, int64_t cols, bool accumulate);
+// out[r * ld_out + c] (=) = in[r * ld_in + c]: bf16 rows copied between strides (a dense kernel
+// output into strided bf16 rows, Note [act-dtype]).
+void copy_bf16_rows(Context& ctx, Bf16* out, int64_t ld_out, const Bf16* in, int64_t ld_in,
+                    int64_t rows, int64_t cols);
 // The same over n contiguous elements (launched as rows of up to 8192, so the grid fills the GPU).
 void to_bf16(Context& ctx, Bf16* out, const float* in, int64_t n);
 void from_bf16(Context& ctx, float* out, const Bf16* in, int64_t n);
