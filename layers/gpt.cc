@@ -263,7 +263,8 @@ GPT::GPT(const config::KeelConfig& cfg, const Topology& topo, int64_t micro_batc
   scratch_.datt = ctx_.zeros({BT, HD}, exec.act_dtype());             // Note [act-dtype]
   scratch_.dqkv = ctx_.zeros({BT, d.qkv_width()}, exec.act_dtype());  // Note [act-dtype]
   if (d.qk_norm != config::NONE) scratch_.dqk = ctx_.zeros({BT, (d.Hl + d.Hkvl) * d.D});
-  scratch_.dh = ctx_.zeros({BT, d.Fl});
+  // Note [act-dtype]: GELU's backward reads the activated hidden's gradient in bf16.
+  scratch_.dh = ctx_.zeros({BT, d.Fl}, d.gated_mlp() ? DType::kF32 : exec.act_dtype());
   if (d.gated_mlp()) scratch_.dgate = ctx_.zeros({BT, d.Fl}, exec.act_dtype());
   if (d.post_norm || d.sandwich) scratch_.dsub = ctx_.zeros({rows, C});
   if (d.sp) {

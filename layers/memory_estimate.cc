@@ -103,8 +103,9 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const bool sp = cfg.parallel().sequence_parallel() && tp_size > 1;
   const double rows = sp ? BT / tp : BT;
   const double norms = (sandwich ? 4 : 2) * 2 * rows;  // ln1, ln2 (and the post-norms): mean, rstd
-  // GELU: pre-activation and output; gated: up, gate and their product.
-  const double mlp = (gated ? 2 : 1) * BT * Fl + act * BT * Fl;
+  // GELU: pre-activation and output (both bf16 under BF16: Note [act-dtype]); gated: up and gate
+  // (fp32) and their product.
+  const double mlp = (gated ? 2 : act) * BT * Fl + act * BT * Fl;
   // n1, n2 (norm outputs before the sublayers, or post-sublayer the norms' fp32 inputs), r1, out
   // Sandwich norms: s1, s2 (the sublayer outputs, fp32) too.
   const double block = (post_norm || sp ? 2 : 2 * act) * rows * C + 2 * rows * C +
@@ -116,7 +117,8 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   if (rope) model += T * D;             // the cos/sin table: [T, D / 2] each
   // Backward scratch shared by all blocks: dn, datt and dqkv (bf16 too), dqk, dh, dgate (gated;
   // bf16 too), dsub (post-norm), the per-thread T x T attention workspace and dscale.
-  model += rows * C + act * BT * HD + act * qkv + (qk_on ? BT * (HD + KD) : 0) + BT * Fl;
+  model += rows * C + act * BT * HD + act * qkv + (qk_on ? BT * (HD + KD) : 0) +
+           (gated ? 1 : act) * BT * Fl;
   if (gated) model += act * BT * Fl;
   if (post_norm || sandwich) model += rows * C;
   // Note [bf16 wire]: the bf16 scratch of the TP all-reduces of activations written in bf16.

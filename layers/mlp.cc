@@ -28,7 +28,9 @@ void Mlp::allocate(const LayerContext& ctx, const Mlp* share) {
     g_ = share->g_;
     return;
   }
-  h_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
+  // Note [act-dtype]: GELU's pre-activation (the up projection's output), which only GELU's
+  // forward and backward read, in bf16 under BF16; the gated units' stay fp32.
+  h_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl}, gated_ ? DType::kF32 : ctx.exec->act_dtype());
   if (gated_) a_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl});
   // Note [act-dtype]: only the down projection reads the activated hidden.
   g_ = ctx.zeros({ctx.dims.BT(), ctx.dims.Fl}, ctx.exec->act_dtype());
@@ -44,8 +46,8 @@ void Mlp::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B) {
   const kernels::ActIn x = region.enter(x_rows, ctx_.scratch->sp_x.f32(), n);
   {
     ProfileScope p(prof, "matmul.mlp_fc");
-    ctx_.exec->linear_forward(h_.f32(), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT, d.C,
-                              d.Fl);
+    ctx_.exec->linear_forward(kernels::act(h_), x, ps_.param(fc_w_), ps_.param_or_null(fc_b_), BT,
+                              d.C, d.Fl);
     if (gated_) {
       ctx_.exec->linear_forward(a_.f32(), x, ps_.param(gate_w_), ps_.param_or_null(gate_b_), BT,
                                 d.C, d.Fl);
@@ -56,7 +58,7 @@ void Mlp::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B) {
     ctx_.exec->glu_forward(act_, kernels::act(g_), a_.f32(), h_.f32(), BT * d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    ctx_.exec->gelu_forward(kernels::act(g_), h_.f32(), BT * d.Fl);
+    ctx_.exec->gelu_forward(kernels::act(g_), kernels::act(h_), BT * d.Fl);
   }
   const kernels::ActOut part = region.partial(y, ctx_.scratch->sp_part.f32());
   {
@@ -72,7 +74,9 @@ void Mlp::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx, int64
   const ModelDims& d = ctx_.dims;
   const int64_t BT = B * d.T, n = d.rows(B) * d.C;
   Scratch& sc = *ctx_.scratch;
-  float* dh = sc.dh.f32();
+  // Note [act-dtype]: the activated hidden's gradient, in bf16 under BF16 for GELU (which reads it
+  // with the bf16 pre-activation), fp32 for the gated units.
+  const kernels::ActOut dh = kernels::act(sc.dh);
   Profiler* prof = ctx_.profiler;
   // Note [tp regions]: the output gradient and (under SP, gathered again rather than kept) the
   // input on every row.
@@ -92,10 +96,10 @@ void Mlp::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx, int64
   if (gated_) {
     ProfileScope p(prof, "glu");
     ctx_.exec->glu_backward(act_, dgate, dup, ps_.grad_or_null(gate_b_), ps_.grad_or_null(fc_b_),
-                            dh, a_.f32(), h_.f32(), BT, d.Fl);
+                            sc.dh.f32(), a_.f32(), h_.f32(), BT, d.Fl);
   } else {
     ProfileScope p(prof, "gelu");
-    ctx_.exec->gelu_backward(dup, ps_.grad_or_null(fc_b_), h_.f32(), dh, BT, d.Fl);
+    ctx_.exec->gelu_backward(dup, ps_.grad_or_null(fc_b_), kernels::act(h_), dh, BT, d.Fl);
   }
   // Column-parallel input: each rank's dx is a partial sum. On the bf16 TP wire the up projection
   // writes it in bf16 for the all-reduce, then widened into dx (Note [bf16 wire]); a gated MLP's

@@ -333,13 +333,13 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().load_tokens(dst, host_src, n);
   }
 
-  void gelu_forward(kernels::ActOut out, const float* inp, int64_t n) override {
-    Call c("gelu_forward", {out.data, inp});
+  void gelu_forward(kernels::ActOut out, kernels::ActIn inp, int64_t n) override {
+    Call c("gelu_forward", {out.data, inp.data});
     cpu().gelu_forward(out, inp, n);
   }
-  void gelu_backward(kernels::ActOut dinp, float* dbias, const float* inp, const float* dout,
+  void gelu_backward(kernels::ActOut dinp, float* dbias, kernels::ActIn inp, kernels::ActIn dout,
                      int64_t N, int64_t C) override {
-    Call c("gelu_backward", {dinp.data, dbias, inp, dout});
+    Call c("gelu_backward", {dinp.data, dbias, inp.data, dout.data});
     cpu().gelu_backward(dinp, dbias, inp, dout, N, C);
   }
   void add(float* out, const float* a, kernels::ActIn b, int64_t n) override {

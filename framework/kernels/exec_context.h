@@ -62,6 +62,14 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 //   gradient's q and k columns, now summed from the bf16 values the GEMMs read (as autocast's
 //   is); per layer at 124M x 16k tokens, by a byte count, ~0.6 GB of traffic less (the widening
 //   of dq, dk, dv, the GEMM's staging of dqkv, and half of the norm's and the bias sum's reads);
+// - GELU's pre-activation (the up projection's output) and the activated hidden's gradient (the
+//   down projection's input gradient), which only GELU's forward and backward read: the GEMMs
+//   write them in bf16 from fp32 accumulators (the up projection's bias added in bf16 in its
+//   epilogue), as autocast leaves a matrix product's output, and GELU widens each element and
+//   computes in fp32, its bias gradient summed in fp32 as before. This changes results by those
+//   roundings (autocast's); per layer at 124M x 16k tokens, by a byte count, 0.5 GB of traffic
+//   less (five passes over a [BT, 4C] tensor at 2 bytes instead of 4). The gated units' up and
+//   gate projections' outputs stay fp32;
 // - under TP with bf16 on the TP wire (Note [bf16 wire] in parallel/communicator.h), the
 //   row-parallel outputs (attention's and the MLP's output projections, which the residual adds
 //   read through add()) and the QKV, MLP-up and LM-head input gradients (widened by
@@ -71,9 +79,9 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // traffic per step (20.7 GB of staging copies, 13.2 GB around the logits, 7.2 GB in the MLP's
 // backward: per layer the hidden gradient's fp32 write, its two fp32 re-reads (staging, bias sum)
 // and the staging's bf16 write, 704 MB, become one bf16 write of 101 MB; 1.2 GB for attention's
-// output gradient) before the QKV gradient's share above, and 4.5 GB less activation memory
-// (memory_estimate_test). The residual stream, the QKV projection's output, the MLP's
-// pre-activation and the other gradients stay fp32.
+// output gradient) before the QKV gradient's share above, and 5.8 GB less activation memory
+// (memory_estimate_test). The residual stream, the QKV projection's output, the gated units'
+// inputs and the other gradients stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -152,13 +160,14 @@ class ExecContext {
 
   // ---- elementwise.h, glu.h ----
   // out of gelu_forward and glu_forward: Note [act-dtype] (glu_forward's may alias its inputs
-  // only in fp32).
-  virtual void gelu_forward(ActOut out, const float* inp, int64_t n) = 0;
-  // dinp[N, C] = dout * gelu'(inp), stored in dinp's dtype (Note [act-dtype]); dinp may alias
-  // dout only in fp32. dbias (may be null) += the column sums of dinp in fp32, before rounding: the
-  // bias gradient of the linear layer whose output inp is, which that layer's backward then skips.
-  virtual void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout,
-                             int64_t N, int64_t C) = 0;
+  // only in fp32); gelu_forward's inp too (a bf16 inp only with a bf16 out).
+  virtual void gelu_forward(ActOut out, ActIn inp, int64_t n) = 0;
+  // dinp[N, C] = dout * gelu'(inp), stored in dinp's dtype (Note [act-dtype]); inp and dout of
+  // one dtype, bf16 only with a bf16 dinp, widened exactly; dinp may alias dout only in fp32.
+  // dbias (may be null) += the column sums of dinp in fp32, before rounding: the bias gradient of
+  // the linear layer whose output inp is, which that layer's backward then skips.
+  virtual void gelu_backward(ActOut dinp, float* dbias, ActIn inp, ActIn dout, int64_t N,
+                             int64_t C) = 0;
   // out = a + b; b may be bf16 memory (Note [act-dtype]: a row-parallel output on the bf16 TP
   // wire), widened exactly before the fp32 add.
   virtual void add(float* out, const float* a, ActIn b, int64_t n) = 0;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "framework/config/config.h"
@@ -470,6 +471,32 @@ TEST_F(Bf16ExecTest, AttentionWritesBf16GradientsAsTheWidenedOnesRound) {
   EXPECT_TRUE(identical(host_bf16(bq), host(hq))) << "dq in place";
   EXPECT_TRUE(identical(host_bf16(bk), host(hk))) << "dk in place";
   EXPECT_TRUE(identical(part(host_bf16(bv), 2), part(host(hv), 2))) << "dv copied";
+}
+
+// Note [act-dtype]: GELU on the MLP's bf16 pre-activation and bf16 hidden gradient widens each
+// element exactly: the forward's output and the backward's gradient are the fp32 method's on the
+// widened values, rounded, bit for bit, and the fused bias gradient (fp32 column sums before the
+// rounding) equals it bit for bit. Mixed input dtypes are refused.
+TEST_F(Bf16ExecTest, GeluOnBf16PreActivationIsTheFp32OneOnWidenedValues) {
+  for (const int64_t C : {int64_t{96}, int64_t{93}}) {  // packs of 4 columns, and one at a time
+    SCOPED_TRACE("C=" + std::to_string(C));
+    const int64_t N = 67;
+    const auto h = random_vec(N * C, -3.0f, 3.0f, 61), g = random_vec(N * C, -1.0f, 1.0f, 62);
+    const auto db0 = random_vec(C, -0.1f, 0.1f, 63);
+    Tensor hb = dev_bf16(h), gb = dev_bf16(g), hr = dev(bf16_rounded(h)), gr = dev(bf16_rounded(g));
+    Tensor yb = poisoned_bf16(N * C), yf = poisoned(N * C);
+    gpu().gelu_forward(kernels::act(yb), kernels::act(hb), N * C);
+    gpu().gelu_forward(yf.f32(), hr.f32(), N * C);
+    EXPECT_TRUE(identical(host_bf16(yb), bf16_rounded(host(yf)))) << "forward";
+    Tensor db = poisoned_bf16(N * C), df = poisoned(N * C), bb = dev(db0), bf = dev(db0);
+    gpu().gelu_backward(kernels::act(db), bb.f32(), kernels::act(hb), kernels::act(gb), N, C);
+    gpu().gelu_backward(df.f32(), bf.f32(), hr.f32(), gr.f32(), N, C);
+    EXPECT_TRUE(identical(host_bf16(db), bf16_rounded(host(df)))) << "backward";
+    EXPECT_TRUE(identical(host(bb), host(bf))) << "bias gradient";
+    EXPECT_THROW(gpu().gelu_backward(kernels::act(db), nullptr, kernels::act(hb), gr.f32(), N, C),
+                 Error);
+    EXPECT_THROW(gpu().gelu_forward(yf.f32(), kernels::act(hb), N * C), Error);
+  }
 }
 
 // Note [act-dtype]: the QK-norm's backward on bf16 gradients. A bf16 dout is widened exactly and a

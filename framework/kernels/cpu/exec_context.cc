@@ -41,13 +41,15 @@ class CpuExec final : public ExecContext {
     kernels::load_tokens(dst, host_src, n);
   }
 
-  void gelu_forward(ActOut out, const float* inp, int64_t n) override {
-    kernels::gelu_forward(act_f32(out, "gelu_forward", "out"), inp, n);
+  void gelu_forward(ActOut out, ActIn inp, int64_t n) override {
+    kernels::gelu_forward(act_f32(out, "gelu_forward", "out"), act_f32(inp, "gelu_forward", "inp"),
+                          n);
   }
-  void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout, int64_t N,
+  void gelu_backward(ActOut dinp, float* dbias, ActIn inp, ActIn dout, int64_t N,
                      int64_t C) override {
     float* d = act_f32(dinp, "gelu_backward", "dinp");
-    kernels::gelu_backward(d, inp, dout, N * C);
+    kernels::gelu_backward(d, act_f32(inp, "gelu_backward", "inp"),
+                           act_f32(dout, "gelu_backward", "dout"), N * C);
     if (dbias != nullptr) kernels::column_sum_add<float>(dbias, d, N, C, C);
   }
   void add(float* out, const float* a, ActIn b, int64_t n) override {

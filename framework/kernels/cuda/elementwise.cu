@@ -38,10 +38,11 @@ __global__ void gelu_backward_kernel(TO* dinp, const TI* inp, const TI* dout, in
 // partial[blockIdx.y, C]. Thread (x, y) takes columns W * (32 blockIdx.x + x) + [0, W) of rows
 // r0 + y, r0 + y + kColRows, ...: each column's sum in the order of W = 1 (the host picks W = 4
 // when C % 4 == 0 and the buffers are 16-byte aligned), so the partials are the same bits. dinp
-// may alias dout (each element is read, then written, by one thread).
-template <int W, typename TO>
-__global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float* inp,
-                                          const float* dout, int N, int C, int rows) {
+// may alias dout (each element is read, then written, by one thread). TI: inp's and dout's type
+// (bf16 for the MLP's bf16 pre-activation and hidden gradient: Note [act-dtype]), widened exactly.
+template <int W, typename TO, typename TI>
+__global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const TI* inp, const TI* dout,
+                                          int N, int C, int rows) {
   __shared__ float s[kColRows][33];
   const int c = (static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x)) * W;
   const int r0 = static_cast<int>(blockIdx.y) * rows, r1 = rows < N - r0 ? r0 + rows : N;
@@ -51,12 +52,12 @@ __global__ void gelu_backward_bias_kernel(TO* dinp, float* partial, const float*
   if (c < C) {  // C % W == 0: the whole pack is in the row
     for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += kColRows) {
       const int64_t i = static_cast<int64_t>(r) * C + c;
-      const Pack<float, W> x = *reinterpret_cast<const Pack<float, W>*>(inp + i);
-      const Pack<float, W> g = *reinterpret_cast<const Pack<float, W>*>(dout + i);
+      const Pack<TI, W> x = *reinterpret_cast<const Pack<TI, W>*>(inp + i);
+      const Pack<TI, W> g = *reinterpret_cast<const Pack<TI, W>*>(dout + i);
       Pack<TO, W> y;
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const float d = g.v[j] * gelu_grad_scalar<float>(x.v[j]);
+        const float d = to_f(g.v[j]) * gelu_grad_scalar<float>(to_f(x.v[j]));
         y.v[j] = from_f<TO>(d);
         acc[j] += d;
       }
@@ -105,9 +106,9 @@ void gelu_backward_impl(Context& ctx, TO* dinp, const TI* inp, const TI* dout, i
     KEEL_CUDA_LAUNCH_CHECK("gelu_backward", "n=", n);
   });
 }
-template <typename TO>
-void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* inp,
-                             const float* dout, int64_t N, int64_t C) {
+template <typename TO, typename TI>
+void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const TI* inp, const TI* dout,
+                             int64_t N, int64_t C) {
   KEEL_CHECK(N >= 0 && C >= 0, kUsage, "cuda gelu_backward: bad shape N=", N, " C=", C);
   if (dbias == nullptr) {
     gelu_backward_impl(ctx, dinp, inp, dout, N * C);
@@ -122,11 +123,11 @@ void gelu_backward_bias_impl(Context& ctx, TO* dinp, float* dbias, const float* 
   const dim3 block(32, kColRows);
   if (C % 4 == 0 && aligned16(dinp, inp, dout)) {
     const dim3 grid(static_cast<unsigned>((C / 4 + 31) / 32), static_cast<unsigned>(k.count));
-    gelu_backward_bias_kernel<4, TO>
+    gelu_backward_bias_kernel<4, TO, TI>
         <<<grid, block, 0, ctx.stream()>>>(dinp, partial, inp, dout, n, c, rows);
   } else {
     const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(k.count));
-    gelu_backward_bias_kernel<1, TO>
+    gelu_backward_bias_kernel<1, TO, TI>
         <<<grid, block, 0, ctx.stream()>>>(dinp, partial, inp, dout, n, c, rows);
   }
   KEEL_CUDA_LAUNCH_CHECK("gelu_backward (bias)", "N=", N, " C=", C);
@@ -341,6 +342,10 @@ void gelu_backward(Context& ctx, float* dinp, float* dbias, const float* inp, co
 void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const float* inp, const float* dout,
                    int64_t N, int64_t C) {
   gelu_backward_bias_impl(ctx, dev(dinp), dbias, inp, dout, N, C);
+}
+void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const Bf16* inp, const Bf16* dout,
+                   int64_t N, int64_t C) {
+  gelu_backward_bias_impl(ctx, dev(dinp), dbias, dev(inp), dev(dout), N, C);
 }
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n) {
   add_impl(ctx, out, a, b, n, "add");

@@ -203,15 +203,33 @@ void CudaExec::load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) {
 
 // ---- elementwise.h, glu.h ----
 
-void CudaExec::gelu_forward(ActOut out, const float* inp, int64_t n) {
+void CudaExec::gelu_forward(ActOut out, ActIn inp, int64_t n) {
+  if (is_bf16(inp, precision_, "gelu_forward", "inp")) {
+    KEEL_CHECK(is_bf16(out, precision_, "gelu_forward", "out"), kInternal,
+               "CudaExec::gelu_forward: a bf16 inp needs a bf16 out");
+    cuda::gelu_forward(ctx_, static_cast<Bf16*>(out.data), bf16_of(inp), n);
+    return;
+  }
+  const float* x = static_cast<const float*>(inp.data);
   with_typed(out, precision_, "gelu_forward", "out",
-             [&](auto* o) { cuda::gelu_forward(ctx_, o, inp, n); });
+             [&](auto* o) { cuda::gelu_forward(ctx_, o, x, n); });
 }
 
-void CudaExec::gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout,
-                             int64_t N, int64_t C) {
+void CudaExec::gelu_backward(ActOut dinp, float* dbias, ActIn inp, ActIn dout, int64_t N,
+                             int64_t C) {
+  const bool bf16_in = is_bf16(inp, precision_, "gelu_backward", "inp");
+  KEEL_CHECK(is_bf16(dout, precision_, "gelu_backward", "dout") == bf16_in, kInternal,
+             "CudaExec::gelu_backward: inp and dout have different dtypes");
+  if (bf16_in) {
+    KEEL_CHECK(is_bf16(dinp, precision_, "gelu_backward", "dinp"), kInternal,
+               "CudaExec::gelu_backward: a bf16 inp needs a bf16 dinp");
+    cuda::gelu_backward(ctx_, static_cast<Bf16*>(dinp.data), dbias, bf16_of(inp), bf16_of(dout), N,
+                        C);
+    return;
+  }
+  const float *x = static_cast<const float*>(inp.data), *g = static_cast<const float*>(dout.data);
   with_typed(dinp, precision_, "gelu_backward", "dinp",
-             [&](auto* d) { cuda::gelu_backward(ctx_, d, dbias, inp, dout, N, C); });
+             [&](auto* d) { cuda::gelu_backward(ctx_, d, dbias, x, g, N, C); });
 }
 
 void CudaExec::add(float* out, const float* a, ActIn b, int64_t n) {

@@ -59,8 +59,8 @@ class CudaExec final : public kernels::ExecContext {
                        ActIn inp, const float* weight, int64_t N, int64_t IC, int64_t OC) override;
   void load_tokens(int32_t* dst, const int32_t* host_src, int64_t n) override;
 
-  void gelu_forward(ActOut out, const float* inp, int64_t n) override;
-  void gelu_backward(ActOut dinp, float* dbias, const float* inp, const float* dout, int64_t N,
+  void gelu_forward(ActOut out, ActIn inp, int64_t n) override;
+  void gelu_backward(ActOut dinp, float* dbias, ActIn inp, ActIn dout, int64_t N,
                      int64_t C) override;
   void add(float* out, const float* a, ActIn b, int64_t n) override;
   void copy_to_f32(float* out, ActIn in, int64_t n) override;

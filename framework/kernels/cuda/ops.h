@@ -30,6 +30,10 @@ void gelu_backward(Context& ctx, float* dinp, float* dbias, const float* inp, co
                    int64_t N, int64_t C);
 void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const float* inp, const float* dout,
                    int64_t N, int64_t C);
+// bf16 inp and dout (the MLP's bf16 pre-activation and hidden gradient: Note [act-dtype]), each
+// widened exactly; the same fp32 arithmetic, dinp rounded once, dbias from the fp32 values.
+void gelu_backward(Context& ctx, Bf16* dinp, float* dbias, const Bf16* inp, const Bf16* dout,
+                   int64_t N, int64_t C);
 void add(Context& ctx, float* out, const float* a, const float* b, int64_t n);  // (=)
 void add(Context& ctx, Bf16* out, const Bf16* a, const Bf16* b, int64_t n);
 void add(Context& ctx, float* out, const float* a, const Bf16* b, int64_t n);  // b widened
