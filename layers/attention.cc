@@ -111,7 +111,9 @@ void Attention::allocate(const LayerContext& ctx, const Attention* share) {
   }
   const ModelDims& d = ctx.dims;
   const int64_t HD = d.Hl * d.D;
-  qkv_ = ctx.zeros({d.BT(), d.qkv_width()});
+  // Note [act-dtype]: the projection's output, which only QK-norm, RoPE (without QK-norm) and
+  // attention read, in bf16 under BF16.
+  qkv_ = ctx.zeros({d.BT(), d.qkv_width()}, ctx.exec->act_dtype());
   const bool projection = d.qk_scope == config::PROJECTION;
   const int64_t q_groups = projection ? 1 : d.Hl, k_groups = projection ? 1 : d.Hkvl;
   if (d.qk_norm != config::NONE) {
@@ -136,12 +138,12 @@ void Attention::allocate(const LayerContext& ctx, const Attention* share) {
   scales_ = ctx.zeros({d.Hl});
 }
 
-Attention::QkvView Attention::qkv_view(float* base, int64_t B) const {
+Attention::QkvView Attention::qkv_view(kernels::ActOut base, int64_t B) const {
   const ModelDims& d = ctx_.dims;
   const int64_t HD = d.Hl * d.D, KD = d.Hkvl * d.D;
-  if (!d.gqa()) return {base, base + HD, base + 2 * HD, 3 * HD, 3 * HD};
-  float* kv = base + B * d.T * HD;
-  return {base, kv, kv + KD, HD, 2 * KD};
+  if (!d.gqa()) return {base, base.at(HD), base.at(2 * HD), 3 * HD, 3 * HD};
+  const kernels::ActOut kv = base.at(B * d.T * HD);
+  return {base, kv, kv.at(KD), HD, 2 * KD};
 }
 
 kernels::NormShape Attention::qk_norm_shape(int64_t B, int64_t heads, int64_t ld_in) const {
@@ -180,12 +182,12 @@ void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, flo
   // output projection leaves it.
   const TpRegion region = ctx_.region();
   const kernels::ActIn x = region.enter(x_rows, ctx_.scratch->sp_x.f32(), n);
-  const QkvView raw = qkv_view(qkv_.f32(), B);
+  const QkvView raw = qkv_view(kernels::act(qkv_), B);
   {
     ProfileScope p(prof, "matmul.qkv");
     if (!d.gqa()) {
-      ctx_.exec->linear_forward(qkv_.f32(), x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT,
-                                d.C, 3 * HD);
+      ctx_.exec->linear_forward(raw.q, x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
+                                3 * HD);
     } else {
       ctx_.exec->linear_forward(raw.q, x, ps_.param(qkv_w_), ps_.param_or_null(qkv_b_), BT, d.C,
                                 HD);
@@ -274,7 +276,7 @@ void Attention::forward(kernels::ActIn x_rows, kernels::ActOut y, int64_t B, flo
     const int64_t kv0 = d.kv_attn_head0 * d.D;
     const kernels::AttentionShape s{B,   d.T,      d.Hl, d.D, ldq,
                                     ldk, raw.ldkv, HD,   0,   d.gqa() ? d.kv_attn_heads : 0};
-    ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v + kv0,
+    ctx_.exec->attention_forward(s, kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v.at(kv0),
                                  scales_.f32(), max_logit);
   }
   const kernels::ActOut part = region.partial(y, ctx_.scratch->sp_part.f32());
@@ -304,12 +306,12 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
                                ps_.param(proj_w_), BT, HD, d.C);
   }
   const bool normed = d.qk_norm != config::NONE, rope = d.position == config::ROPE;
-  const QkvView raw = qkv_view(qkv_.f32(), B);
+  const QkvView raw = qkv_view(kernels::act(qkv_), B);
   // The gradients of q, k and v in dqkv (raw's layout), bf16 under BF16 on a device (Note
   // [act-dtype]: only the QKV projection's backward GEMMs and its bias sum read them).
   const kernels::ActOut dqkv = kernels::act(sc.dqkv);
-  const kernels::ActOut dq_raw = dqkv.at(raw.q - raw.q), dk_raw = dqkv.at(raw.k - raw.q),
-                        dv_raw = dqkv.at(raw.v - raw.q);
+  const QkvView draw = qkv_view(dqkv, B);
+  const kernels::ActOut dq_raw = draw.q, dk_raw = draw.k, dv_raw = draw.v;
   // dq, dk in the layout of the q, k attention read: inside dqkv, or dq's rows then dk's in dqk.
   // With QK-norm they are bf16 too where the norm's backward reads them as they are; RoPE's
   // backward first rotates them, in place in fp32, so that the norm's backward sees no rounding
@@ -342,7 +344,7 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
       dscale = sc.dscale.f32();
     }
     ctx_.exec->attention_backward(s, dq, dk.at(kv0), dv_raw.at(kv0), dscale, kernels::act(sc.datt),
-                                  kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v + kv0,
+                                  kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v.at(kv0),
                                   scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
       ctx_.exec->scale_grad_accumulate(ps_.grad(qk_scale_), dscale, d.Hl,

@@ -46,10 +46,10 @@ class Attention {
  private:
   // Where q, k and v (or their gradients) lie in a buffer of qkv_'s layout for B sequences.
   struct QkvView {
-    float *q, *k, *v;
+    kernels::ActOut q, k, v;
     int64_t ldq, ldkv;
   };
-  QkvView qkv_view(float* base, int64_t B) const;
+  QkvView qkv_view(kernels::ActOut base, int64_t B) const;
   void qk_scales(float* out) const;  // [Hl] logit scale per local head
   // heads: Hl (q) or Hkvl (k); ld_in: the raw projection's row stride.
   kernels::NormShape qk_norm_shape(int64_t B, int64_t heads, int64_t ld_in) const;

@@ -95,7 +95,7 @@ MemoryEstimate estimate_memory(const config::KeelConfig& cfg, int tp_size, int d
   const double act = bf16 ? 0.5 : 1.0;
   // qkv, what attention saves (CPU: probabilities; GPU: log-sum-exp), att, scales
   const double qkv = BT * (HD + 2 * KD);
-  double attn = qkv + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
+  double attn = act * qkv + (gpu ? B * Hl * T : B * Hl * T * T) + act * BT * HD + Hl;
   if (qk_on) attn += act * BT * (HD + KD) + 2 * BT * groups;  // qk, q/k mean and rstd
   if (qk_on && m.qk_norm_scope() == config::PROJECTION) attn += 4 * BT;
   // Note [sequence parallel] (layers/gpt.h): the residual stream and the norms hold rows = BT / tp

@@ -371,42 +371,42 @@ class FakeDeviceExec final : public kernels::ExecContext {
   }
 
   void norm_forward(kernels::NormOp op, const kernels::NormShape& s, kernels::ActOut out,
-                    const float* inp, const float* weight, const float* bias, float* mean,
+                    kernels::ActIn inp, const float* weight, const float* bias, float* mean,
                     float* rstd, float eps) override {
-    Call c("norm_forward", {out.data, inp, weight, bias, mean, rstd});
+    Call c("norm_forward", {out.data, inp.data, weight, bias, mean, rstd});
     cpu().norm_forward(op, s, out, inp, weight, bias, mean, rstd, eps);
   }
   void norm_backward(kernels::NormOp op, const kernels::NormShape& s, kernels::ActOut dinp,
                      bool accumulate, float* dweight, float* dbias, kernels::ActIn dout,
-                     const float* inp, const float* weight, const float* mean,
+                     kernels::ActIn inp, const float* weight, const float* mean,
                      const float* rstd) override {
-    Call c("norm_backward", {dinp.data, dweight, dbias, dout.data, inp, weight, mean, rstd});
+    Call c("norm_backward", {dinp.data, dweight, dbias, dout.data, inp.data, weight, mean, rstd});
     cpu().norm_backward(op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
   }
-  void norm_partial_stats(const kernels::NormShape& s, const float* inp, float* stats) override {
-    Call c("norm_partial_stats", {inp, stats});
+  void norm_partial_stats(const kernels::NormShape& s, kernels::ActIn inp, float* stats) override {
+    Call c("norm_partial_stats", {inp.data, stats});
     cpu().norm_partial_stats(s, inp, stats);
   }
   void norm_forward_from_stats(kernels::NormOp op, const kernels::NormShape& s, int64_t Cg_total,
-                               const float* stats, kernels::ActOut out, const float* inp,
+                               const float* stats, kernels::ActOut out, kernels::ActIn inp,
                                const float* weight, const float* bias, float* mean, float* rstd,
                                float eps) override {
-    Call c("norm_forward_from_stats", {stats, out.data, inp, weight, bias, mean, rstd});
+    Call c("norm_forward_from_stats", {stats, out.data, inp.data, weight, bias, mean, rstd});
     cpu().norm_forward_from_stats(op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd, eps);
   }
-  void norm_backward_partials(const kernels::NormShape& s, kernels::ActIn dout, const float* inp,
+  void norm_backward_partials(const kernels::NormShape& s, kernels::ActIn dout, kernels::ActIn inp,
                               const float* weight, const float* mean, const float* rstd,
                               float* part) override {
-    Call c("norm_backward_partials", {dout.data, inp, weight, mean, rstd, part});
+    Call c("norm_backward_partials", {dout.data, inp.data, weight, mean, rstd, part});
     cpu().norm_backward_partials(s, dout, inp, weight, mean, rstd, part);
   }
   void norm_backward_from_partials(kernels::NormOp op, const kernels::NormShape& s,
                                    int64_t Cg_total, const float* part, kernels::ActOut dinp,
                                    bool accumulate, float* dweight, float* dbias,
-                                   kernels::ActIn dout, const float* inp, const float* weight,
+                                   kernels::ActIn dout, kernels::ActIn inp, const float* weight,
                                    const float* mean, const float* rstd) override {
     Call c("norm_backward_from_partials",
-           {part, dinp.data, dweight, dbias, dout.data, inp, weight, mean, rstd});
+           {part, dinp.data, dweight, dbias, dout.data, inp.data, weight, mean, rstd});
     cpu().norm_backward_from_partials(op, s, Cg_total, part, dinp, accumulate, dweight, dbias, dout,
                                       inp, weight, mean, rstd);
   }
@@ -418,18 +418,18 @@ class FakeDeviceExec final : public kernels::ExecContext {
     return cpu().attention_workspace_elems(s);
   }
   void attention_forward(const kernels::AttentionShape& s, kernels::ActOut out, float* saved,
-                         kernels::ActIn q, kernels::ActIn k, const float* v, const float* scale,
+                         kernels::ActIn q, kernels::ActIn k, kernels::ActIn v, const float* scale,
                          float* max_abs_logit) override {
-    Call c("attention_forward", {out.data, saved, q.data, k.data, v, scale, max_abs_logit});
+    Call c("attention_forward", {out.data, saved, q.data, k.data, v.data, scale, max_abs_logit});
     cpu().attention_forward(s, out, saved, q, k, v, scale, max_abs_logit);
   }
   void attention_backward(const kernels::AttentionShape& s, kernels::ActOut dq, kernels::ActOut dk,
                           kernels::ActOut dv, float* dscale, kernels::ActIn dout,
                           kernels::ActIn out, const float* saved, kernels::ActIn q,
-                          kernels::ActIn k, const float* v, const float* scale,
+                          kernels::ActIn k, kernels::ActIn v, const float* scale,
                           float* workspace) override {
     Call c("attention_backward", {dq.data, dk.data, dv.data, dscale, dout.data, out.data, saved,
-                                  q.data, k.data, v, scale, workspace});
+                                  q.data, k.data, v.data, scale, workspace});
     cpu().attention_backward(s, dq, dk, dv, dscale, dout, out, saved, q, k, v, scale, workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -443,9 +443,9 @@ class FakeDeviceExec final : public kernels::ExecContext {
     cpu().scale_grad_accumulate(grad, dscale, H, shared_gain);
   }
 
-  void rope_forward(const kernels::RopeTable& table, kernels::ActOut y, const float* x, int64_t B,
+  void rope_forward(const kernels::RopeTable& table, kernels::ActOut y, kernels::ActIn x, int64_t B,
                     int64_t T, int64_t H, int64_t D, int64_t row_stride) override {
-    Call c("rope_forward", {y.data, x});
+    Call c("rope_forward", {y.data, x.data});
     cpu().rope_forward(table, y, x, B, T, H, D, row_stride);
   }
   void rope_backward(const kernels::RopeTable& table, kernels::ActOut dx, kernels::ActIn dy,

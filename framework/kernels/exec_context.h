@@ -53,15 +53,22 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // - the gradient of attention's output, which only attention's backward reads: the output
 //   projection's backward GEMM writes it in bf16 from fp32 accumulators, the rounding attention's
 //   backward staged before;
+// - the QKV projection's output (raw q, k, v), which only QK-norm (or, without it, RoPE in place)
+//   and attention read: the GEMM writes it in bf16 from fp32 accumulators (its bias added in bf16
+//   in the epilogue), QK-norm widens q, k as it reads them (statistics in fp32), and attention
+//   reads q, k, v where they lie in the packed rows, so v is no longer rounded into staging in
+//   attention's forward and again in its backward. This changes results by the output's rounding
+//   (autocast's); per layer at 124M x 16k tokens, by a byte count, ~0.4 GB of traffic less;
 // - the QKV projection's output gradient (dqkv), which only that projection's backward GEMMs and
-//   its bias sum read: attention's backward writes dv (and dq, dk without QK-norm) in bf16, the
-//   rounding its kernels make anyway, and QK-norm's backward writes dq, dk from fp32 arithmetic,
-//   rounded once, the rounding the GEMM staged before. With QK-norm and no RoPE, attention writes
-//   dq, dk in bf16 too and the norm's backward widens them as it reads (with RoPE they stay fp32,
-//   rotated in place, so the norm sees no extra rounding). What changes is the QKV bias
-//   gradient's q and k columns, now summed from the bf16 values the GEMMs read (as autocast's
-//   is); per layer at 124M x 16k tokens, by a byte count, ~0.6 GB of traffic less (the widening
-//   of dq, dk, dv, the GEMM's staging of dqkv, and half of the norm's and the bias sum's reads);
+//   its bias sum read: attention's backward writes dv (and dq, dk without QK-norm) in bf16 where
+//   they lie in dqkv, the rounding its kernels make anyway, and QK-norm's backward writes dq, dk
+//   from fp32 arithmetic, rounded once, the rounding the GEMM staged before. With QK-norm and no
+//   RoPE, attention writes dq, dk in bf16 too and the norm's backward widens them as it reads (with
+//   RoPE they stay fp32, rotated in place, so the norm sees no extra rounding). What changes is the
+//   QKV bias gradient's q and k columns, now summed from the bf16 values the GEMMs read (as
+//   autocast's is); per layer at 124M x 16k tokens, by a byte count, ~0.6 GB of traffic less (the
+//   widening of dq, dk, dv, the GEMM's staging of dqkv, and half of the norm's and the bias sum's
+//   reads);
 // - GELU's pre-activation (the up projection's output) and the activated hidden's gradient (the
 //   down projection's input gradient), which only GELU's forward and backward read: the GEMMs
 //   write them in bf16 from fp32 accumulators (the up projection's bias added in bf16 in its
@@ -79,9 +86,9 @@ const char* precision_name(Precision p);  // "FP32", "BF16"
 // traffic per step (20.7 GB of staging copies, 13.2 GB around the logits, 7.2 GB in the MLP's
 // backward: per layer the hidden gradient's fp32 write, its two fp32 re-reads (staging, bias sum)
 // and the staging's bf16 write, 704 MB, become one bf16 write of 101 MB; 1.2 GB for attention's
-// output gradient) before the QKV gradient's share above, and 5.8 GB less activation memory
-// (memory_estimate_test). The residual stream, the QKV projection's output, the gated units'
-// inputs and the other gradients stay fp32.
+// output gradient) before the QKV gradient's share above, and 6.7 GB less activation memory
+// (memory_estimate_test). The residual stream, the gated units' inputs and the other gradients
+// stay fp32.
 //
 // A method that takes ActIn/ActOut accepts a float* (kF32) anywhere and kBF16 memory only where
 // act_dtype() is kBF16; another dtype throws keel::Error (kInternal) naming the method and the
@@ -203,28 +210,28 @@ class ExecContext {
   }
 
   // ---- norm.h (the split forms serve a row sharded over TP ranks) ----
-  // out: Note [act-dtype].
-  virtual void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
+  // out and inp: Note [act-dtype] (a bf16 inp is widened exactly; the statistics are fp32).
+  virtual void norm_forward(NormOp op, const NormShape& s, ActOut out, ActIn inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) = 0;
-  // dinp and dout of the backward forms: Note [act-dtype] (a bf16 dinp only with accumulate
+  // dinp, dout and inp of the backward forms: Note [act-dtype] (a bf16 dinp only with accumulate
   // false); the gain and bias gradients and the partials are fp32 sums either way.
   virtual void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate,
-                             float* dweight, float* dbias, ActIn dout, const float* inp,
+                             float* dweight, float* dbias, ActIn dout, ActIn inp,
                              const float* weight, const float* mean, const float* rstd) = 0;
-  virtual void norm_partial_stats(const NormShape& s, const float* inp, float* stats) = 0;
-  // out: Note [act-dtype].
+  virtual void norm_partial_stats(const NormShape& s, ActIn inp, float* stats) = 0;
+  // out and inp: Note [act-dtype].
   virtual void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
-                                       const float* stats, ActOut out, const float* inp,
+                                       const float* stats, ActOut out, ActIn inp,
                                        const float* weight, const float* bias, float* mean,
                                        float* rstd, float eps) = 0;
-  virtual void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp,
+  virtual void norm_backward_partials(const NormShape& s, ActIn dout, ActIn inp,
                                       const float* weight, const float* mean, const float* rstd,
                                       float* part) = 0;
   virtual void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
                                            const float* part, ActOut dinp, bool accumulate,
-                                           float* dweight, float* dbias, ActIn dout,
-                                           const float* inp, const float* weight, const float* mean,
+                                           float* dweight, float* dbias, ActIn dout, ActIn inp,
+                                           const float* weight, const float* mean,
                                            const float* rstd) = 0;
 
   // ---- attention.h ----
@@ -235,25 +242,24 @@ class ExecContext {
   virtual int64_t attention_saved_elems(const AttentionShape& s) const = 0;
   virtual int64_t attention_workspace_elems(const AttentionShape& s) const = 0;
   // out (=); saved (=); *max_abs_logit (=, device float) the largest |scale q.k| unmasked.
-  // q, k and out (and the backward's q, k, out and dout): Note [act-dtype]; bf16 only dense (a
-  // row stride of s.H * s.D; dout has out's).
+  // q, k, v and out (and the backward's q, k, v, out and dout): Note [act-dtype]; a bf16 out
+  // (and dout) only dense (a row stride of s.H * s.D; dout has out's), bf16 q, k, v at their own
+  // row strides.
   virtual void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
-                                 ActIn k, const float* v, const float* scale,
-                                 float* max_abs_logit) = 0;
+                                 ActIn k, ActIn v, const float* scale, float* max_abs_logit) = 0;
   // dq, dk, dv (=; Note [act-dtype], at the row strides of q, k and v); dscale (+=, nullable).
   // out and saved as the forward left them; dq, dk, dv must not alias q, k, v, out or dout.
   virtual void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
-                                  ActIn k, const float* v, const float* scale,
-                                  float* workspace) = 0;
+                                  ActIn k, ActIn v, const float* scale, float* workspace) = 0;
   virtual void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                                 float default_scale) = 0;
   virtual void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
                                      bool shared_gain) = 0;
 
   // ---- rope.h (the table is the host table; a device context keeps its own copy of it) ----
-  // y: Note [act-dtype] (bf16 only out of place).
-  virtual void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
+  // y and x: Note [act-dtype] (a bf16 x only with a bf16 y; y may equal x, in place).
+  virtual void rope_forward(const RopeTable& table, ActOut y, ActIn x, int64_t B, int64_t T,
                             int64_t H, int64_t D, int64_t row_stride) = 0;
   // dx and dy: Note [act-dtype], of one dtype (bf16: the fp32 rotation of the widened dy rounded
   // once); dx may equal dy (in place).

@@ -362,7 +362,8 @@ TEST_F(Bf16ExecTest, Bf16OutputsAreTheRoundedFp32Outputs) {
 
 // Attention on bf16 operands: dense bf16 q and k (the QK-normalised ones a layer stores) and a
 // bf16 output. The fp32 path rounds q and k to the same bf16 values and its output is a widened
-// bf16, so both paths give the same output, maximum and gradients, bitwise.
+// bf16, so both paths give the same output, maximum and gradients, bitwise, and gradients written
+// in bf16 are those roundings.
 TEST_F(Bf16ExecTest, AttentionOnBf16OperandsMatchesTheFp32Ones) {
   const int64_t B = 2, T = 32, H = 2, D = 32, HD = H * D, BT = B * T;
   const auto qkv = random_vec(BT * 3 * HD, -1.0f, 1.0f, 27);
@@ -410,67 +411,48 @@ TEST_F(Bf16ExecTest, AttentionOnBf16OperandsMatchesTheFp32Ones) {
   EXPECT_TRUE(identical(host(hq), part(g, 0))) << "dq, bf16 dout";
   EXPECT_TRUE(identical(host(hk), part(g, 1))) << "dk, bf16 dout";
   EXPECT_TRUE(identical(part(host(hv), 2), part(g, 2))) << "dv, bf16 dout";
-  // Strided bf16 operands are refused: the kernels read and write dense rows.
+  // Note [act-dtype]: gradients stored in bf16 (the QKV projection's, and dq, dk for a QK-norm's
+  // backward) are the bf16 values the fp32 ones are widened from: copied into rows of 3 HD for
+  // packed fp32 q, k, v; written where they are for dense bf16 q, k (dv copied).
+  Tensor bp = poisoned_bf16(BT * 3 * HD);
+  const kernels::ActOut b3 = kernels::act(bp);
+  gpu().attention_backward(sf, b3, b3.at(HD), b3.at(2 * HD), nullptr, tdout.f32(), of.f32(),
+                           saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(), ws.f32());
+  EXPECT_TRUE(identical(host_bf16(bp), g)) << "bf16 dq, dk, dv in rows of 3 HD";
+  Tensor bq = poisoned_bf16(BT * HD), bk = poisoned_bf16(BT * HD), bv = poisoned_bf16(BT * 3 * HD);
+  gpu().attention_backward(sb, kernels::act(bq), kernels::act(bk), kernels::act(bv).at(2 * HD),
+                           nullptr, tdout.f32(), kernels::act(ob), saved_b.f32(), kernels::act(qb),
+                           kernels::act(kb), q + 2 * HD, tscale.f32(), ws.f32());
+  EXPECT_TRUE(identical(host_bf16(bq), part(g, 0))) << "bf16 dq in place";
+  EXPECT_TRUE(identical(host_bf16(bk), part(g, 1))) << "bf16 dk in place";
+  EXPECT_TRUE(identical(part(host_bf16(bv), 2), part(g, 2))) << "bf16 dv copied";
+  // bf16 q, k, v read where they are inside packed rows of 3 HD (the QKV projection's bf16 output,
+  // Note [act-dtype]), and their gradients written there: the same output, maximum, log-sum-exp
+  // and gradients.
+  Tensor pb = dev_bf16(qkv), op = poisoned_bf16(BT * HD), mp = poisoned(1);
+  Tensor saved_p = poisoned(gpu().attention_saved_elems(sf)), gp = poisoned_bf16(BT * 3 * HD);
+  const kernels::ActOut p3 = kernels::act(pb), gp3 = kernels::act(gp);
+  gpu().attention_forward(sf, kernels::act(op), saved_p.f32(), p3, p3.at(HD), p3.at(2 * HD),
+                          tscale.f32(), mp.f32());
+  EXPECT_TRUE(identical(host_bf16(op), host(of))) << "out, packed bf16 q, k, v";
+  EXPECT_TRUE(identical(host(mp), host(mf))) << "max |logit|, packed bf16 q, k, v";
+  EXPECT_TRUE(identical(host(saved_p), host(saved_f))) << "log-sum-exp, packed bf16 q, k, v";
+  gpu().attention_backward(sf, gp3, gp3.at(HD), gp3.at(2 * HD), nullptr, tdout.f32(),
+                           kernels::act(op), saved_p.f32(), p3, p3.at(HD), p3.at(2 * HD),
+                           tscale.f32(), ws.f32());
+  EXPECT_TRUE(identical(host_bf16(gp), g)) << "dq, dk, dv, packed bf16 q, k, v";
+  // A strided bf16 out is refused (the kernels write dense rows), and a bf16 q whose row stride is
+  // below its H * D.
   AttentionShape strided = sb;
   strided.ldo = 2 * HD;
   EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), kernels::act(qb),
                                        kernels::act(kb), q + 2 * HD, tscale.f32(), mb.f32()),
                Error);
   strided = sb;
-  strided.ldq = 2 * HD;
+  strided.ldq = HD - 1;
   EXPECT_THROW(gpu().attention_forward(strided, kernels::act(ob), saved_b.f32(), kernels::act(qb),
                                        kernels::act(kb), q + 2 * HD, tscale.f32(), mb.f32()),
                Error);
-}
-
-// Note [act-dtype]: attention's gradients stored in bf16 (the QKV projection's gradient, and dq, dk
-// for a QK-norm's backward) are the bf16 values the fp32 outputs are widened from, bit for bit:
-// written where they are when dense (q, k in bf16), copied into rows of 3 HD otherwise (fp32 q, k,
-// v inside packed rows, as without QK-norm).
-TEST_F(Bf16ExecTest, AttentionWritesBf16GradientsAsTheWidenedOnesRound) {
-  const int64_t B = 2, T = 32, H = 2, D = 32, HD = H * D, BT = B * T;
-  const auto qkv = random_vec(BT * 3 * HD, -1.0f, 1.0f, 31);
-  const auto scale = random_vec(H, 0.1f, 0.3f, 32);
-  const auto dout = random_vec(BT * HD, -1.0f, 1.0f, 33);
-  auto part = [&](const std::vector<float>& v, int which) {
-    return column_block(v, BT, 3 * HD, which, HD);
-  };
-  const AttentionShape sf{B, T, H, D, 3 * HD, 3 * HD, 3 * HD, HD, 0};
-  const AttentionShape sb{B, T, H, D, HD, HD, 3 * HD, HD, 0};
-  Tensor tqkv = dev(qkv), tscale = dev(scale), tdout = dev_bf16(dout);
-  Tensor qb = dev_bf16(part(qkv, 0)), kb = dev_bf16(part(qkv, 1));
-  const float* q = tqkv.f32();
-  Tensor of = poisoned(BT * HD), ob = poisoned_bf16(BT * HD);
-  Tensor saved_f = poisoned(gpu().attention_saved_elems(sf));
-  Tensor saved_b = poisoned(gpu().attention_saved_elems(sb));
-  Tensor m = poisoned(1);
-  gpu().attention_forward(sf, of.f32(), saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(),
-                          m.f32());
-  gpu().attention_forward(sb, kernels::act(ob), saved_b.f32(), kernels::act(qb), kernels::act(kb),
-                          q + 2 * HD, tscale.f32(), m.f32());
-  Tensor ws = poisoned(std::max<int64_t>(1, gpu().attention_workspace_elems(sf)));
-  // Packed fp32 q, k, v: the fp32 gradients, then bf16 ones in rows of 3 HD (all copied).
-  Tensor gf = poisoned(BT * 3 * HD), gb = poisoned_bf16(BT * 3 * HD);
-  float* dq = gf.f32();
-  gpu().attention_backward(sf, dq, dq + HD, dq + 2 * HD, nullptr, kernels::act(tdout), of.f32(),
-                           saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(), ws.f32());
-  const kernels::ActOut g3 = kernels::act(gb);
-  gpu().attention_backward(sf, g3, g3.at(HD), g3.at(2 * HD), nullptr, kernels::act(tdout), of.f32(),
-                           saved_f.f32(), q, q + HD, q + 2 * HD, tscale.f32(), ws.f32());
-  EXPECT_TRUE(identical(host_bf16(gb), host(gf))) << "dq, dk, dv copied into rows of 3 HD";
-  // Dense bf16 q, k: dq and dk written where they are, dv copied into rows of 3 HD; against the
-  // fp32 gradients of the same call.
-  Tensor hq = poisoned(BT * HD), hk = poisoned(BT * HD), hv = poisoned(BT * 3 * HD);
-  gpu().attention_backward(sb, hq.f32(), hk.f32(), hv.f32() + 2 * HD, nullptr, kernels::act(tdout),
-                           kernels::act(ob), saved_b.f32(), kernels::act(qb), kernels::act(kb),
-                           q + 2 * HD, tscale.f32(), ws.f32());
-  Tensor bq = poisoned_bf16(BT * HD), bk = poisoned_bf16(BT * HD), bv = poisoned_bf16(BT * 3 * HD);
-  gpu().attention_backward(sb, kernels::act(bq), kernels::act(bk), kernels::act(bv).at(2 * HD),
-                           nullptr, kernels::act(tdout), kernels::act(ob), saved_b.f32(),
-                           kernels::act(qb), kernels::act(kb), q + 2 * HD, tscale.f32(), ws.f32());
-  EXPECT_TRUE(identical(host_bf16(bq), host(hq))) << "dq in place";
-  EXPECT_TRUE(identical(host_bf16(bk), host(hk))) << "dk in place";
-  EXPECT_TRUE(identical(part(host_bf16(bv), 2), part(host(hv), 2))) << "dv copied";
 }
 
 // Note [act-dtype]: GELU on the MLP's bf16 pre-activation and bf16 hidden gradient widens each
@@ -499,78 +481,115 @@ TEST_F(Bf16ExecTest, GeluOnBf16PreActivationIsTheFp32OneOnWidenedValues) {
   }
 }
 
-// Note [act-dtype]: the QK-norm's backward on bf16 gradients. A bf16 dout is widened exactly and a
-// bf16 dinp is the fp32 result rounded once, so each equals the fp32 method on the widened dout,
-// rounded: bit for bit, for the whole form and the split (TP) forms, with the gain and bias
-// gradients unchanged bit for bit. dinp lies in rows of 3 HD (the raw q of the QKV projection),
-// dout in dense rows; a bf16 dinp cannot accumulate. RoPE's backward in place on bf16 rows is
-// likewise the fp32 rotation of the widened values, rounded.
-TEST_F(Bf16ExecTest, QkGradientsInBf16AreTheFp32OnesRounded) {
+// Note [act-dtype]: QK-norm on the QKV projection's bf16 output and bf16 gradients. A bf16 input
+// (x, rows of 3 HD) or dout is widened exactly and a bf16 output (dinp) is the fp32 result rounded
+// once, so each call equals the fp32 method on the widened values, rounded: bit for bit, for the
+// whole form and the split (TP) forms, with mean, rstd, the statistics and the gain and bias
+// gradients unchanged bit for bit. A bf16 dinp cannot accumulate. RoPE in place on bf16 rows is
+// likewise the fp32 rotation of the widened values, rounded, forward and backward.
+TEST_F(Bf16ExecTest, QkNormAndRopeOnBf16AreTheFp32OnesRounded) {
   const int64_t N = 48, H = 2, D = 32, HD = H * D, ld_in = 3 * HD;
   const auto x = random_vec(N * ld_in, -2.0f, 2.0f, 51), dy = random_vec(N * HD, -1.0f, 1.0f, 52);
   const auto w = random_vec(HD, 0.5f, 1.5f, 53), b = random_vec(HD, -0.2f, 0.2f, 54);
-  const auto dyr = bf16_rounded(dy);
-  Tensor tx = dev(x), tw = dev(w), tb = dev(b), tdy = dev(dy), tdyr = dev(dyr), tdyb = dev_bf16(dy);
+  Tensor tw = dev(w), tb = dev(b), tdy = dev(dy), tdyr = dev(bf16_rounded(dy)), tdyb = dev_bf16(dy);
+  Tensor txf = dev(x), txr = dev(bf16_rounded(x)), txb = dev_bf16(x);
   auto rows = [&](const std::vector<float>& v) { return column_block(v, N, ld_in, 0, HD); };
-  for (const kernels::NormOp op : {kernels::NormOp::kRms, kernels::NormOp::kLayer}) {
-    for (const bool shared : {true, false}) {
-      SCOPED_TRACE(std::string(op == kernels::NormOp::kRms ? "RMS" : "Layer") +
-                   (shared ? ", shared gain" : ", per-head gain"));
-      kernels::NormShape s;
-      s.N = N;
-      s.G = H;
-      s.Cg = D;
-      s.ld_in = ld_in;
-      s.ld_out = HD;
-      s.w_group_stride = shared ? 0 : D;
-      const bool layer = op == kernels::NormOp::kLayer;
-      Tensor y = poisoned(N * HD), mean = poisoned(N * H), rstd = poisoned(N * H);
-      gpu().norm_forward(op, s, y.f32(), tx.f32(), tw.f32(), layer ? tb.f32() : nullptr,
-                         layer ? mean.f32() : nullptr, rstd.f32(), 1e-5f);
-      const float* mu = layer ? mean.f32() : nullptr;
-      for (const bool bf16_dout : {true, false}) {
-        SCOPED_TRACE(bf16_dout ? "bf16 dout" : "fp32 dout");
-        const kernels::ActIn g = bf16_dout ? kernels::ActIn(kernels::act(tdyb)) : tdy.f32();
-        const float* gref = bf16_dout ? tdyr.f32() : tdy.f32();
-        const int64_t wn = shared ? D : HD;
-        Tensor rx = poisoned(N * ld_in), rw = dev(std::vector<float>(wn, 0.25f));
-        Tensor rb = dev(std::vector<float>(wn, -0.5f));
-        gpu().norm_backward(op, s, rx.f32(), false, rw.f32(), rb.f32(), gref, tx.f32(), tw.f32(),
-                            mu, rstd.f32());
-        Tensor bx = poisoned_bf16(N * ld_in), bw = dev(std::vector<float>(wn, 0.25f));
-        Tensor bb = dev(std::vector<float>(wn, -0.5f));
-        gpu().norm_backward(op, s, kernels::act(bx), false, bw.f32(), bb.f32(), g, tx.f32(),
-                            tw.f32(), mu, rstd.f32());
-        EXPECT_TRUE(identical(rows(host_bf16(bx)), bf16_rounded(rows(host(rx))))) << "dinp";
-        EXPECT_TRUE(identical(host(bw), host(rw))) << "dweight";
-        EXPECT_TRUE(identical(host(bb), host(rb))) << "dbias";
-        // The split forms (PROJECTION scope under TP): partials, then dinp from them.
-        Tensor pr = poisoned(2 * N * H), pb = poisoned(2 * N * H);
-        gpu().norm_backward_partials(s, gref, tx.f32(), tw.f32(), mu, rstd.f32(), pr.f32());
-        gpu().norm_backward_partials(s, g, tx.f32(), tw.f32(), mu, rstd.f32(), pb.f32());
-        EXPECT_TRUE(identical(host(pb), host(pr))) << "partials";
-        Tensor sx = poisoned(N * ld_in), sxb = poisoned_bf16(N * ld_in);
-        gpu().norm_backward_from_partials(op, s, D, pr.f32(), sx.f32(), false, nullptr, nullptr,
-                                          gref, tx.f32(), tw.f32(), mu, rstd.f32());
-        gpu().norm_backward_from_partials(op, s, D, pr.f32(), kernels::act(sxb), false, nullptr,
-                                          nullptr, g, tx.f32(), tw.f32(), mu, rstd.f32());
-        EXPECT_TRUE(identical(rows(host_bf16(sxb)), bf16_rounded(rows(host(sx)))))
-            << "dinp from partials";
-        EXPECT_THROW(gpu().norm_backward(op, s, kernels::act(bx), /*accumulate=*/true, nullptr,
-                                         nullptr, g, tx.f32(), tw.f32(), mu, rstd.f32()),
-                     Error);
+  for (const bool bf16_x : {false, true}) {
+    // The input as the method reads it, and the fp32 input of the reference.
+    const kernels::ActIn xin = bf16_x ? kernels::ActIn(kernels::act(txb)) : txf.f32();
+    const float* xref = bf16_x ? txr.f32() : txf.f32();
+    for (const kernels::NormOp op : {kernels::NormOp::kRms, kernels::NormOp::kLayer}) {
+      for (const bool shared : {true, false}) {
+        SCOPED_TRACE(std::string(bf16_x ? "bf16 x, " : "fp32 x, ") +
+                     (op == kernels::NormOp::kRms ? "RMS" : "Layer") +
+                     (shared ? ", shared gain" : ", per-head gain"));
+        kernels::NormShape s;
+        s.N = N;
+        s.G = H;
+        s.Cg = D;
+        s.ld_in = ld_in;
+        s.ld_out = HD;
+        s.w_group_stride = shared ? 0 : D;
+        const bool layer = op == kernels::NormOp::kLayer;
+        const float* bias = layer ? tb.f32() : nullptr;
+        Tensor y = poisoned(N * HD), mean = poisoned(N * H), rstd = poisoned(N * H);
+        gpu().norm_forward(op, s, y.f32(), xref, tw.f32(), bias, layer ? mean.f32() : nullptr,
+                           rstd.f32(), 1e-5f);
+        Tensor yb = poisoned_bf16(N * HD), mb = poisoned(N * H), rb = poisoned(N * H);
+        gpu().norm_forward(op, s, kernels::act(yb), xin, tw.f32(), bias, layer ? mb.f32() : nullptr,
+                           rb.f32(), 1e-5f);
+        EXPECT_TRUE(identical(host_bf16(yb), bf16_rounded(host(y)))) << "forward";
+        EXPECT_TRUE(identical(host(rb), host(rstd))) << "rstd";
+        if (layer) {
+          EXPECT_TRUE(identical(host(mb), host(mean))) << "mean";
+        }
+        // The split forward (PROJECTION scope): statistics, then the output from them.
+        Tensor st = poisoned(2 * N * H), stb = poisoned(2 * N * H);
+        gpu().norm_partial_stats(s, xref, st.f32());
+        gpu().norm_partial_stats(s, xin, stb.f32());
+        EXPECT_TRUE(identical(host(stb), host(st))) << "partial statistics";
+        Tensor ys = poisoned(N * HD), ysb = poisoned_bf16(N * HD), rs = poisoned(N * H);
+        gpu().norm_forward_from_stats(op, s, D, st.f32(), ys.f32(), xref, tw.f32(), bias, nullptr,
+                                      rs.f32(), 1e-5f);
+        gpu().norm_forward_from_stats(op, s, D, st.f32(), kernels::act(ysb), xin, tw.f32(), bias,
+                                      nullptr, rs.f32(), 1e-5f);
+        EXPECT_TRUE(identical(host_bf16(ysb), bf16_rounded(host(ys)))) << "forward from stats";
+        const float* mu = layer ? mean.f32() : nullptr;
+        for (const bool bf16_dout : {true, false}) {
+          SCOPED_TRACE(bf16_dout ? "bf16 dout" : "fp32 dout");
+          const kernels::ActIn g = bf16_dout ? kernels::ActIn(kernels::act(tdyb)) : tdy.f32();
+          const float* gref = bf16_dout ? tdyr.f32() : tdy.f32();
+          const int64_t wn = shared ? D : HD;
+          Tensor rx = poisoned(N * ld_in), rw = dev(std::vector<float>(wn, 0.25f));
+          Tensor rbias = dev(std::vector<float>(wn, -0.5f));
+          gpu().norm_backward(op, s, rx.f32(), false, rw.f32(), rbias.f32(), gref, xref, tw.f32(),
+                              mu, rstd.f32());
+          Tensor bx = poisoned_bf16(N * ld_in), bw = dev(std::vector<float>(wn, 0.25f));
+          Tensor bbias = dev(std::vector<float>(wn, -0.5f));
+          gpu().norm_backward(op, s, kernels::act(bx), false, bw.f32(), bbias.f32(), g, xin,
+                              tw.f32(), mu, rstd.f32());
+          EXPECT_TRUE(identical(rows(host_bf16(bx)), bf16_rounded(rows(host(rx))))) << "dinp";
+          EXPECT_TRUE(identical(host(bw), host(rw))) << "dweight";
+          EXPECT_TRUE(identical(host(bbias), host(rbias))) << "dbias";
+          // The split backward: partials, then dinp from them.
+          Tensor pr = poisoned(2 * N * H), pb = poisoned(2 * N * H);
+          gpu().norm_backward_partials(s, gref, xref, tw.f32(), mu, rstd.f32(), pr.f32());
+          gpu().norm_backward_partials(s, g, xin, tw.f32(), mu, rstd.f32(), pb.f32());
+          EXPECT_TRUE(identical(host(pb), host(pr))) << "partials";
+          Tensor sx = poisoned(N * ld_in), sxb = poisoned_bf16(N * ld_in);
+          gpu().norm_backward_from_partials(op, s, D, pr.f32(), sx.f32(), false, nullptr, nullptr,
+                                            gref, xref, tw.f32(), mu, rstd.f32());
+          gpu().norm_backward_from_partials(op, s, D, pr.f32(), kernels::act(sxb), false, nullptr,
+                                            nullptr, g, xin, tw.f32(), mu, rstd.f32());
+          EXPECT_TRUE(identical(rows(host_bf16(sxb)), bf16_rounded(rows(host(sx)))))
+              << "dinp from partials";
+          EXPECT_THROW(gpu().norm_backward(op, s, kernels::act(bx), /*accumulate=*/true, nullptr,
+                                           nullptr, g, xin, tw.f32(), mu, rstd.f32()),
+                       Error);
+        }
       }
     }
   }
-  // RoPE's backward in place on bf16 rows of 3 HD (q's 2 heads and k's, as without QK-norm).
+  // RoPE in place on bf16 rows of 3 HD (q's 2 heads and k's, as without QK-norm).
   const int64_t B = 2, T = 24;
   const auto table = std::make_unique<kernels::RopeTable>(kernels::make_rope_table(T, D, 1e4));
   const auto r = random_vec(B * T * ld_in, -1.0f, 1.0f, 55);
-  Tensor rf = dev(bf16_rounded(r)), rb = dev_bf16(r);
-  gpu().rope_backward(*table, rf.f32(), rf.f32(), B, T, 2 * H, D, ld_in);
-  gpu().rope_backward(*table, kernels::act(rb), kernels::act(rb), B, T, 2 * H, D, ld_in);
-  EXPECT_TRUE(identical(host_bf16(rb), bf16_rounded(host(rf)))) << "rope_backward in place";
+  for (const bool forward : {true, false}) {
+    SCOPED_TRACE(forward ? "rope_forward" : "rope_backward");
+    Tensor rf = dev(bf16_rounded(r)), rb = dev_bf16(r);
+    if (forward) {
+      gpu().rope_forward(*table, rf.f32(), rf.f32(), B, T, 2 * H, D, ld_in);
+      gpu().rope_forward(*table, kernels::act(rb), kernels::act(rb), B, T, 2 * H, D, ld_in);
+    } else {
+      gpu().rope_backward(*table, rf.f32(), rf.f32(), B, T, 2 * H, D, ld_in);
+      gpu().rope_backward(*table, kernels::act(rb), kernels::act(rb), B, T, 2 * H, D, ld_in);
+    }
+    EXPECT_TRUE(identical(host_bf16(rb), bf16_rounded(host(rf)))) << "in place";
+  }
+  Tensor rf = dev(r), rb = dev_bf16(r);
   EXPECT_THROW(gpu().rope_backward(*table, rf.f32(), kernels::act(rb), B, T, 2 * H, D, ld_in),
+               Error);
+  EXPECT_THROW(gpu().rope_forward(*table, rf.f32(), kernels::act(rb), B, T, 2 * H, D, ld_in),
                Error);
 }
 

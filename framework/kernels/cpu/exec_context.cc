@@ -77,41 +77,42 @@ class CpuExec final : public ExecContext {
     *out = accumulate ? *out + s : s;
   }
 
-  void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
-                    const float* weight, const float* bias, float* mean, float* rstd,
-                    float eps) override {
-    kernels::norm_forward(op, s, act_f32(out, "norm_forward", "out"), inp, weight, bias, mean, rstd,
-                          eps);
+  void norm_forward(NormOp op, const NormShape& s, ActOut out, ActIn inp, const float* weight,
+                    const float* bias, float* mean, float* rstd, float eps) override {
+    kernels::norm_forward(op, s, act_f32(out, "norm_forward", "out"),
+                          act_f32(inp, "norm_forward", "inp"), weight, bias, mean, rstd, eps);
   }
   void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate, float* dweight,
-                     float* dbias, ActIn dout, const float* inp, const float* weight,
-                     const float* mean, const float* rstd) override {
+                     float* dbias, ActIn dout, ActIn inp, const float* weight, const float* mean,
+                     const float* rstd) override {
     kernels::norm_backward(op, s, act_f32(dinp, "norm_backward", "dinp"), accumulate, dweight,
-                           dbias, act_f32(dout, "norm_backward", "dout"), inp, weight, mean, rstd);
+                           dbias, act_f32(dout, "norm_backward", "dout"),
+                           act_f32(inp, "norm_backward", "inp"), weight, mean, rstd);
   }
-  void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override {
-    kernels::norm_partial_stats(s, inp, stats);
+  void norm_partial_stats(const NormShape& s, ActIn inp, float* stats) override {
+    kernels::norm_partial_stats(s, act_f32(inp, "norm_partial_stats", "inp"), stats);
   }
   void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
-                               ActOut out, const float* inp, const float* weight, const float* bias,
+                               ActOut out, ActIn inp, const float* weight, const float* bias,
                                float* mean, float* rstd, float eps) override {
-    kernels::norm_forward_from_stats(op, s, Cg_total, stats,
-                                     act_f32(out, "norm_forward_from_stats", "out"), inp, weight,
-                                     bias, mean, rstd, eps);
+    kernels::norm_forward_from_stats(
+        op, s, Cg_total, stats, act_f32(out, "norm_forward_from_stats", "out"),
+        act_f32(inp, "norm_forward_from_stats", "inp"), weight, bias, mean, rstd, eps);
   }
-  void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp, const float* weight,
+  void norm_backward_partials(const NormShape& s, ActIn dout, ActIn inp, const float* weight,
                               const float* mean, const float* rstd, float* part) override {
-    kernels::norm_backward_partials(s, act_f32(dout, "norm_backward_partials", "dout"), inp, weight,
-                                    mean, rstd, part);
+    kernels::norm_backward_partials(s, act_f32(dout, "norm_backward_partials", "dout"),
+                                    act_f32(inp, "norm_backward_partials", "inp"), weight, mean,
+                                    rstd, part);
   }
   void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
                                    const float* part, ActOut dinp, bool accumulate, float* dweight,
-                                   float* dbias, ActIn dout, const float* inp, const float* weight,
+                                   float* dbias, ActIn dout, ActIn inp, const float* weight,
                                    const float* mean, const float* rstd) override {
-    kernels::norm_backward_from_partials(
-        op, s, Cg_total, part, act_f32(dinp, "norm_backward_from_partials", "dinp"), accumulate,
-        dweight, dbias, act_f32(dout, "norm_backward_from_partials", "dout"), inp, weight, mean,
-        rstd);
+    const char* m = "norm_backward_from_partials";
+    kernels::norm_backward_from_partials(op, s, Cg_total, part, act_f32(dinp, m, "dinp"),
+                                         accumulate, dweight, dbias, act_f32(dout, m, "dout"),
+                                         act_f32(inp, m, "inp"), weight, mean, rstd);
   }
 
   // The CPU saves the probabilities; the backward's workspace is per OpenMP thread.
@@ -122,20 +123,22 @@ class CpuExec final : public ExecContext {
     return kernels::attention_workspace_elems(s, s.threads > 0 ? s.threads : num_threads());
   }
   void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
-                         const float* v, const float* scale, float* max_abs_logit) override {
-    kernels::attention_forward<float>(
-        s, act_f32(out, "attention_forward", "out"), saved, act_f32(q, "attention_forward", "q"),
-        act_f32(k, "attention_forward", "k"), v, scale, max_abs_logit);
+                         ActIn v, const float* scale, float* max_abs_logit) override {
+    kernels::attention_forward<float>(s, act_f32(out, "attention_forward", "out"), saved,
+                                      act_f32(q, "attention_forward", "q"),
+                                      act_f32(k, "attention_forward", "k"),
+                                      act_f32(v, "attention_forward", "v"), scale, max_abs_logit);
   }
   void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv, float* dscale,
-                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
-                          const float* v, const float* scale, float* workspace) override {
+                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k, ActIn v,
+                          const float* scale, float* workspace) override {
     act_f32(out, "attention_backward", "out");  // the CPU's backward reads its saved probabilities
     kernels::attention_backward<float>(
         s, act_f32(dq, "attention_backward", "dq"), act_f32(dk, "attention_backward", "dk"),
         act_f32(dv, "attention_backward", "dv"), dscale,
         act_f32(dout, "attention_backward", "dout"), saved, act_f32(q, "attention_backward", "q"),
-        act_f32(k, "attention_backward", "k"), v, scale, workspace);
+        act_f32(k, "attention_backward", "k"), act_f32(v, "attention_backward", "v"), scale,
+        workspace);
   }
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override {
@@ -146,9 +149,10 @@ class CpuExec final : public ExecContext {
     kernels::scale_grad_accumulate<float>(grad, dscale, H, shared_gain);
   }
 
-  void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
-                    int64_t H, int64_t D, int64_t row_stride) override {
-    kernels::rope_forward<float>(table, act_f32(y, "rope_forward", "y"), x, B, T, H, D, row_stride);
+  void rope_forward(const RopeTable& table, ActOut y, ActIn x, int64_t B, int64_t T, int64_t H,
+                    int64_t D, int64_t row_stride) override {
+    kernels::rope_forward<float>(table, act_f32(y, "rope_forward", "y"),
+                                 act_f32(x, "rope_forward", "x"), B, T, H, D, row_stride);
   }
   void rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T, int64_t H,
                      int64_t D, int64_t row_stride) override {

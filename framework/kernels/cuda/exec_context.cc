@@ -276,60 +276,74 @@ void CudaExec::sum_squares(const float* x, int64_t n, double* out, bool accumula
 
 // ---- norm.h ----
 
-void CudaExec::norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
+void CudaExec::norm_forward(NormOp op, const NormShape& s, ActOut out, ActIn inp,
                             const float* weight, const float* bias, float* mean, float* rstd,
                             float eps) {
   with_typed(out, precision_, "norm_forward", "out", [&](auto* o) {
-    cuda::norm_forward(ctx_, op, s, o, inp, weight, bias, mean, rstd, eps);
-  });
-}
-
-void CudaExec::norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate,
-                             float* dweight, float* dbias, ActIn dout, const float* inp,
-                             const float* weight, const float* mean, const float* rstd) {
-  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, "norm_backward", "dinp")), kInternal,
-             "CudaExec::norm_backward: a bf16 dinp cannot accumulate");
-  with_typed(dinp, precision_, "norm_backward", "dinp", [&](auto* dx) {
-    with_typed(dout, precision_, "norm_backward", "dout", [&](auto* dy) {
-      cuda::norm_backward(ctx_, op, s, dx, accumulate, dweight, dbias, dy, inp, weight, mean, rstd);
+    with_typed(inp, precision_, "norm_forward", "inp", [&](auto* x) {
+      cuda::norm_forward(ctx_, op, s, o, x, weight, bias, mean, rstd, eps);
     });
   });
 }
 
-void CudaExec::norm_partial_stats(const NormShape& s, const float* inp, float* stats) {
-  cuda::norm_partial_stats(ctx_, s, inp, stats);
-}
-
-void CudaExec::norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
-                                       const float* stats, ActOut out, const float* inp,
-                                       const float* weight, const float* bias, float* mean,
-                                       float* rstd, float eps) {
-  with_typed(out, precision_, "norm_forward_from_stats", "out", [&](auto* o) {
-    cuda::norm_forward_from_stats(ctx_, op, s, Cg_total, stats, o, inp, weight, bias, mean, rstd,
-                                  eps);
+void CudaExec::norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate,
+                             float* dweight, float* dbias, ActIn dout, ActIn inp,
+                             const float* weight, const float* mean, const float* rstd) {
+  const char* m = "norm_backward";
+  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, m, "dinp")), kInternal, "CudaExec::", m,
+             ": a bf16 dinp cannot accumulate");
+  with_typed(dinp, precision_, m, "dinp", [&](auto* dx) {
+    with_typed(dout, precision_, m, "dout", [&](auto* dy) {
+      with_typed(inp, precision_, m, "inp", [&](auto* x) {
+        cuda::norm_backward(ctx_, op, s, dx, accumulate, dweight, dbias, dy, x, weight, mean, rstd);
+      });
+    });
   });
 }
 
-void CudaExec::norm_backward_partials(const NormShape& s, ActIn dout, const float* inp,
+void CudaExec::norm_partial_stats(const NormShape& s, ActIn inp, float* stats) {
+  with_typed(inp, precision_, "norm_partial_stats", "inp",
+             [&](auto* x) { cuda::norm_partial_stats(ctx_, s, x, stats); });
+}
+
+void CudaExec::norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total,
+                                       const float* stats, ActOut out, ActIn inp,
+                                       const float* weight, const float* bias, float* mean,
+                                       float* rstd, float eps) {
+  const char* m = "norm_forward_from_stats";
+  with_typed(out, precision_, m, "out", [&](auto* o) {
+    with_typed(inp, precision_, m, "inp", [&](auto* x) {
+      cuda::norm_forward_from_stats(ctx_, op, s, Cg_total, stats, o, x, weight, bias, mean, rstd,
+                                    eps);
+    });
+  });
+}
+
+void CudaExec::norm_backward_partials(const NormShape& s, ActIn dout, ActIn inp,
                                       const float* weight, const float* mean, const float* rstd,
                                       float* part) {
-  with_typed(dout, precision_, "norm_backward_partials", "dout", [&](auto* dy) {
-    cuda::norm_backward_partials(ctx_, s, dy, inp, weight, mean, rstd, part);
+  const char* m = "norm_backward_partials";
+  with_typed(dout, precision_, m, "dout", [&](auto* dy) {
+    with_typed(inp, precision_, m, "inp", [&](auto* x) {
+      cuda::norm_backward_partials(ctx_, s, dy, x, weight, mean, rstd, part);
+    });
   });
 }
 
 void CudaExec::norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
                                            const float* part, ActOut dinp, bool accumulate,
-                                           float* dweight, float* dbias, ActIn dout,
-                                           const float* inp, const float* weight, const float* mean,
+                                           float* dweight, float* dbias, ActIn dout, ActIn inp,
+                                           const float* weight, const float* mean,
                                            const float* rstd) {
-  const char* method = "norm_backward_from_partials";
-  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, method, "dinp")), kInternal,
-             "CudaExec::", method, ": a bf16 dinp cannot accumulate");
-  with_typed(dinp, precision_, method, "dinp", [&](auto* dx) {
-    with_typed(dout, precision_, method, "dout", [&](auto* dy) {
-      cuda::norm_backward_from_partials(ctx_, op, s, Cg_total, part, dx, accumulate, dweight, dbias,
-                                        dy, inp, weight, mean, rstd);
+  const char* m = "norm_backward_from_partials";
+  KEEL_CHECK(!(accumulate && is_bf16(dinp, precision_, m, "dinp")), kInternal, "CudaExec::", m,
+             ": a bf16 dinp cannot accumulate");
+  with_typed(dinp, precision_, m, "dinp", [&](auto* dx) {
+    with_typed(dout, precision_, m, "dout", [&](auto* dy) {
+      with_typed(inp, precision_, m, "inp", [&](auto* x) {
+        cuda::norm_backward_from_partials(ctx_, op, s, Cg_total, part, dx, accumulate, dweight,
+                                          dbias, dy, x, weight, mean, rstd);
+      });
     });
   });
 }
@@ -369,14 +383,15 @@ static bool dense_bf16(ActIn a, int64_t ld, const AttentionShape& s, Precision p
   return true;
 }
 
-// Note [act-dtype]: whether k is bf16 memory the kernels read as it is, at its own row stride:
-// dense rows of Hkv * D, or, with k/v heads replicated under TP (Note [gqa layouts]), the k/v
-// head this rank's query heads read inside rows of every k/v head. Both kernels take strided k.
-static bool strided_bf16_k(ActIn k, int64_t ldk, const AttentionShape& s, Precision p,
-                           const char* method) {
-  if (!is_bf16(k, p, method, "k")) return false;
-  KEEL_CHECK(ldk >= s.kv_heads() * s.D, kInternal, "CudaExec::", method, ": a bf16 k's row stride ",
-             ldk, " is below Hkv * D = ", s.kv_heads() * s.D);
+// Note [act-dtype]: whether q, k or v (`heads` heads of D, row stride ld) is bf16 memory the
+// kernels read as it is, at its own row stride: dense rows, rows of the QKV projection's packed
+// output, or, with k/v heads replicated under TP (Note [gqa layouts]), the k/v head this rank's
+// query heads read inside rows of every k/v head. Both kernels and cuDNN take strided q, k, v.
+static bool strided_bf16(ActIn a, int64_t ld, int64_t heads, const AttentionShape& s, Precision p,
+                         const char* method, const char* arg) {
+  if (!is_bf16(a, p, method, arg)) return false;
+  KEEL_CHECK(ld >= heads * s.D, kInternal, "CudaExec::", method, ": a bf16 ", arg, "'s row stride ",
+             ld, " is below ", heads, " heads of ", s.D);
   return true;
 }
 
@@ -418,38 +433,41 @@ static AttentionShape dense_rows(const AttentionShape& s) {
   return c;
 }
 
-// The shape the bf16 kernels see: dense rows, except that a bf16 k keeps its own row stride
-// (strided_bf16_k).
-static AttentionShape bf16_shape(const AttentionShape& s, bool k_bf16) {
+// The shape the bf16 kernels see: dense rows, except that bf16 q, k and v keep their own row
+// strides (strided_bf16); the gradients dq, dk, dv are written at those of q, k and v.
+static AttentionShape bf16_shape(const AttentionShape& s, bool q_bf16, bool k_bf16, bool v_bf16) {
   AttentionShape c = dense_rows(s);
+  if (q_bf16) c.ldq = s.ldq;
   if (k_bf16) c.ldk = s.ldk;
+  if (v_bf16) c.ldv = s.ldv;
   return c;
 }
 
 void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q,
-                                 ActIn k, const float* v, const float* scale,
-                                 float* max_abs_logit) {
-  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, "attention_forward", "out");
-  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, "attention_forward", "q");
-  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, "attention_forward");
+                                 ActIn k, ActIn v, const float* scale, float* max_abs_logit) {
+  const char* m = "attention_forward";
+  const int64_t Hkv = s.kv_heads();
+  const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, m, "out");
+  const bool q_bf16 = strided_bf16(q, s.ldq, s.H, s, precision_, m, "q");
+  const bool k_bf16 = strided_bf16(k, s.ldk, Hkv, s, precision_, m, "k");
+  const bool v_bf16 = strided_bf16(v, s.ldv, Hkv, s, precision_, m, "v");
   if (precision_ == Precision::kFp32) {
-    cuda::attention_forward<float>(ctx_, s, static_cast<float*>(out.data), saved,
-                                   static_cast<const float*>(q.data),
-                                   static_cast<const float*>(k.data), v, scale, max_abs_logit);
+    cuda::attention_forward<float>(
+        ctx_, s, static_cast<float*>(out.data), saved, static_cast<const float*>(q.data),
+        static_cast<const float*>(k.data), static_cast<const float*>(v.data), scale, max_abs_logit);
     return;
   }
-  // Note [cuda-exec-bf16]: dense bf16 q, v, out rows (H * D, Hkv * D for v) and k's bf16 rows;
-  // bf16 q and k are read and a bf16 out is written in place. Staging holds v and whichever of
-  // q, k, out are fp32.
-  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = s.kv_heads() * s.D;
+  // Note [cuda-exec-bf16]: bf16 q, k, v are read in place at their row strides and a bf16 out
+  // is written in place; staging holds whichever of them are fp32, as dense bf16 rows.
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = Hkv * s.D;
   const int64_t n = align64(BT * HD), nk = align64(BT * KD);
-  StageSlots slots(stage(nk + (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (out_bf16 ? 0 : n)));
-  Bf16* vb = slots.take(nk);
+  StageSlots slots(
+      stage((q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (v_bf16 ? 0 : nk) + (out_bf16 ? 0 : n)));
   const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(n, !q_bf16), BT, HD);
   const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(nk, !k_bf16), BT, KD);
+  const Bf16* vb = bf16_rows(ctx_, v, v_bf16, s.ldv, slots.take(nk, !v_bf16), BT, KD);
   Bf16* ob = out_bf16 ? static_cast<Bf16*>(out.data) : slots.take(n);
-  to_bf16_rows(ctx_, vb, KD, v, s.ldv, BT, KD);
-  const AttentionShape c = bf16_shape(s, k_bf16);
+  const AttentionShape c = bf16_shape(s, q_bf16, k_bf16, v_bf16);
   if (use_cudnn(c)) {
     cudnn::sdpa_forward(ctx_, c, ob, saved, qb, kb, vb, scale);
     if (max_abs_logit != nullptr)
@@ -466,8 +484,8 @@ void CudaExec::attention_forward(const AttentionShape& s, ActOut out, float* sav
 bool CudaExec::use_cudnn(const AttentionShape& c) {
   // Decided once per shape, so a forward and its backward always take the same path (their
   // saved log-sum-exp must come from the same kernel), keyed by all that changes what cuDNN is
-  // asked: the k/v heads and k's row stride (strided_bf16_k) too.
-  const std::array<int64_t, 6> key{c.B, c.T, c.H, c.kv_heads(), c.D, c.ldk};
+  // asked: the k/v heads and the row strides of q, k and v (strided_bf16) too.
+  const std::array<int64_t, 8> key{c.B, c.T, c.H, c.kv_heads(), c.D, c.ldq, c.ldk, c.ldv};
   auto it = cudnn_shapes_.find(key);
   if (it == cudnn_shapes_.end()) {
     std::string why;
@@ -494,13 +512,14 @@ static void store_rows(Context& ctx, ActOut dst, int64_t ld, const Bf16* src, in
 
 void CudaExec::attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv,
                                   float* dscale, ActIn dout, ActIn out, const float* saved, ActIn q,
-                                  ActIn k, const float* v, const float* scale,
-                                  float* /*workspace*/) {
+                                  ActIn k, ActIn v, const float* scale, float* /*workspace*/) {
   const char* m = "attention_backward";
+  const int64_t Hkv = s.kv_heads();
   const bool dout_bf16 = dense_bf16(dout, s.ldo, s, precision_, m, "dout");
   const bool out_bf16 = dense_bf16(out, s.ldo, s, precision_, m, "out");
-  const bool q_bf16 = dense_bf16(q, s.ldq, s, precision_, m, "q");
-  const bool k_bf16 = strided_bf16_k(k, s.ldk, s, precision_, m);
+  const bool q_bf16 = strided_bf16(q, s.ldq, s.H, s, precision_, m, "q");
+  const bool k_bf16 = strided_bf16(k, s.ldk, Hkv, s, precision_, m, "k");
+  const bool v_bf16 = strided_bf16(v, s.ldv, Hkv, s, precision_, m, "v");
   const bool dq_bf16 = is_bf16(dq, precision_, m, "dq"), dk_bf16 = is_bf16(dk, precision_, m, "dk"),
              dv_bf16 = is_bf16(dv, precision_, m, "dv");
   if (precision_ == Precision::kFp32) {
@@ -508,43 +527,43 @@ void CudaExec::attention_backward(const AttentionShape& s, ActOut dq, ActOut dk,
         ctx_, s, static_cast<float*>(dq.data), static_cast<float*>(dk.data),
         static_cast<float*>(dv.data), dscale, static_cast<const float*>(dout.data),
         static_cast<const float*>(out.data), saved, static_cast<const float*>(q.data),
-        static_cast<const float*>(k.data), v, scale);
+        static_cast<const float*>(k.data), static_cast<const float*>(v.data), scale);
     return;
   }
   // Note [cuda-exec-bf16]: bf16 q, k and out are what the forward read and wrote; fp32 ones round
   // to the same values (an fp32 out was widened from the forward's bf16 output), so the backward
   // sees what the forward computed.
-  // The kernels write dq, dk and dv as bf16 rows: dense (H * D, Hkv * D), except dk at k's row
-  // stride (one ldk for both: Hkv * D, or a bf16 k's own, strided_bf16_k). A bf16 gradient at
-  // that row stride is written where it is (Note [act-dtype]); any other is written into staging,
-  // then copied (bf16) or widened (fp32) to its own row stride. Staging also holds v and whichever
-  // of q, k, out, dout are fp32.
-  const AttentionShape c = bf16_shape(s, k_bf16);
-  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = s.kv_heads() * s.D;
-  const int64_t n = align64(BT * HD), nk = align64(BT * KD), ndk = align64(BT * c.ldk);
-  const bool dq_here = dq_bf16 && s.ldq == HD, dk_here = dk_bf16 && s.ldk == c.ldk,
-             dv_here = dv_bf16 && s.ldv == KD;
-  StageSlots slots(stage(nk + (dq_here ? 0 : n) + (dk_here ? 0 : ndk) + (dv_here ? 0 : nk) +
-                         (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (out_bf16 ? 0 : n) +
-                         (dout_bf16 ? 0 : n)));
-  Bf16* vb = slots.take(nk);
-  Bf16* dqb = dq_here ? static_cast<Bf16*>(dq.data) : slots.take(n);
+  // The kernels write dq, dk and dv as bf16 rows at the row strides of the q, k and v they read
+  // (one stride for an operand and its gradient): dense, or a bf16 operand's own (bf16_shape). A
+  // bf16 gradient at that stride is written where it is (Note [act-dtype]); any other is written
+  // into staging, then copied (bf16) or widened (fp32) to its own row stride. Staging also holds
+  // whichever of q, k, v, out, dout are fp32.
+  const AttentionShape c = bf16_shape(s, q_bf16, k_bf16, v_bf16);
+  const int64_t BT = s.B * s.T, HD = s.H * s.D, KD = Hkv * s.D;
+  const int64_t n = align64(BT * HD), nk = align64(BT * KD);
+  const int64_t ndq = align64(BT * c.ldq), ndk = align64(BT * c.ldk), ndv = align64(BT * c.ldv);
+  const bool dq_here = dq_bf16 && s.ldq == c.ldq, dk_here = dk_bf16 && s.ldk == c.ldk,
+             dv_here = dv_bf16 && s.ldv == c.ldv;
+  StageSlots slots(stage((dq_here ? 0 : ndq) + (dk_here ? 0 : ndk) + (dv_here ? 0 : ndv) +
+                         (q_bf16 ? 0 : n) + (k_bf16 ? 0 : nk) + (v_bf16 ? 0 : nk) +
+                         (out_bf16 ? 0 : n) + (dout_bf16 ? 0 : n)));
+  Bf16* dqb = dq_here ? static_cast<Bf16*>(dq.data) : slots.take(ndq);
   Bf16* dkb = dk_here ? static_cast<Bf16*>(dk.data) : slots.take(ndk);
-  Bf16* dvb = dv_here ? static_cast<Bf16*>(dv.data) : slots.take(nk);
+  Bf16* dvb = dv_here ? static_cast<Bf16*>(dv.data) : slots.take(ndv);
   const Bf16* qb = bf16_rows(ctx_, q, q_bf16, s.ldq, slots.take(n, !q_bf16), BT, HD);
   const Bf16* kb = bf16_rows(ctx_, k, k_bf16, s.ldk, slots.take(nk, !k_bf16), BT, KD);
+  const Bf16* vb = bf16_rows(ctx_, v, v_bf16, s.ldv, slots.take(nk, !v_bf16), BT, KD);
   const Bf16* ob = bf16_rows(ctx_, out, out_bf16, s.ldo, slots.take(n, !out_bf16), BT, HD);
   const Bf16* gb = bf16_rows(ctx_, dout, dout_bf16, s.ldo, slots.take(n, !dout_bf16), BT, HD);
-  to_bf16_rows(ctx_, vb, KD, v, s.ldv, BT, KD);
   if (use_cudnn(c)) {
     cudnn::sdpa_backward(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb, scale);
   } else {
     cuda::attention_backward<Bf16>(ctx_, c, dqb, dkb, dvb, dscale, gb, ob, saved, qb, kb, vb,
                                    scale);
   }
-  if (!dq_here) store_rows(ctx_, dq, s.ldq, dqb, HD, BT, HD);
+  if (!dq_here) store_rows(ctx_, dq, s.ldq, dqb, c.ldq, BT, HD);
   if (!dk_here) store_rows(ctx_, dk, s.ldk, dkb, c.ldk, BT, KD);
-  if (!dv_here) store_rows(ctx_, dv, s.ldv, dvb, KD, BT, KD);
+  if (!dv_here) store_rows(ctx_, dv, s.ldv, dvb, c.ldv, BT, KD);
 }
 
 void CudaExec::attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
@@ -575,10 +594,18 @@ const DeviceRopeTable& CudaExec::device_rope_table(const RopeTable& table) {
   return *e.table;
 }
 
-void CudaExec::rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
+void CudaExec::rope_forward(const RopeTable& table, ActOut y, ActIn x, int64_t B, int64_t T,
                             int64_t H, int64_t D, int64_t row_stride) {
+  if (is_bf16(x, precision_, "rope_forward", "x")) {
+    KEEL_CHECK(is_bf16(y, precision_, "rope_forward", "y"), kInternal,
+               "CudaExec::rope_forward: a bf16 x needs a bf16 y");
+    cuda::rope_forward(ctx_, device_rope_table(table), static_cast<Bf16*>(y.data), bf16_of(x), B, T,
+                       H, D, row_stride);
+    return;
+  }
+  const float* xf = static_cast<const float*>(x.data);
   with_typed(y, precision_, "rope_forward", "y", [&](auto* out) {
-    cuda::rope_forward(ctx_, device_rope_table(table), out, x, B, T, H, D, row_stride);
+    cuda::rope_forward(ctx_, device_rope_table(table), out, xf, B, T, H, D, row_stride);
   });
 }
 

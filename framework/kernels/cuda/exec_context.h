@@ -74,37 +74,36 @@ class CudaExec final : public kernels::ExecContext {
   void sum_squares_segments(const float* x, const NormSegment* segments, int64_t count,
                             double* out) override;
 
-  void norm_forward(NormOp op, const NormShape& s, ActOut out, const float* inp,
-                    const float* weight, const float* bias, float* mean, float* rstd,
-                    float eps) override;
+  void norm_forward(NormOp op, const NormShape& s, ActOut out, ActIn inp, const float* weight,
+                    const float* bias, float* mean, float* rstd, float eps) override;
   void norm_backward(NormOp op, const NormShape& s, ActOut dinp, bool accumulate, float* dweight,
-                     float* dbias, ActIn dout, const float* inp, const float* weight,
-                     const float* mean, const float* rstd) override;
-  void norm_partial_stats(const NormShape& s, const float* inp, float* stats) override;
+                     float* dbias, ActIn dout, ActIn inp, const float* weight, const float* mean,
+                     const float* rstd) override;
+  void norm_partial_stats(const NormShape& s, ActIn inp, float* stats) override;
   void norm_forward_from_stats(NormOp op, const NormShape& s, int64_t Cg_total, const float* stats,
-                               ActOut out, const float* inp, const float* weight, const float* bias,
+                               ActOut out, ActIn inp, const float* weight, const float* bias,
                                float* mean, float* rstd, float eps) override;
-  void norm_backward_partials(const NormShape& s, ActIn dout, const float* inp, const float* weight,
+  void norm_backward_partials(const NormShape& s, ActIn dout, ActIn inp, const float* weight,
                               const float* mean, const float* rstd, float* part) override;
   void norm_backward_from_partials(NormOp op, const NormShape& s, int64_t Cg_total,
                                    const float* part, ActOut dinp, bool accumulate, float* dweight,
-                                   float* dbias, ActIn dout, const float* inp, const float* weight,
+                                   float* dbias, ActIn dout, ActIn inp, const float* weight,
                                    const float* mean, const float* rstd) override;
 
   int64_t attention_saved_elems(const AttentionShape& s) const override;
   int64_t attention_workspace_elems(const AttentionShape& s) const override;
   void attention_forward(const AttentionShape& s, ActOut out, float* saved, ActIn q, ActIn k,
-                         const float* v, const float* scale, float* max_abs_logit) override;
+                         ActIn v, const float* scale, float* max_abs_logit) override;
   void attention_backward(const AttentionShape& s, ActOut dq, ActOut dk, ActOut dv, float* dscale,
-                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k,
-                          const float* v, const float* scale, float* workspace) override;
+                          ActIn dout, ActIn out, const float* saved, ActIn q, ActIn k, ActIn v,
+                          const float* scale, float* workspace) override;
   void attention_scales(float* out, const float* gain, int64_t H, bool shared_gain,
                         float default_scale) override;
   void scale_grad_accumulate(float* grad, const float* dscale, int64_t H,
                              bool shared_gain) override;
 
-  void rope_forward(const RopeTable& table, ActOut y, const float* x, int64_t B, int64_t T,
-                    int64_t H, int64_t D, int64_t row_stride) override;
+  void rope_forward(const RopeTable& table, ActOut y, ActIn x, int64_t B, int64_t T, int64_t H,
+                    int64_t D, int64_t row_stride) override;
   void rope_backward(const RopeTable& table, ActOut dx, ActIn dy, int64_t B, int64_t T, int64_t H,
                      int64_t D, int64_t row_stride) override;
 
@@ -159,7 +158,7 @@ class CudaExec final : public kernels::ExecContext {
   // After ctx_: returned to its allocator before the Context goes.
   DeviceBuffer stage_;
   // (B, T, H, Hkv, D, ldk) -> whether cuDNN takes the shape (CudaExec::use_cudnn)
-  std::map<std::array<int64_t, 6>, bool> cudnn_shapes_;
+  std::map<std::array<int64_t, 8>, bool> cudnn_shapes_;
   std::string attention_path_;
 };
 

@@ -216,53 +216,41 @@ void launch_norm_backward(Context& ctx, NormOp op, const NormShape& s, TD* dinp,
 
 }  // namespace
 
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
-                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
-  launch_norm_forward(ctx, op, s, out, inp, weight, bias, mean, rstd, eps);
-}
-
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
+template <typename TO, typename TI>
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, TO* out, const TI* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps) {
   launch_norm_forward(ctx, op, s, dev(out), dev(inp), weight, bias, mean, rstd, eps);
 }
 
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const float* inp,
-                  const float* weight, const float* bias, float* mean, float* rstd, float eps) {
-  launch_norm_forward(ctx, op, s, dev(out), inp, weight, bias, mean, rstd, eps);
-}
-
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                   float* dweight, float* dbias, const float* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd) {
-  launch_norm_backward(ctx, op, s, dinp, accumulate, dweight, dbias, dout, inp, weight, mean, rstd);
-}
-
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const Bf16* inp,
-                   const float* weight, const float* mean, const float* rstd) {
+template <typename TD, typename TG, typename TI>
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, TD* dinp, bool accumulate,
+                   float* dweight, float* dbias, const TG* dout, const TI* inp, const float* weight,
+                   const float* mean, const float* rstd) {
   launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dev(dout), dev(inp),
                        weight, mean, rstd);
 }
 
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd) {
-  launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dev(dout), inp, weight,
-                       mean, rstd);
-}
-
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const float* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd) {
-  launch_norm_backward(ctx, op, s, dev(dinp), accumulate, dweight, dbias, dout, inp, weight, mean,
-                       rstd);
-}
-
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd) {
-  launch_norm_backward(ctx, op, s, dinp, accumulate, dweight, dbias, dev(dout), inp, weight, mean,
-                       rstd);
-}
+// Every combination of float and Bf16 operands (ops.h).
+#define KEEL_NORM_FORWARD(TO, TI)                                                        \
+  template void norm_forward<TO, TI>(Context&, NormOp, const NormShape&, TO*, const TI*, \
+                                     const float*, const float*, float*, float*, float);
+#define KEEL_NORM_BACKWARD(TD, TG, TI)                                                           \
+  template void norm_backward<TD, TG, TI>(Context&, NormOp, const NormShape&, TD*, bool, float*, \
+                                          float*, const TG*, const TI*, const float*,            \
+                                          const float*, const float*);
+#define KEEL_NORM_BACKWARD_TI(TD, TG) \
+  KEEL_NORM_BACKWARD(TD, TG, float)   \
+  KEEL_NORM_BACKWARD(TD, TG, Bf16)
+KEEL_NORM_FORWARD(float, float)
+KEEL_NORM_FORWARD(float, Bf16)
+KEEL_NORM_FORWARD(Bf16, float)
+KEEL_NORM_FORWARD(Bf16, Bf16)
+KEEL_NORM_BACKWARD_TI(float, float)
+KEEL_NORM_BACKWARD_TI(float, Bf16)
+KEEL_NORM_BACKWARD_TI(Bf16, float)
+KEEL_NORM_BACKWARD_TI(Bf16, Bf16)
+#undef KEEL_NORM_BACKWARD_TI
+#undef KEEL_NORM_BACKWARD
+#undef KEEL_NORM_FORWARD
 
 }  // namespace keel::kernels::cuda

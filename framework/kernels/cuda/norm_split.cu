@@ -19,15 +19,16 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-__global__ void partial_stats_kernel(NormShape s, const float* inp, float* stats) {
+template <typename TI>
+__global__ void partial_stats_kernel(NormShape s, const TI* inp, float* stats) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;  // the whole warp leaves together
-  const float* x = inp + (r / s.G) * s.ld_in + (r % s.G) * s.Cg;
+  const TI* x = inp + (r / s.G) * s.ld_in + (r % s.G) * s.Cg;
   float sum = 0.0f, sumsq = 0.0f;
   for (int64_t c = lane; c < s.Cg; c += 32) {
-    sum += x[c];
-    sumsq += x[c] * x[c];
+    sum += to_f(x[c]);
+    sumsq += to_f(x[c]) * to_f(x[c]);
   }
   sum = warp_sum(sum);
   sumsq = warp_sum(sumsq);
@@ -39,16 +40,16 @@ __global__ void partial_stats_kernel(NormShape s, const float* inp, float* stats
 
 // TO: float, or __nv_bfloat16 for an output stored in bf16 (Note [act-dtype]): the fp32 value
 // rounded once.
-template <typename TO>
+template <typename TO, typename TI>
 __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_total,
-                                          const float* stats, TO* out, const float* inp,
+                                          const float* stats, TO* out, const TI* inp,
                                           const float* weight, const float* bias, float* mean,
                                           float* rstd, float eps) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
-  const float* x = inp + n * s.ld_in + g * s.Cg;
+  const TI* x = inp + n * s.ld_in + g * s.Cg;
   TO* y = out + n * s.ld_out + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float* b = bias != nullptr ? bias + g * s.w_group_stride : nullptr;
@@ -60,7 +61,7 @@ __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_tot
   const float rs = static_cast<float>(1.0 / sqrt(denom + static_cast<double>(eps)));
   const float mu = static_cast<float>(m);
   for (int64_t c = lane; c < s.Cg; c += 32) {
-    float v = (x[c] - mu) * rs;
+    float v = (to_f(x[c]) - mu) * rs;
     if (w != nullptr) v *= w[c];
     if (b != nullptr) v += b[c];
     y[c] = from_f<TO>(v);
@@ -73,15 +74,15 @@ __global__ void forward_from_stats_kernel(NormOp op, NormShape s, int64_t Cg_tot
 
 // TG: dout's type, TD: dinp's (float, or __nv_bfloat16 for a gradient stored in bf16: Note
 // [act-dtype]; a bf16 dout widened exactly, a bf16 dinp the fp32 result rounded once).
-template <typename TG>
-__global__ void backward_partials_kernel(NormShape s, const TG* dout, const float* inp,
+template <typename TG, typename TI>
+__global__ void backward_partials_kernel(NormShape s, const TG* dout, const TI* inp,
                                          const float* weight, const float* mean, const float* rstd,
                                          float* part) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
-  const float* x = inp + n * s.ld_in + g * s.Cg;
+  const TI* x = inp + n * s.ld_in + g * s.Cg;
   const TG* dy = dout + n * s.ld_out + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
   const float mu = mean != nullptr ? mean[r] : 0.0f;
@@ -90,7 +91,7 @@ __global__ void backward_partials_kernel(NormShape s, const TG* dout, const floa
   for (int64_t c = lane; c < s.Cg; c += 32) {
     const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
     sum_dn += dn;
-    sum_dn_xhat += dn * ((x[c] - mu) * rs);
+    sum_dn_xhat += dn * ((to_f(x[c]) - mu) * rs);
   }
   sum_dn = warp_sum(sum_dn);
   sum_dn_xhat = warp_sum(sum_dn_xhat);
@@ -100,16 +101,16 @@ __global__ void backward_partials_kernel(NormShape s, const TG* dout, const floa
   }
 }
 
-template <typename TD, typename TG>
+template <typename TD, typename TG, typename TI>
 __global__ void backward_from_partials_kernel(NormOp op, NormShape s, int64_t Cg_total,
                                               const float* part, TD* dinp, bool accumulate,
-                                              const TG* dout, const float* inp, const float* weight,
+                                              const TG* dout, const TI* inp, const float* weight,
                                               const float* mean, const float* rstd) {
   const int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= s.N * s.G) return;
   const int64_t n = r / s.G, g = r % s.G;
-  const float* x = inp + n * s.ld_in + g * s.Cg;
+  const TI* x = inp + n * s.ld_in + g * s.Cg;
   const TG* dy = dout + n * s.ld_out + g * s.Cg;
   TD* dx = dinp + n * s.ld_in + g * s.Cg;
   const float* w = weight != nullptr ? weight + g * s.w_group_stride : nullptr;
@@ -120,7 +121,7 @@ __global__ void backward_from_partials_kernel(NormOp op, NormShape s, int64_t Cg
   const float bcoef = op == NormOp::kL2 ? part[2 * r + 1] : part[2 * r + 1] * inv_c;
   for (int64_t c = lane; c < s.Cg; c += 32) {
     const float dn = w != nullptr ? to_f(dy[c]) * w[c] : to_f(dy[c]);
-    const float gi = rs * (dn - a - (x[c] - mu) * rs * bcoef);
+    const float gi = rs * (dn - a - (to_f(x[c]) - mu) * rs * bcoef);
     dx[c] = from_f<TD>(accumulate ? to_f(dx[c]) + gi : gi);
   }
 }
@@ -141,123 +142,83 @@ constexpr int kThreads = 32 * kWarpsPerBlock;
 
 }  // namespace
 
-void norm_partial_stats(Context& ctx, const NormShape& s, const float* inp, float* stats) {
+template <typename TI>
+void norm_partial_stats(Context& ctx, const NormShape& s, const TI* inp, float* stats) {
   check_shape(s, s.Cg, "norm_partial_stats");
   if (s.N == 0) return;
-  partial_stats_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, inp, stats);
+  partial_stats_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, dev(inp), stats);
   KEEL_CUDA_LAUNCH_CHECK("norm_partial_stats", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-namespace {
-
-template <typename TO>
-void norm_forward_from_stats_impl(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                  const float* stats, TO* out, const float* inp,
-                                  const float* weight, const float* bias, float* mean, float* rstd,
-                                  float eps) {
+template <typename TO, typename TI>
+void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+                             const float* stats, TO* out, const TI* inp, const float* weight,
+                             const float* bias, float* mean, float* rstd, float eps) {
   check_shape(s, Cg_total, "norm_forward_from_stats");
   if (s.N == 0) return;
   forward_from_stats_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
-      op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd, eps);
+      op, s, Cg_total, stats, dev(out), dev(inp), weight, bias, mean, rstd, eps);
   KEEL_CUDA_LAUNCH_CHECK("norm_forward_from_stats", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
                          " Cg_total=", Cg_total);
 }
 
-}  // namespace
-
-void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                             const float* stats, float* out, const float* inp, const float* weight,
-                             const float* bias, float* mean, float* rstd, float eps) {
-  norm_forward_from_stats_impl(ctx, op, s, Cg_total, stats, out, inp, weight, bias, mean, rstd,
-                               eps);
-}
-
-void norm_forward_from_stats(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                             const float* stats, Bf16* out, const float* inp, const float* weight,
-                             const float* bias, float* mean, float* rstd, float eps) {
-  norm_forward_from_stats_impl(ctx, op, s, Cg_total, stats, dev(out), inp, weight, bias, mean, rstd,
-                               eps);
-}
-
-namespace {
-
-template <typename TG>
-void backward_partials_impl(Context& ctx, const NormShape& s, const TG* dout, const float* inp,
+template <typename TG, typename TI>
+void norm_backward_partials(Context& ctx, const NormShape& s, const TG* dout, const TI* inp,
                             const float* weight, const float* mean, const float* rstd,
                             float* part) {
   check_shape(s, s.Cg, "norm_backward_partials");
   if (s.N == 0) return;
-  backward_partials_kernel<TG>
-      <<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, dout, inp, weight, mean, rstd, part);
+  backward_partials_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(s, dev(dout), dev(inp),
+                                                                         weight, mean, rstd, part);
   KEEL_CUDA_LAUNCH_CHECK("norm_backward_partials", "N=", s.N, " G=", s.G, " Cg=", s.Cg);
 }
 
-// TD, TG: the device types (float or __nv_bfloat16); B: dout's as norm_backward takes it.
-template <typename TD, typename TG, typename B>
-void backward_from_partials_impl(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
+template <typename TD, typename TG, typename TI>
+void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
                                  const float* part, TD* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const TG* dout, const B* dout_arg, const float* inp,
-                                 const float* weight, const float* mean, const float* rstd) {
+                                 float* dbias, const TG* dout, const TI* inp, const float* weight,
+                                 const float* mean, const float* rstd) {
   check_shape(s, Cg_total, "norm_backward_from_partials");
   KEEL_CHECK(op != NormOp::kLayer || mean != nullptr, kUsage,
              "cuda norm_backward_from_partials: LayerNorm needs the saved mean");
   if (s.N == 0) return;
   if (dinp != nullptr) {
-    backward_from_partials_kernel<TD, TG><<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
-        op, s, Cg_total, part, dinp, accumulate, dout, inp, weight, mean, rstd);
+    backward_from_partials_kernel<<<row_blocks(s), kThreads, 0, ctx.stream()>>>(
+        op, s, Cg_total, part, dev(dinp), accumulate, dev(dout), dev(inp), weight, mean, rstd);
     KEEL_CUDA_LAUNCH_CHECK("norm_backward_from_partials", "N=", s.N, " G=", s.G, " Cg=", s.Cg,
                            " Cg_total=", Cg_total);
   }
   if (dweight != nullptr || dbias != nullptr) {
     norm_backward(ctx, op, s, /*dinp=*/static_cast<float*>(nullptr), /*accumulate=*/false, dweight,
-                  dbias, dout_arg, inp, weight, mean, rstd);
+                  dbias, dout, inp, weight, mean, rstd);
   }
 }
 
-}  // namespace
-
-void norm_backward_partials(Context& ctx, const NormShape& s, const float* dout, const float* inp,
-                            const float* weight, const float* mean, const float* rstd,
-                            float* part) {
-  backward_partials_impl(ctx, s, dout, inp, weight, mean, rstd, part);
-}
-
-void norm_backward_partials(Context& ctx, const NormShape& s, const Bf16* dout, const float* inp,
-                            const float* weight, const float* mean, const float* rstd,
-                            float* part) {
-  backward_partials_impl(ctx, s, dev(dout), inp, weight, mean, rstd, part);
-}
-
-void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                 const float* part, float* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const float* dout, const float* inp,
-                                 const float* weight, const float* mean, const float* rstd) {
-  backward_from_partials_impl(ctx, op, s, Cg_total, part, dinp, accumulate, dweight, dbias, dout,
-                              dout, inp, weight, mean, rstd);
-}
-
-void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const float* dout, const float* inp,
-                                 const float* weight, const float* mean, const float* rstd) {
-  backward_from_partials_impl(ctx, op, s, Cg_total, part, dev(dinp), accumulate, dweight, dbias,
-                              dout, dout, inp, weight, mean, rstd);
-}
-
-void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                 const float* part, float* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const Bf16* dout, const float* inp,
-                                 const float* weight, const float* mean, const float* rstd) {
-  backward_from_partials_impl(ctx, op, s, Cg_total, part, dinp, accumulate, dweight, dbias,
-                              dev(dout), dout, inp, weight, mean, rstd);
-}
-
-void norm_backward_from_partials(Context& ctx, NormOp op, const NormShape& s, int64_t Cg_total,
-                                 const float* part, Bf16* dinp, bool accumulate, float* dweight,
-                                 float* dbias, const Bf16* dout, const float* inp,
-                                 const float* weight, const float* mean, const float* rstd) {
-  backward_from_partials_impl(ctx, op, s, Cg_total, part, dev(dinp), accumulate, dweight, dbias,
-                              dev(dout), dout, inp, weight, mean, rstd);
-}
+// Every combination of float and Bf16 operands (norm_split.h).
+#define KEEL_SPLIT_TI(TI)                                                                         \
+  template void norm_partial_stats<TI>(Context&, const NormShape&, const TI*, float*);            \
+  template void norm_forward_from_stats<float, TI>(Context&, NormOp, const NormShape&, int64_t,   \
+                                                   const float*, float*, const TI*, const float*, \
+                                                   const float*, float*, float*, float);          \
+  template void norm_forward_from_stats<Bf16, TI>(Context&, NormOp, const NormShape&, int64_t,    \
+                                                  const float*, Bf16*, const TI*, const float*,   \
+                                                  const float*, float*, float*, float);
+#define KEEL_SPLIT_TG_TI(TG, TI)                                                                  \
+  template void norm_backward_partials<TG, TI>(Context&, const NormShape&, const TG*, const TI*,  \
+                                               const float*, const float*, const float*, float*); \
+  template void norm_backward_from_partials<float, TG, TI>(                                       \
+      Context&, NormOp, const NormShape&, int64_t, const float*, float*, bool, float*, float*,    \
+      const TG*, const TI*, const float*, const float*, const float*);                            \
+  template void norm_backward_from_partials<Bf16, TG, TI>(                                        \
+      Context&, NormOp, const NormShape&, int64_t, const float*, Bf16*, bool, float*, float*,     \
+      const TG*, const TI*, const float*, const float*, const float*);
+KEEL_SPLIT_TI(float)
+KEEL_SPLIT_TI(Bf16)
+KEEL_SPLIT_TG_TI(float, float)
+KEEL_SPLIT_TG_TI(float, Bf16)
+KEEL_SPLIT_TG_TI(Bf16, float)
+KEEL_SPLIT_TG_TI(Bf16, Bf16)
+#undef KEEL_SPLIT_TG_TI
+#undef KEEL_SPLIT_TI
 
 }  // namespace keel::kernels::cuda

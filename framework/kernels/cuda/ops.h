@@ -92,34 +92,18 @@ void adamw_update_segments(Context& ctx, float* param, const float* grad, float*
                            const float* device_grad_scale = nullptr);
 
 // ---- norms (framework/kernels/norm.h): LayerNorm / RMSNorm / L2 over grouped, strided rows ----
-// The Bf16 forms take bf16 activations (inp, out, dout, dinp; dinp += rounds once per element)
-// and fp32 gains/biases (master weights); statistics and math are fp32, mean/rstd are saved in
-// fp32 and dweight/dbias accumulate in fp32 exactly as the fp32 forms do.
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, float* out, const float* inp,
+// Each activation operand (out, inp; dinp, dout, inp) is float or Bf16, in any combination (all
+// are instantiated in norm.cu): a bf16 operand is widened exactly on its load, and a bf16 output
+// is the fp32 result rounded once (dinp += rounds the sum once). Gains and biases are fp32 (master
+// weights); statistics and math are fp32, mean/rstd are saved in fp32 and dweight/dbias accumulate
+// in fp32 exactly as the fp32 forms do (Note [act-dtype]).
+template <typename TO, typename TI>
+void norm_forward(Context& ctx, NormOp op, const NormShape& s, TO* out, const TI* inp,
                   const float* weight, const float* bias, float* mean, float* rstd, float eps);
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const Bf16* inp,
-                  const float* weight, const float* bias, float* mean, float* rstd, float eps);
-// fp32 in, bf16 out (Note [act-dtype]): the fp32 forward's output rounded once.
-void norm_forward(Context& ctx, NormOp op, const NormShape& s, Bf16* out, const float* inp,
-                  const float* weight, const float* bias, float* mean, float* rstd, float eps);
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                   float* dweight, float* dbias, const float* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd);
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const Bf16* inp,
-                   const float* weight, const float* mean, const float* rstd);
-// An fp32 inp with a gradient in bf16 on either side (Note [act-dtype]: attention's bf16 dq, dk
-// into the QKV projection's bf16 gradient): each bf16 dout element widened exactly, each bf16 dinp
-// element the fp32 result rounded once.
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd);
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, Bf16* dinp, bool accumulate,
-                   float* dweight, float* dbias, const float* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd);
-void norm_backward(Context& ctx, NormOp op, const NormShape& s, float* dinp, bool accumulate,
-                   float* dweight, float* dbias, const Bf16* dout, const float* inp,
-                   const float* weight, const float* mean, const float* rstd);
+template <typename TD, typename TG, typename TI>
+void norm_backward(Context& ctx, NormOp op, const NormShape& s, TD* dinp, bool accumulate,
+                   float* dweight, float* dbias, const TG* dout, const TI* inp, const float* weight,
+                   const float* mean, const float* rstd);
 
 // ---- cross-entropy with z-loss, vocab-parallel phases (framework/kernels/cross_entropy.h) ----
 // T: float or Bf16 logits (Note [act-dtype]); the statistics are fp32 and computed in fp32.
