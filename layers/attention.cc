@@ -311,13 +311,12 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
   // [act-dtype]: only the QKV projection's backward GEMMs and its bias sum read them).
   const kernels::ActOut dqkv = kernels::act(sc.dqkv);
   const QkvView draw = qkv_view(dqkv, B);
-  const kernels::ActOut dq_raw = draw.q, dk_raw = draw.k, dv_raw = draw.v;
   // dq, dk in the layout of the q, k attention read: inside dqkv, or dq's rows then dk's in dqk.
   // With QK-norm they are bf16 too where the norm's backward reads them as they are; RoPE's
   // backward first rotates them, in place in fp32, so that the norm's backward sees no rounding
   // the fp32 path would not make.
   const int64_t ldq = normed ? HD : raw.ldq, ldk = normed ? KD : raw.ldkv;
-  kernels::ActOut dq = dq_raw, dk = dk_raw;
+  kernels::ActOut dq = draw.q, dk = draw.k;
   if (normed) {
     dq = dqkv.dtype != DType::kF32 && !rope ? kernels::ActOut(sc.dqk.raw(), dqkv.dtype)
                                             : kernels::ActOut(sc.dqk.f32());
@@ -343,7 +342,7 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
       sc.dscale.zero_();
       dscale = sc.dscale.f32();
     }
-    ctx_.exec->attention_backward(s, dq, dk.at(kv0), dv_raw.at(kv0), dscale, kernels::act(sc.datt),
+    ctx_.exec->attention_backward(s, dq, dk.at(kv0), draw.v.at(kv0), dscale, kernels::act(sc.datt),
                                   kernels::act(att_), saved_.f32(), q, k.at(kv0), raw.v.at(kv0),
                                   scales_.f32(), sc.attn_ws.f32());
     if (dscale) {
@@ -389,16 +388,16 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
         // Replicated k heads: this rank's dk is a partial sum over TP already (linear in dk).
         if (!d.kv_replicated) tp.all_reduce(kp, 2 * BT, ReduceOp::kSum);
       }
-      ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, dq_raw, false, g(q_norm_w_),
+      ctx_.exec->norm_backward_from_partials(op, sq, d.H * d.D, qp, draw.q, false, g(q_norm_w_),
                                              g(q_norm_b_), dq, raw.q, w(q_norm_w_), q_mean_.f32(),
                                              q_rstd_.f32());
-      ctx_.exec->norm_backward_from_partials(op, sk, d.Hkv * d.D, kp, dk_raw, false, g(k_norm_w_),
+      ctx_.exec->norm_backward_from_partials(op, sk, d.Hkv * d.D, kp, draw.k, false, g(k_norm_w_),
                                              g(k_norm_b_), dk, raw.k, w(k_norm_w_), k_mean_.f32(),
                                              k_rstd_.f32());
     } else {
-      ctx_.exec->norm_backward(op, sq, dq_raw, false, g(q_norm_w_), g(q_norm_b_), dq, raw.q,
+      ctx_.exec->norm_backward(op, sq, draw.q, false, g(q_norm_w_), g(q_norm_b_), dq, raw.q,
                                w(q_norm_w_), q_mean_.f32(), q_rstd_.f32());
-      ctx_.exec->norm_backward(op, sk, dk_raw, false, g(k_norm_w_), g(k_norm_b_), dk, raw.k,
+      ctx_.exec->norm_backward(op, sk, draw.k, false, g(k_norm_w_), g(k_norm_b_), dk, raw.k,
                                w(k_norm_w_), k_mean_.f32(), k_rstd_.f32());
     }
   }
@@ -416,9 +415,9 @@ void Attention::backward(kernels::ActIn x_rows, const float* dy_rows, float* dx,
       // The kv projection adds its input gradient to q's (fp32 only: a bf16 dinp cannot
       // accumulate, and grouped-query attention runs on the CPU).
       KEEL_CHECK(dxo.dtype == DType::kF32, kInternal, "grouped-query attention with a bf16 dx");
-      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), dq_raw, x,
+      ctx_.exec->linear_backward(dxo, false, ps_.grad(qkv_w_), ps_.grad_or_null(qkv_b_), draw.q, x,
                                  ps_.param(qkv_w_), BT, d.C, HD);
-      ctx_.exec->linear_backward(dxo, true, ps_.grad(kv_w_), ps_.grad_or_null(kv_b_), dk_raw, x,
+      ctx_.exec->linear_backward(dxo, true, ps_.grad(kv_w_), ps_.grad_or_null(kv_b_), draw.k, x,
                                  ps_.param(kv_w_), BT, d.C, 2 * KD);
     }
   }
