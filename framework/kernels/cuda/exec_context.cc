@@ -54,14 +54,16 @@ void CudaExec::synchronize() { ctx_.synchronize(); }
 // ---- gemm.h ----
 
 // ---- Note [cuda-exec-bf16]: the BF16 precision ----
-// Weights, gradients and most activations stay fp32 in memory; a matrix product rounds its fp32
-// inputs to bf16 in a staging buffer and runs on the bf16 tensor cores with fp32 accumulation and
-// fp32 output, as autocast does. Inputs a layer stores in bf16 (Note [act-dtype] in
-// kernels/exec_context.h) are read where they are, and the LM head writes bf16 logits. The
+// Weights, gradients and the activations Note [act-dtype] (kernels/exec_context.h) does not list
+// stay fp32 in memory; a matrix product rounds its fp32 inputs to bf16 in a staging buffer and
+// runs on the bf16 tensor cores with fp32 accumulation, as autocast does. Operands a layer stores
+// in bf16 are read where they are, and outputs it stores in bf16 (the logits, the QKV and up
+// projections' outputs, some input gradients) are written in bf16 from the fp32 accumulators. The
 // weights' conversion is a small share of the traffic (one read of each weight per GEMM, against
-// the N-row activations). Attention rounds q, k, v (and in the backward dout, and out when it is
-// fp32) into dense bf16 rows and runs cuDNN's fused SDPA where it takes the shape, else the own
-// fused kernel in bf16; its output is written in bf16 in place, or widened to fp32 exactly.
+// the N-row activations). Attention reads bf16 q, k, v where they lie (at their row strides) and
+// a bf16 out and dout as dense rows, rounds fp32 ones into dense bf16 rows, and runs cuDNN's fused
+// SDPA where it takes the shape, else the own fused kernel in bf16; its output and gradients are
+// written in bf16 in place, or copied or widened to fp32 exactly.
 
 Bf16* CudaExec::stage(int64_t elems) {
   const size_t bytes = static_cast<size_t>(elems) * sizeof(Bf16);
