@@ -48,7 +48,7 @@ cat '$synthetic'" \
   '^config 124M: per-kernel device time from CUPTI' \
   '^config 124M: measured device time per step \(CUPTI, 3 steps\) beside the roofline estimate' \
   '^  cublasLtMatmul +12\.282 +15\.000 +1\.22x$' \
-  '^  total +26\.745 +22\.000 +0\.82x$' \
+  '^  total +23\.758 +22\.000 +0\.93x$' \
   'measured step 25\.000 ms \(wall\) 56\.6%$'
 run_case "libcupti missing" \
   "echo 'keel-gpu-train-bench: error while loading shared libraries: libcupti.so.13: cannot open shared object file: No such file or directory' >&2; exit 127" \
